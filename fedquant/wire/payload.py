@@ -1,0 +1,149 @@
+"""The self-describing payload envelope that every codec's bytes travel in.
+
+Layout (little-endian)::
+
+    magic     2 bytes  b"FQ"
+    version   u8       FORMAT_VERSION
+    dtype     u8       code of the original tensor's dtype (DTYPE_CODES)
+    ndim      u8       number of dimensions, at most MAX_NDIM
+    spec_len  u16      length of the codec spec, at most MAX_SPEC_LEN
+    shape     ndim x u64
+    spec      spec_len bytes of ASCII: the codec's canonical spec, e.g. "qsgd:bucket_size=512,..."
+    body_len  u64
+    body      body_len bytes, codec specific
+    crc32     u32      zlib CRC-32 of everything before it
+
+Nothing here is ever unpickled or evaluated: the spec is checked against a strict character set
+and compared with the decoder's own spec by the codec.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedquant.errors import PayloadError
+
+MAGIC = b"FQ"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+MAX_SPEC_LEN = 512
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_FIXED = struct.Struct("<2sBBBH")
+_U64 = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+_SPEC_CHARS = re.compile(r"[a-z0-9_+\-]+(:[a-z0-9_]+=[A-Za-z0-9_.+\-]+(,[a-z0-9_]+=[A-Za-z0-9_.+\-]+)*)?")
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A parsed payload envelope: what it declares, and a view of its body."""
+
+    spec: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    body: memoryview
+
+    @property
+    def codec_name(self) -> str:
+        """The codec name part of the spec."""
+        return self.spec.split(":", 1)[0]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements the shape declares."""
+        return math.prod(self.shape)
+
+
+def header_size(ndim: int, spec: str) -> int:
+    """Bytes of envelope around a body: fixed header, shape, spec, body length and CRC."""
+    return _FIXED.size + 8 * ndim + len(spec) + _U64.size + _CRC.size
+
+
+def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Sequence[bytes | memoryview]) -> bytes:
+    """Wrap a codec body (a sequence of buffers, joined in order) in the envelope."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported dtype {dtype}; fedquant encodes {sorted(map(str, DTYPE_CODES))}")
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensors of more than {MAX_NDIM} dimensions are not supported, got {len(shape)}")
+    spec_bytes = spec.encode("ascii")
+    if len(spec_bytes) > MAX_SPEC_LEN or not _SPEC_CHARS.fullmatch(spec):
+        raise ValueError(f"codec spec {spec!r} cannot go in a payload header")
+    body_len = sum(memoryview(b).nbytes for b in body)
+    head = b"".join(
+        [
+            _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), len(spec_bytes)),
+            b"".join(_U64.pack(int(d)) for d in shape),
+            spec_bytes,
+            _U64.pack(body_len),
+        ]
+    )
+    data = b"".join([head, *body])
+    return data + _CRC.pack(zlib.crc32(data))
+
+
+def read_payload(payload: bytes | bytearray | memoryview) -> Payload:
+    """Check a payload's envelope and return what it declares.
+
+    Raises
+    ------
+    PayloadError
+        If the bytes are not a payload of this format version, are truncated or extended, fail
+        their checksum, or declare an impossible header.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"payload must be bytes, got {type(payload).__name__}")
+    view = memoryview(payload).cast("B")
+    size = view.nbytes
+    if size == 0:
+        raise PayloadError("payload is empty")
+    if size < _FIXED.size + _U64.size + _CRC.size:
+        raise PayloadError(f"payload is truncated: {size} bytes is shorter than any header")
+    magic, version, dtype_code, ndim, spec_len = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise PayloadError("payload does not start with the fedquant magic bytes b'FQ'")
+    if version != FORMAT_VERSION:
+        raise PayloadError(f"payload format version {version} is not supported (this fedquant reads {FORMAT_VERSION})")
+    if dtype_code not in CODE_DTYPES:
+        raise PayloadError(f"payload declares unknown dtype code {dtype_code}")
+    if ndim > MAX_NDIM:
+        raise PayloadError(f"payload declares {ndim} dimensions, more than the {MAX_NDIM} allowed")
+    if spec_len > MAX_SPEC_LEN:
+        raise PayloadError(f"payload declares a codec spec of {spec_len} bytes, more than {MAX_SPEC_LEN}")
+    head_len = header_size(ndim, "x" * spec_len)
+    if size < head_len:
+        raise PayloadError(f"payload is truncated: {size} bytes, its header alone needs {head_len}")
+    pos = _FIXED.size
+    shape = struct.unpack_from(f"<{ndim}Q", view, pos)
+    pos += 8 * ndim
+    spec_raw = bytes(view[pos : pos + spec_len])
+    pos += spec_len
+    (body_len,) = _U64.unpack_from(view, pos)
+    pos += _U64.size
+    expected = head_len + body_len
+    if size < expected:
+        raise PayloadError(f"payload is truncated: {size} bytes, its header declares {expected}")
+    if size > expected:
+        raise PayloadError(f"payload has {size - expected} unexpected trailing bytes")
+    (crc,) = _CRC.unpack_from(view, size - _CRC.size)
+    if zlib.crc32(view[: size - _CRC.size]) != crc:
+        raise PayloadError("payload checksum mismatch: the bytes were corrupted in transit")
+    try:
+        spec = spec_raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise PayloadError("payload codec spec is not ASCII") from None
+    if not _SPEC_CHARS.fullmatch(spec):
+        raise PayloadError(f"payload codec spec {spec!r} is malformed")
+    return Payload(spec=spec, dtype=CODE_DTYPES[dtype_code], shape=tuple(shape), body=view[pos : pos + body_len])

@@ -1,0 +1,31 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+
+
+def reseal(data: bytes | bytearray) -> bytes:
+    """Recompute a payload's CRC-32 after tampering, so that deeper checks are reached."""
+    body = bytes(data[:-4])
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def sample_tensor(shape=(37, 53), seed=0, dtype=torch.float32) -> torch.Tensor:
+    """A reproducible Gaussian tensor (own generator, never the global RNG)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def decode_kwargs(codec, x: torch.Tensor) -> dict:
+    """Side information for codecs that need it: a noisy copy of ``x``."""
+    if codec.needs_side_info:
+        return {"side_info": x.float() + 0.01 * sample_tensor(tuple(x.shape), seed=99)}
+    return {}
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

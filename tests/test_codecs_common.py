@@ -1,0 +1,167 @@
+"""Contract tests that every registered codec must pass (default parameters)."""
+
+import math
+import resource
+import struct
+
+import pytest
+import torch
+
+from fedquant import PayloadError
+from fedquant.codecs import available_codecs, codec_class, get_codec
+from fedquant.wire import read_payload, write_payload
+from tests.helpers import decode_kwargs, reseal, sample_tensor
+
+
+def test_every_registered_codec_imports():
+    names = available_codecs()
+    assert {
+        "fp32",
+        "fp16",
+        "qsgd",
+        "terngrad",
+        "signsgd",
+        "bingrad-b",
+        "bingrad-pb",
+        "orq",
+        "linear",
+        "dqsg",
+        "ndqsg",
+    } <= set(names)
+    for name in names:
+        assert codec_class(name).name == name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (5,), (3, 700), (2, 3, 4, 5)])
+def test_round_trip_keeps_shape_and_dtype(any_codec, shape, dtype):
+    x = sample_tensor(shape, seed=1, dtype=dtype)
+    y = any_codec.decode(any_codec.encode(x, seed=3), seed=3, **decode_kwargs(any_codec, x))
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
+
+
+def test_zeros_and_constant_inputs_decode_finite(any_codec):
+    for x in (torch.zeros(1000), torch.full((1000,), 0.25), torch.full((3,), -2.0)):
+        y = any_codec.decode(any_codec.encode(x, seed=5), seed=5, **decode_kwargs(any_codec, x))
+        assert torch.isfinite(y).all()
+        if not any_codec.needs_side_info:
+            assert torch.allclose(y, x, atol=1e-6 + 1e-3 * x.abs().max().item()) or not torch.count_nonzero(x) == 0
+
+
+def test_zeros_come_back_as_zeros(any_codec):
+    x = torch.zeros(2, 300)
+    kwargs = {"side_info": torch.zeros(600)} if any_codec.needs_side_info else {}
+    y = any_codec.decode(any_codec.encode(x, seed=1), seed=1, **kwargs)
+    assert torch.allclose(y, x, atol=1e-6)
+
+
+def test_non_contiguous_input_equals_its_contiguous_copy(any_codec):
+    x = sample_tensor((64, 48), seed=2).t()
+    assert not x.is_contiguous()
+    assert any_codec.encode(x, seed=9) == any_codec.encode(x.contiguous(), seed=9)
+
+
+def test_same_seed_same_bytes(any_codec):
+    x = sample_tensor((4096,), seed=4)
+    assert any_codec.encode(x, seed=123) == any_codec.encode(x.clone(), seed=123)
+
+
+def test_encode_rejects_non_finite_and_non_float(any_codec):
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        any_codec.encode(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="dtype"):
+        any_codec.encode(torch.arange(5))
+    with pytest.raises(TypeError):
+        any_codec.encode([1.0, 2.0])
+
+
+# ---------------------------------------------------------------- untrusted payloads
+def _payload(codec):
+    x = sample_tensor((40, 30), seed=6)
+    return x, codec.encode(x, seed=8)
+
+
+def test_rejects_empty_truncated_and_extended(any_codec):
+    x, data = _payload(any_codec)
+    kwargs = decode_kwargs(any_codec, x)
+    for bad in (b"", data[:1], data[:10], data[: len(data) // 2], data[:-1], data + b"\x00", data + data):
+        with pytest.raises(PayloadError):
+            any_codec.decode(bad, seed=8, **kwargs)
+
+
+def test_rejects_every_single_bit_flip_in_header_and_body(any_codec):
+    x, data = _payload(any_codec)
+    kwargs = decode_kwargs(any_codec, x)
+    positions = sorted({*range(0, 40), *range(40, len(data), max(1, len(data) // 97))})
+    for pos in positions:
+        if pos >= len(data):
+            continue
+        bad = bytearray(data)
+        bad[pos] ^= 1 << (pos % 8)
+        with pytest.raises(PayloadError):
+            any_codec.decode(bytes(bad), seed=8, **kwargs)
+
+
+def test_rejects_payload_of_another_codec(any_codec):
+    other = get_codec("fp16" if any_codec.name == "fp32" else "fp32")
+    x = sample_tensor((40, 30), seed=6)
+    with pytest.raises(PayloadError, match="codec"):
+        any_codec.decode(other.encode(x), **decode_kwargs(any_codec, x))
+
+
+def test_rejects_wrong_shape_and_dtype(any_codec):
+    x, data = _payload(any_codec)
+    kwargs = decode_kwargs(any_codec, x)
+    with pytest.raises(PayloadError, match="shape"):
+        any_codec.decode(data, seed=8, shape=(30, 40), **kwargs)
+    with pytest.raises(PayloadError, match="dtype"):
+        any_codec.decode(data, seed=8, dtype=torch.float16, **kwargs)
+
+
+def test_rejects_huge_declared_size_without_allocating(any_codec):
+    x, data = _payload(any_codec)
+    p = read_payload(data)
+    huge = 1 << 40
+    forged = write_payload(p.spec, p.dtype, (huge,), [p.body])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kwargs = {"side_info": torch.zeros(1)} if any_codec.needs_side_info else {}
+    with pytest.raises((PayloadError, ValueError)) as err:
+        any_codec.decode(forged, seed=8, **kwargs)
+    assert isinstance(err.value, PayloadError) or "side_info" in str(err.value)
+    with pytest.raises(PayloadError, match="shape"):
+        any_codec.decode(forged, seed=8, shape=(1200,))
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 200_000, f"decoding a forged header grew peak memory by {grown_kib} KiB"
+
+
+def test_rejects_forged_bodies_of_wrong_length(any_codec):
+    x, data = _payload(any_codec)
+    p = read_payload(data)
+    kwargs = decode_kwargs(any_codec, x)
+    for body in (bytes(p.body)[:-1], bytes(p.body) + b"\x00\x00\x00\x00", b""):
+        with pytest.raises(PayloadError):
+            any_codec.decode(write_payload(p.spec, p.dtype, p.shape, [body]), seed=8, **kwargs)
+
+
+def test_fp32_is_lossless_and_sized_exactly():
+    codec = get_codec("fp32")
+    x = sample_tensor((123,), seed=3)
+    data = codec.encode(x)
+    assert torch.equal(codec.decode(data), x)
+    assert len(data) == 123 * 4 + len(data) - len(bytes(read_payload(data).body))
+
+
+def test_fp32_rejects_nan_smuggled_in_body():
+    codec = get_codec("fp32")
+    data = bytearray(codec.encode(torch.ones(4)))
+    p = read_payload(bytes(data))
+    offset = len(data) - 4 - p.body.nbytes
+    data[offset : offset + 4] = struct.pack("<f", math.nan)
+    with pytest.raises(PayloadError, match="NaN"):
+        codec.decode(reseal(data))
+
+
+def test_fp16_saturates_instead_of_overflowing():
+    codec = get_codec("fp16")
+    y = codec.decode(codec.encode(torch.tensor([1e6, -1e6, 0.5])))
+    assert y.tolist() == [65504.0, -65504.0, 0.5]
