@@ -165,3 +165,12 @@ def test_fp16_saturates_instead_of_overflowing():
     codec = get_codec("fp16")
     y = codec.decode(codec.encode(torch.tensor([1e6, -1e6, 0.5])))
     assert y.tolist() == [65504.0, -65504.0, 0.5]
+
+
+def test_all_finite_fast_path_handles_overflowing_sums():
+    from fedquant.codecs.base import all_finite
+
+    big = torch.full((10,), 3e38)
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    assert not all_finite(torch.tensor([1.0, float("inf"), -float("inf")]))
+    assert not all_finite(torch.tensor([float("nan")]))

@@ -108,7 +108,7 @@ class Codec(ABC):
         flat = x.detach().reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.to(torch.float32)
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf")
         body = self._encode(flat.contiguous(), seed)
         return write_payload(self.spec, x.dtype, tuple(x.shape), body.parts)
@@ -178,7 +178,7 @@ class Codec(ABC):
         body.expect_end()
         if flat.numel() != numel:
             raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, header declares {numel}")
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             raise PayloadError(f"{self.name} payload decodes to NaN or Inf values")
         return flat.reshape(p.shape).to(device=device, dtype=p.dtype)
 
@@ -190,6 +190,18 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None) -> torch.Tensor:
         """Decode a body into a 1-D float32 tensor of ``numel`` elements (raise PayloadError)."""
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element is finite.
+
+    A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves all elements finite
+    in one cheap reduction; only a non-finite sum (possibly an overflow of large finite values)
+    needs the exact elementwise check.
+    """
+    if bool(torch.isfinite(x.sum(dtype=torch.float64) if x.dtype == torch.float64 else x.sum())):
+        return True
+    return bool(torch.isfinite(x).all())
 
 
 def _check_seed(seed: int) -> None:
