@@ -102,85 +102,64 @@ def uniform_cpu(key: int, n: int, offset: int = 0) -> np.ndarray:
     return _uniform_block(np.uint64(key), offset, n)
 
 
-# ---------------------------------------------------------------- level selection
-@njit(cache=True, parallel=True)
-def orq_levels(x, d, s, tree_lo, tree_mid, tree_hi):
-    """ORQ-s levels of every bucket of ``x`` (see :func:`fedquant.codecs.levels.orq_levels`)."""
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty((nb, s), np.float32)
-    for b in prange(nb):
-        start = b * d
-        end = min(start + d, n)
-        w = _sorted_bucket(x, start, end)
-        m = w.size
-        p = _prefix(w)
-        idx = np.empty(s, np.int64)
-        idx[0] = 0
-        idx[s - 1] = m - 1
-        for t in range(tree_mid.size):
-            il = idx[tree_lo[t]]
-            ir = idx[tree_hi[t]]
-            a = np.float64(w[il])
-            c = np.float64(w[ir])
-            spread = c - a
-            pos = il
-            if spread > 0:
-                count = np.float64(ir - il + 1)
-                total = p[ir + 1] - p[il]
-                j = np.int64(np.ceil((count * c - total) / spread))
-                pos = min(max(il + j - 1, il), ir)
-            idx[tree_mid[t]] = pos
-        for k in range(s):
-            out[b, k] = w[idx[k]]
-    return out
+# ---------------------------------------------------------------- per-bucket bodies
+@njit(cache=True)
+def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
+    start = b * d
+    w = _sorted_bucket(x, start, min(start + d, x.size))
+    m = w.size
+    p = _prefix(w)
+    idx = np.empty(s, np.int64)
+    idx[0] = 0
+    idx[s - 1] = m - 1
+    for t in range(tree_mid.size):
+        il = idx[tree_lo[t]]
+        ir = idx[tree_hi[t]]
+        a = np.float64(w[il])
+        c = np.float64(w[ir])
+        spread = c - a
+        pos = il
+        if spread > 0:
+            count = np.float64(ir - il + 1)
+            total = p[ir + 1] - p[il]
+            j = np.int64(np.ceil((count * c - total) / spread))
+            pos = min(max(il + j - 1, il), ir)
+        idx[tree_mid[t]] = pos
+    for k in range(s):
+        out[b, k] = w[idx[k]]
 
 
-@njit(cache=True, parallel=True)
-def linear_levels(x, d, s):
-    """Linear-s levels (see :func:`fedquant.codecs.levels.linear_levels`)."""
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty((nb, s), np.float32)
-    for b in prange(nb):
-        start = b * d
-        end = min(start + d, n)
-        w = _sorted_bucket(x, start, end)
-        m = w.size
-        for k in range(s):
-            out[b, k] = w[max((k * m + (s - 2)) // (s - 1) - 1, 0)]
-    return out
+@njit(cache=True)
+def _linear_bucket(x, b, d, s, out):
+    start = b * d
+    w = _sorted_bucket(x, start, min(start + d, x.size))
+    m = w.size
+    for k in range(s):
+        out[b, k] = w[max((k * m + (s - 2)) // (s - 1) - 1, 0)]
 
 
-@njit(cache=True, parallel=True)
-def two_means_levels(x, d):
-    """BinGrad-b levels (see :func:`fedquant.codecs.levels.two_means_levels`)."""
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty((nb, 2), np.float32)
-    for b in prange(nb):
-        start = b * d
-        end = min(start + d, n)
-        w = _sorted_bucket(x, start, end)
-        m = w.size
-        if m < 2:
-            out[b, 0] = w[0]
-            out[b, 1] = w[0]
-            continue
-        p = _prefix(w)
-        mean = p[m] / m
-        best = 1
-        best_score = -1.0
-        for j in range(1, m):
-            jf = np.float64(j)
-            centred = p[j] - jf * mean
-            score = centred * centred / (jf * np.float64(m - j))
-            if score > best_score:
-                best_score = score
-                best = j
-        out[b, 0] = np.float32(p[best] / np.float64(best))
-        out[b, 1] = np.float32((p[m] - p[best]) / np.float64(m - best))
-    return out
+@njit(cache=True)
+def _two_means_bucket(x, b, d, out):
+    start = b * d
+    w = _sorted_bucket(x, start, min(start + d, x.size))
+    m = w.size
+    if m < 2:
+        out[b, 0] = w[0]
+        out[b, 1] = w[0]
+        return
+    p = _prefix(w)
+    mean = p[m] / m
+    best = 1
+    best_score = -1.0
+    for j in range(1, m):
+        jf = np.float64(j)
+        centred = p[j] - jf * mean
+        score = centred * centred / (jf * np.float64(m - j))
+        if score > best_score:
+            best_score = score
+            best = j
+    out[b, 0] = np.float32(p[best] / np.float64(best))
+    out[b, 1] = np.float32((p[m] - p[best]) / np.float64(m - best))
 
 
 @njit(inline="always")
@@ -227,117 +206,289 @@ def _pb_update_low(w, p, b1_32):
     return np.float32(min(max(stationary, left), _pb_right_end(w, k, j, b1)))
 
 
-@njit(cache=True, parallel=True)
-def partially_biased_levels(x, d, max_sweeps):
-    """BinGrad-pb levels (see :func:`fedquant.codecs.levels.partially_biased_levels`)."""
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty((nb, 2), np.float32)
-    for b in prange(nb):
-        start = b * d
-        end = min(start + d, n)
-        w = _sorted_bucket(x, start, end)
-        m = w.size
-        wr = np.empty(m, np.float32)
-        for i in range(m):
-            wr[i] = -w[m - 1 - i]
-        p = _prefix(w)
-        pr = _prefix(wr)
-        b0 = w[(m - 1) // 4]
-        b1 = w[(3 * (m - 1)) // 4]
-        for _ in range(max_sweeps):
-            nb0 = _pb_update_low(w, p, b1)
-            nb1 = -_pb_update_low(wr, pr, -nb0)
-            done = nb0 == b0 and nb1 == b1
-            b0 = nb0
-            b1 = nb1
-            if done:
-                break
-        out[b, 0] = b0
-        out[b, 1] = b1
-    return out
+@njit(cache=True)
+def _pb_bucket(x, b, d, max_sweeps, out):
+    start = b * d
+    w = _sorted_bucket(x, start, min(start + d, x.size))
+    m = w.size
+    wr = np.empty(m, np.float32)
+    for i in range(m):
+        wr[i] = -w[m - 1 - i]
+    p = _prefix(w)
+    pr = _prefix(wr)
+    b0 = w[(m - 1) // 4]
+    b1 = w[(3 * (m - 1)) // 4]
+    for _ in range(max_sweeps):
+        nb0 = _pb_update_low(w, p, b1)
+        nb1 = -_pb_update_low(wr, pr, -nb0)
+        done = nb0 == b0 and nb1 == b1
+        b0 = nb0
+        b1 = nb1
+        if done:
+            break
+    out[b, 0] = b0
+    out[b, 1] = b1
 
 
-# ---------------------------------------------------------------- rounding
-@njit(cache=True, parallel=True)
-def random_round(x, levels, d, key):
-    """Unbiased random rounding indices (see :func:`fedquant.codecs.rounding.random_round`)."""
-    n = x.size
-    nb, s = levels.shape
-    out = np.empty(n, np.uint8)
-    for b in prange(nb):
-        row = levels[b]
-        interior = row[1 : max(s - 1, 1)]
-        for i in range(b * d, min(b * d + d, n)):
-            v = x[i]
-            # k = #{1 <= j <= s-2 : row[j] <= v}, i.e. clamp(searchsorted_right - 1, 0, s-2)
-            if s <= 17:
-                k = 0
-                for q in range(interior.size):
-                    k += 1 if interior[q] <= v else 0
-            else:
-                k = _count_le(interior, v)
-            lo = np.float64(row[k])
-            hi = np.float64(row[min(k + 1, s - 1)])
-            gap = hi - lo
-            prob = (np.float64(v) - lo) / gap if gap > 0 else 0.0
-            out[i] = k + (1 if _uniform_at(key, i) < prob else 0)
-    return out
+@njit(cache=True)
+def _random_round_bucket(x, levels, b, d, key, out):
+    s = levels.shape[1]
+    row = levels[b]
+    interior = row[1 : max(s - 1, 1)]
+    for i in range(b * d, min(b * d + d, x.size)):
+        v = x[i]
+        # k = #{1 <= j <= s-2 : row[j] <= v}, i.e. clamp(searchsorted_right - 1, 0, s-2)
+        if s <= 17:
+            k = 0
+            for q in range(interior.size):
+                k += 1 if interior[q] <= v else 0
+        else:
+            k = _count_le(interior, v)
+        lo = np.float64(row[k])
+        hi = np.float64(row[min(k + 1, s - 1)])
+        gap = hi - lo
+        prob = (np.float64(v) - lo) / gap if gap > 0 else 0.0
+        out[i] = k + (1 if _uniform_at(key, i) < prob else 0)
 
 
-@njit(cache=True, parallel=True)
-def nearest_of_two(x, levels, d):
-    """Deterministic two-level indices (see :func:`fedquant.codecs.rounding.nearest_of_two`)."""
-    n = x.size
-    nb = levels.shape[0]
-    out = np.empty(n, np.uint8)
-    for b in prange(nb):
-        mid = (np.float64(levels[b, 0]) + np.float64(levels[b, 1])) * 0.5
-        for i in range(b * d, min(b * d + d, n)):
-            out[i] = 1 if np.float64(x[i]) >= mid else 0
-    return out
+@njit(cache=True)
+def _nearest_bucket(x, levels, b, d, out):
+    mid = (np.float64(levels[b, 0]) + np.float64(levels[b, 1])) * 0.5
+    for i in range(b * d, min(b * d + d, x.size)):
+        out[i] = 1 if np.float64(x[i]) >= mid else 0
 
 
-# ---------------------------------------------------------------- packing and decoding
-@njit(cache=True, parallel=True)
-def pack_indices(values, width):
-    """``fedquant.wire.bitpack.pack_bits(values, width)`` for ``width <= 8``, in parallel."""
+@njit(cache=True)
+def _pack_group(values, width, g, out):
     n = values.size
-    nbytes = (n * width + 7) // 8
-    out = np.zeros(nbytes, np.uint8)
-    groups = (n + 7) // 8
-    for g in prange(groups):
-        acc = np.uint64(0)
-        base = g * 8
-        for j in range(min(8, n - base)):
-            acc |= np.uint64(values[base + j]) << np.uint64(j * width)
-        first = g * width
-        for q in range(min(width, nbytes - first)):
-            out[first + q] = np.uint8((acc >> np.uint64(8 * q)) & np.uint64(255))
-    return out
+    acc = np.uint64(0)
+    base = g * 8
+    for j in range(min(8, n - base)):
+        acc |= np.uint64(values[base + j]) << np.uint64(j * width)
+    first = g * width
+    for q in range(min(width, out.size - first)):
+        out[first + q] = np.uint8((acc >> np.uint64(8 * q)) & np.uint64(255))
+
+
+@njit(inline="always")
+def _group_bits(data, width, g):
+    first = g * width
+    acc = np.uint64(0)
+    for q in range(min(width, data.size - first)):
+        acc |= np.uint64(data[first + q]) << np.uint64(8 * q)
+    return acc
+
+
+@njit(cache=True)
+def _unpack_group(data, width, g, out):
+    acc = _group_bits(data, width, g)
+    mask = np.uint64((1 << width) - 1)
+    base = g * 8
+    for j in range(min(8, out.size - base)):
+        out[base + j] = np.uint8((acc >> np.uint64(j * width)) & mask)
+
+
+@njit(cache=True)
+def _decode_group(data, width, flat_levels, s, d, g, out):
+    acc = _group_bits(data, width, g)
+    mask = np.uint64((1 << width) - 1)
+    base = g * 8
+    bad = 0
+    for j in range(min(8, out.size - base)):
+        i = base + j
+        k = np.int64((acc >> np.uint64(j * width)) & mask)
+        if k < s:
+            out[i] = flat_levels[(i // d) * s + k]
+        else:
+            out[i] = 0.0
+            bad += 1
+    return bad
+
+
+# ---------------------------------------------------------------- loops: parallel and serial
+# Tensors below PARALLEL_MIN elements run the serial loop: starting numba's thread pool costs
+# more than the work (milliseconds on a busy machine), and federated models have many small
+# tensors. Both loops call the same body, so they give identical results.
+PARALLEL_MIN = 1 << 16
 
 
 @njit(cache=True, parallel=True)
-def unpack_indices(data, width, count):
+def _orq_par(x, d, s, tl, tm, th, out):
+    for b in prange(out.shape[0]):
+        _orq_bucket(x, b, d, s, tl, tm, th, out)
+
+
+@njit(cache=True)
+def _orq_seq(x, d, s, tl, tm, th, out):
+    for b in range(out.shape[0]):
+        _orq_bucket(x, b, d, s, tl, tm, th, out)
+
+
+@njit(cache=True, parallel=True)
+def _linear_par(x, d, s, out):
+    for b in prange(out.shape[0]):
+        _linear_bucket(x, b, d, s, out)
+
+
+@njit(cache=True)
+def _linear_seq(x, d, s, out):
+    for b in range(out.shape[0]):
+        _linear_bucket(x, b, d, s, out)
+
+
+@njit(cache=True, parallel=True)
+def _two_means_par(x, d, out):
+    for b in prange(out.shape[0]):
+        _two_means_bucket(x, b, d, out)
+
+
+@njit(cache=True)
+def _two_means_seq(x, d, out):
+    for b in range(out.shape[0]):
+        _two_means_bucket(x, b, d, out)
+
+
+@njit(cache=True, parallel=True)
+def _pb_par(x, d, max_sweeps, out):
+    for b in prange(out.shape[0]):
+        _pb_bucket(x, b, d, max_sweeps, out)
+
+
+@njit(cache=True)
+def _pb_seq(x, d, max_sweeps, out):
+    for b in range(out.shape[0]):
+        _pb_bucket(x, b, d, max_sweeps, out)
+
+
+@njit(cache=True, parallel=True)
+def _random_round_par(x, levels, d, key, out):
+    for b in prange(levels.shape[0]):
+        _random_round_bucket(x, levels, b, d, key, out)
+
+
+@njit(cache=True)
+def _random_round_seq(x, levels, d, key, out):
+    for b in range(levels.shape[0]):
+        _random_round_bucket(x, levels, b, d, key, out)
+
+
+@njit(cache=True, parallel=True)
+def _nearest_par(x, levels, d, out):
+    for b in prange(levels.shape[0]):
+        _nearest_bucket(x, levels, b, d, out)
+
+
+@njit(cache=True)
+def _nearest_seq(x, levels, d, out):
+    for b in range(levels.shape[0]):
+        _nearest_bucket(x, levels, b, d, out)
+
+
+@njit(cache=True, parallel=True)
+def _pack_par(values, width, out):
+    for g in prange((values.size + 7) // 8):
+        _pack_group(values, width, g, out)
+
+
+@njit(cache=True)
+def _pack_seq(values, width, out):
+    for g in range((values.size + 7) // 8):
+        _pack_group(values, width, g, out)
+
+
+@njit(cache=True, parallel=True)
+def _unpack_par(data, width, out):
+    for g in prange((out.size + 7) // 8):
+        _unpack_group(data, width, g, out)
+
+
+@njit(cache=True)
+def _unpack_seq(data, width, out):
+    for g in range((out.size + 7) // 8):
+        _unpack_group(data, width, g, out)
+
+
+@njit(cache=True, parallel=True)
+def _decode_par(data, width, flat_levels, s, d, out):
+    bad = 0
+    for g in prange((out.size + 7) // 8):
+        bad += _decode_group(data, width, flat_levels, s, d, g, out)
+    return bad
+
+
+@njit(cache=True)
+def _decode_seq(data, width, flat_levels, s, d, out):
+    bad = 0
+    for g in range((out.size + 7) // 8):
+        bad += _decode_group(data, width, flat_levels, s, d, g, out)
+    return bad
+
+
+def _levels_out(n: int, d: int, s: int) -> np.ndarray:
+    return np.empty(((n + d - 1) // d, s), np.float32)
+
+
+# ---------------------------------------------------------------- public entry points
+def orq_levels(x: np.ndarray, d: int, s: int, tree_lo, tree_mid, tree_hi) -> np.ndarray:
+    """ORQ-s levels of every bucket of ``x`` (see :func:`fedquant.codecs.levels.orq_levels`)."""
+    out = _levels_out(x.size, d, s)
+    (_orq_par if x.size >= PARALLEL_MIN else _orq_seq)(x, d, s, tree_lo, tree_mid, tree_hi, out)
+    return out
+
+
+def linear_levels(x: np.ndarray, d: int, s: int) -> np.ndarray:
+    """Linear-s levels (see :func:`fedquant.codecs.levels.linear_levels`)."""
+    out = _levels_out(x.size, d, s)
+    (_linear_par if x.size >= PARALLEL_MIN else _linear_seq)(x, d, s, out)
+    return out
+
+
+def two_means_levels(x: np.ndarray, d: int) -> np.ndarray:
+    """BinGrad-b levels (see :func:`fedquant.codecs.levels.two_means_levels`)."""
+    out = _levels_out(x.size, d, 2)
+    (_two_means_par if x.size >= PARALLEL_MIN else _two_means_seq)(x, d, out)
+    return out
+
+
+def partially_biased_levels(x: np.ndarray, d: int, max_sweeps: int) -> np.ndarray:
+    """BinGrad-pb levels (see :func:`fedquant.codecs.levels.partially_biased_levels`)."""
+    out = _levels_out(x.size, d, 2)
+    (_pb_par if x.size >= PARALLEL_MIN else _pb_seq)(x, d, max_sweeps, out)
+    return out
+
+
+def random_round(x: np.ndarray, levels: np.ndarray, d: int, key: np.uint64) -> np.ndarray:
+    """Unbiased random rounding indices (see :func:`fedquant.codecs.rounding.random_round`)."""
+    out = np.empty(x.size, np.uint8)
+    (_random_round_par if x.size >= PARALLEL_MIN else _random_round_seq)(x, levels, d, np.uint64(key), out)
+    return out
+
+
+def nearest_of_two(x: np.ndarray, levels: np.ndarray, d: int) -> np.ndarray:
+    """Deterministic two-level indices (see :func:`fedquant.codecs.rounding.nearest_of_two`)."""
+    out = np.empty(x.size, np.uint8)
+    (_nearest_par if x.size >= PARALLEL_MIN else _nearest_seq)(x, levels, d, out)
+    return out
+
+
+def pack_indices(values: np.ndarray, width: int) -> np.ndarray:
+    """``fedquant.wire.bitpack.pack_bits(values, width)`` for uint8 values and ``width <= 8``."""
+    out = np.zeros((values.size * width + 7) // 8, np.uint8)
+    (_pack_par if values.size >= PARALLEL_MIN else _pack_seq)(values, width, out)
+    return out
+
+
+def unpack_indices(data: np.ndarray, width: int, count: int) -> np.ndarray:
     """Inverse of :func:`pack_indices` (``data`` must hold exactly the packed size)."""
     out = np.empty(count, np.uint8)
-    nbytes = data.size
-    mask = np.uint64((1 << width) - 1)
-    groups = (count + 7) // 8
-    for g in prange(groups):
-        first = g * width
-        acc = np.uint64(0)
-        for q in range(min(width, nbytes - first)):
-            acc |= np.uint64(data[first + q]) << np.uint64(8 * q)
-        base = g * 8
-        for j in range(min(8, count - base)):
-            out[base + j] = np.uint8((acc >> np.uint64(j * width)) & mask)
+    (_unpack_par if count >= PARALLEL_MIN else _unpack_seq)(data, width, out)
     return out
 
 
-@njit(cache=True, parallel=True)
-def decode_levels(data, width, levels, d, count):
+def decode_levels(data: np.ndarray, width: int, levels: np.ndarray, d: int, count: int) -> tuple[np.ndarray, int]:
     """Unpack indices and gather ``levels[i // d, index]``; also counts indices ``>= s``.
+
+    ``data`` must hold exactly ``ceil(count * width / 8)`` bytes (the caller checks).
 
     Returns
     -------
@@ -345,24 +496,7 @@ def decode_levels(data, width, levels, d, count):
         float32 values (a bad index decodes to 0) and the number of out-of-range indices.
     """
     out = np.empty(count, np.float32)
-    flat_levels = levels.reshape(-1)
-    s = levels.shape[1]
-    nbytes = data.size
-    mask = np.uint64((1 << width) - 1)
-    groups = (count + 7) // 8
-    bad = 0
-    for g in prange(groups):
-        first = g * width
-        acc = np.uint64(0)
-        for q in range(min(width, nbytes - first)):
-            acc |= np.uint64(data[first + q]) << np.uint64(8 * q)
-        base = g * 8
-        for j in range(min(8, count - base)):
-            i = base + j
-            k = np.int64((acc >> np.uint64(j * width)) & mask)
-            if k < s:
-                out[i] = flat_levels[(i // d) * s + k]
-            else:
-                out[i] = 0.0
-                bad += 1
-    return out, bad
+    flat_levels = np.ascontiguousarray(levels).reshape(-1)
+    run = _decode_par if count >= PARALLEL_MIN else _decode_seq
+    bad = run(data, width, flat_levels, levels.shape[1], d, out)
+    return out, int(bad)
