@@ -43,6 +43,7 @@ __all__ = [
     "code_s_dense_encode",
     "code_s_encode",
     "elias_omega_decode",
+    "elias_omega_decode_prefix",
     "elias_omega_encode",
     "elias_omega_lengths",
 ]
@@ -574,6 +575,36 @@ def elias_omega_decode(data, count: int, max_value: int, total_bits: int | None 
         raise PayloadError(f"{what} declares {total_bits} bits but its {count} values take {pos}")
     _check_tail(buf, pos, False, what)
     return out
+
+
+def elias_omega_decode_prefix(data, count: int, max_value: int) -> tuple[np.ndarray, int]:
+    """Decode ``count`` codewords from the start of ``data``, which may go on with other sections.
+
+    Returns
+    -------
+    (np.ndarray, int)
+        uint64 values and the number of bits they took; the bytes after
+        ``ceil(bits / 8)`` belong to the caller.
+
+    Raises
+    ------
+    PayloadError
+        If ``data`` ends early or holds a malformed codeword or a value beyond ``max_value``.
+    """
+    what = "Elias omega section"
+    buf = _as_bytes(data)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if not 1 <= max_value <= 2**64 - 1:
+        raise ValueError(f"max_value must be in 1..2**64-1, got {max_value}")
+    end = buf.size * 8
+    if count > end:
+        raise PayloadError(f"{what} of {buf.size} bytes cannot hold {count} values")
+    out = np.empty(count, np.uint64)
+    status, index, pos = _omega_decode_kernel(_padded(buf), end, out, np.uint64(max_value))
+    if status != _OK:
+        _raise(status, what, f"value {index} of {count}")
+    return out, int(pos)
 
 
 def code_s_encode(levels: np.ndarray) -> tuple[np.ndarray, int]:
