@@ -435,12 +435,15 @@ def _as_positive_uint64(values: np.ndarray) -> np.ndarray:
 
 
 def _as_levels(levels: np.ndarray) -> np.ndarray:
+    """int8 levels as they are; any other integer dtype as int32 (two kernel specializations)."""
     v = np.asarray(levels).reshape(-1)
     if not np.issubdtype(v.dtype, np.integer):
         raise ValueError(f"Code_s codes integer levels, got dtype {v.dtype}")
-    if v.dtype == np.uint64 and v.size and v.max() > np.iinfo(np.int64).max:
-        raise ValueError("Code_s levels must fit in int64")
-    return np.ascontiguousarray(v)
+    if v.dtype == np.int8:
+        return np.ascontiguousarray(v)
+    if v.dtype.itemsize >= 4 and v.size and (int(v.max()) > 2**31 - 1 or int(v.min()) < -(2**31 - 1)):
+        raise ValueError("Code_s levels must lie in -(2**31 - 1) .. 2**31 - 1")
+    return v.astype(np.int32)
 
 
 def _as_bytes(data) -> np.ndarray:
@@ -459,12 +462,18 @@ def _padded(buf: np.ndarray) -> np.ndarray:
 
 
 def _level_dtype(s: int) -> np.dtype:
+    """Output dtype of the decoders: the smallest of int8, int16, int32 that holds ``s``."""
     if s < 1:
         raise ValueError(f"the number of levels s must be >= 1, got {s}")
     for dt in (np.int8, np.int16, np.int32):
         if s <= np.iinfo(dt).max:
             return np.dtype(dt)
     raise ValueError(f"levels s up to 2**31 - 1 are supported, got {s}")
+
+
+def _kernel_dtype(dtype: np.dtype) -> np.dtype:
+    # The kernels write int8 or int32 (two specializations); int16 results are narrowed after.
+    return dtype if dtype == np.int8 else np.dtype(np.int32)
 
 
 def _end_bit(buf: np.ndarray, total_bits: int | None, what: str) -> int:
@@ -657,12 +666,12 @@ def code_s_decode(data, n: int, s: int, total_bits: int | None = None) -> np.nda
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     end = _end_bit(buf, total_bits, what)
-    out = np.zeros(n, dtype)
+    out = np.zeros(n, _kernel_dtype(dtype))
     status, pos = _sparse_decode_kernel(_padded(buf), end, total_bits is None, out, np.uint64(s))
     if status != _OK:
         _raise(status, what, f"at bit {pos} of {end}")
     _check_tail(buf, pos, True, what)
-    return out
+    return out.astype(dtype, copy=False)
 
 
 def code_s_dense_encode(levels: np.ndarray) -> tuple[np.ndarray, int]:
@@ -694,11 +703,11 @@ def code_s_dense_decode(data, n: int, s: int, total_bits: int | None = None) -> 
     end = _end_bit(buf, total_bits, what)
     if n > end:  # every coordinate takes at least one bit
         raise PayloadError(f"{what} of {buf.size} bytes cannot hold {n} levels")
-    out = np.empty(n, dtype)
+    out = np.empty(n, _kernel_dtype(dtype))
     status, index, pos = _dense_decode_kernel(_padded(buf), end, out, np.uint64(s))
     if status != _OK:
         _raise(status, what, f"level {index} of {n}")
     if total_bits is not None and pos != total_bits:
         raise PayloadError(f"{what} declares {total_bits} bits but its {n} levels take {pos}")
     _check_tail(buf, pos, False, what)
-    return out
+    return out.astype(dtype, copy=False)
