@@ -92,8 +92,36 @@ def _short_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return enc_code, enc_len, dec_val, dec_len
 
 
+def _fill(values: np.ndarray, widths: np.ndarray, bits: str, value: int) -> None:
+    """Enter a code of at most _PEEK bits into a lookup table indexed by the next _PEEK bits."""
+    if len(bits) <= _PEEK:
+        lo = int(bits, 2) << (_PEEK - len(bits))
+        hi = lo + (1 << (_PEEK - len(bits)))
+        values[lo:hi], widths[lo:hi] = value, len(bits)
+
+
+def _signed_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Lookup tables for a whole signed level (width 0: not in the table).
+
+    Code'_s: omega(|l| + 1) then the sign bit if l != 0.  Code_s: sign bit then omega(|l|).
+    """
+    dense_val, dense_len = np.zeros(1 << _PEEK, np.int64), np.zeros(1 << _PEEK, np.int64)
+    sparse_val, sparse_len = np.zeros(1 << _PEEK, np.int64), np.zeros(1 << _PEEK, np.int64)
+    _fill(dense_val, dense_len, "0", 0)
+    for mag in range(1, 1 << _PEEK):
+        code = _omega_bits_reference(mag)
+        if len(code) >= _PEEK:
+            break  # codeword lengths never decrease
+        _fill(dense_val, dense_len, _omega_bits_reference(mag + 1) + "0", mag)
+        _fill(dense_val, dense_len, _omega_bits_reference(mag + 1) + "1", -mag)
+        _fill(sparse_val, sparse_len, "0" + code, mag)
+        _fill(sparse_val, sparse_len, "1" + code, -mag)
+    return dense_val, dense_len, sparse_val, sparse_len
+
+
 _PLEN, _PCODE = _prefix_tables()
 _ENC_CODE, _ENC_LEN, _DEC_VAL, _DEC_LEN = _short_tables()
+_DENSE_VAL, _DENSE_LEN, _SIGNED_VAL, _SIGNED_LEN = _signed_tables()
 
 # Kernel status codes.
 _OK, _TRUNCATED, _OVERLONG, _TOO_BIG, _GAP_PAST_END = 0, 1, 2, 3, 4
@@ -357,16 +385,25 @@ def _sparse_decode_kernel(buf, end, self_delimiting, out, s):
         if gap > np.uint64(n - 1 - last):
             return _GAP_PAST_END, pos
         last += np.int64(gap)
-        if pos >= end:
-            return _TRUNCATED, pos
-        negative = _peek(buf, pos, 1) == np.uint64(1)
-        pos += 1
-        status, mag, pos = _get_omega(buf, pos, end)
-        if status != _OK:
-            return status, pos
-        if mag > s:
+        window = _peek(buf, pos, _PEEK)
+        width = _SIGNED_LEN[window]
+        if width != 0 and pos + width <= end:  # sign and level in one lookup
+            level = _SIGNED_VAL[window]
+            pos += width
+        else:
+            if pos >= end:
+                return _TRUNCATED, pos
+            negative = _peek(buf, pos, 1) == np.uint64(1)
+            pos += 1
+            status, mag, pos = _get_omega(buf, pos, end)
+            if status != _OK:
+                return status, pos
+            if mag > s:
+                return _TOO_BIG, pos
+            level = -np.int64(mag) if negative else np.int64(mag)
+        if abs(level) > np.int64(s):
             return _TOO_BIG, pos
-        out[last] = -np.int64(mag) if negative else np.int64(mag)
+        out[last] = level
 
 
 @numba.njit(cache=True, nogil=True)
@@ -400,20 +437,27 @@ def _dense_decode_kernel(buf, end, out, s):
     """Fill ``out`` from a Code'_s stream; returns (status, index reached, bit position)."""
     pos = 0
     for i in range(out.size):
-        status, v, pos = _get_omega(buf, pos, end)
-        if status != _OK:
-            return status, i, pos
-        if v > s + np.uint64(1):
+        window = _peek(buf, pos, _PEEK)
+        width = _DENSE_LEN[window]
+        if width != 0 and pos + width <= end:  # level and sign in one lookup, no data-dependent branch
+            level = _DENSE_VAL[window]
+            pos += width
+        else:
+            status, v, pos = _get_omega(buf, pos, end)
+            if status != _OK:
+                return status, i, pos
+            if v > s + np.uint64(1):
+                return _TOO_BIG, i, pos
+            level = np.int64(0)
+            if v != np.uint64(1):
+                if pos >= end:
+                    return _TRUNCATED, i, pos
+                negative = _peek(buf, pos, 1) == np.uint64(1)
+                pos += 1
+                level = -np.int64(v - np.uint64(1)) if negative else np.int64(v - np.uint64(1))
+        if abs(level) > np.int64(s):
             return _TOO_BIG, i, pos
-        if v == np.uint64(1):
-            out[i] = 0
-            continue
-        if pos >= end:
-            return _TRUNCATED, i, pos
-        negative = _peek(buf, pos, 1) == np.uint64(1)
-        pos += 1
-        mag = np.int64(v - np.uint64(1))
-        out[i] = -mag if negative else mag
+        out[i] = level
     return _OK, out.size, pos
 
 
