@@ -125,6 +125,21 @@ def test_orq_never_worse_than_linear_or_qsgd(dist, s):
         assert orq.sum() <= 0.85 * lin.sum() and orq.sum() <= 0.85 * qsgd.sum()
 
 
+@pytest.mark.parametrize("dist", ["gauss", "laplace"])
+def test_refinement_never_increases_the_variance_and_fixes_unbalanced_splits(dist):
+    # s = 8 is not 2**k + 1: the bisection is unbalanced and the greedy levels are ~1.4x the optimum.
+    w = np.sort(_buckets(dist, 6, 256, seed=4).astype(np.float32), axis=1)
+    opt = np.array([optimal_variance(row, 8) for row in w])
+    var = {}
+    for refine in (0, 1, 3, 10):
+        lv = L.orq_levels(torch.from_numpy(w), 8, refine).numpy()
+        var[refine] = np.array([rounding_variance(row, levels) for row, levels in zip(w, lv, strict=True)])
+    assert np.all(var[1] <= var[0] * (1 + 1e-9)) and np.all(var[3] <= var[1] * (1 + 1e-9))
+    assert np.all(var[10] <= var[3] * (1 + 1e-9))
+    assert np.mean(var[0] / opt) > 1.2  # the unbalanced greedy really is off (this test can tell)
+    assert np.mean(var[10] / opt) <= 1.04
+
+
 def test_linear_levels_are_the_empirical_quantiles():
     w = np.arange(10, dtype=np.float32)  # F^-1(q) = ceil(10 q)-th smallest
     assert _linear_levels_np(w, 3).tolist() == [0.0, 4.0, 9.0]
@@ -190,7 +205,7 @@ def test_values_on_the_levels_come_back_exactly():
 
 
 # ---------------------------------------------------------------- CPU kernels vs torch path
-@pytest.mark.parametrize("name", ["orq", "linear"])
+@pytest.mark.parametrize("name", ["orq", "linear", "orq:refine=2"])
 @pytest.mark.parametrize("s", [3, 8, 9, 33])
 def test_numba_and_torch_select_the_same_levels_and_indices(name, s):
     codec = get_codec(name, levels=s, bucket_size=100)

@@ -10,7 +10,10 @@ Wire format of the body::
 
     levels    num_buckets * s values, float32 (or float16 with level_dtype="float16"),
               bucket by bucket
-    indices   numel values of bit_width(s) bits, packed LSB first (fedquant.wire.bitpack)
+    indices   coding="fixed":   numel values of bit_width(s) bits, packed LSB first
+                                (fedquant.wire.bitpack layout)
+              coding="entropy": fedquant.wire.entropy.entropy_encode(indices, s) (count table +
+                                rANS over the whole tensor's indices), to the end of the body
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from fedquant.codecs import cpu_kernels
 from fedquant.codecs.base import Codec
 from fedquant.codecs.buckets import num_buckets
 from fedquant.codecs.clipping import clip_sigma
+from fedquant.codecs.index_coding import coder_available
 from fedquant.codecs.params import Param
 from fedquant.codecs.rounding import nearest_of_two, random_round
 from fedquant.errors import PayloadError
@@ -43,6 +47,9 @@ COMMON_PARAMS: dict[str, Param] = {
         minimum=0.0,
     ),
     "level_dtype": Param(str, "float32", "how levels travel: float32 or float16", choices=tuple(LEVEL_DTYPES)),
+    "coding": Param(
+        str, "fixed", "level indices: fixed width (ceil(log2 s) bits) or entropy coded", choices=("fixed", "entropy")
+    ),
 }
 
 
@@ -58,6 +65,10 @@ class LevelCodec(Codec):
 
     rounding: ClassVar[str] = "random"
     outward_ends: ClassVar[bool] = True
+
+    def _validate(self) -> None:
+        if not coder_available(self.coding):
+            raise ValueError(f"{self.name}: coding '{self.coding}' is not available in this installation")
 
     def num_levels(self) -> int:
         """Levels per bucket, ``s``."""
@@ -92,7 +103,12 @@ class LevelCodec(Codec):
         indices = self._indices(x, levels, seed)
         out = BodyWriter()
         out.add(wire_levels)
-        out.add(cpu_kernels.pack_indices(indices, bit_width(self.num_levels())))
+        if self.coding == "entropy":
+            from fedquant.wire.entropy import entropy_encode
+
+            out.add(np.asarray(entropy_encode(indices, self.num_levels()), dtype=np.uint8))
+        else:
+            out.add(cpu_kernels.pack_indices(indices, bit_width(self.num_levels())))
         return out
 
     def _wire_levels(self, levels: np.ndarray) -> np.ndarray:
@@ -130,7 +146,14 @@ class LevelCodec(Codec):
         nb = num_buckets(numel, self.bucket_size)
         levels = body.take_array(LEVEL_DTYPES[self.level_dtype], nb * s, "levels").astype(np.float32)
         width = bit_width(s)
-        data = np.frombuffer(body.take(packed_size(numel, width), "level indices"), dtype=np.uint8)
+        if self.coding == "entropy":
+            from fedquant.wire.entropy import entropy_decode
+
+            # One symbol per byte: the gather kernel reads them as 8-bit "packed" indices.
+            data = np.ascontiguousarray(entropy_decode(body.take_rest(), numel, s), dtype=np.uint8)
+            width = 8
+        else:
+            data = np.frombuffer(body.take(packed_size(numel, width), "level indices"), dtype=np.uint8)
         values, bad = cpu_kernels.decode_levels(data, width, levels.reshape(nb, s), self.bucket_size, numel)
         if bad:
             raise PayloadError(f"{self.name} payload holds {bad} level indices >= {s}, the number of levels")

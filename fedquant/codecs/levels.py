@@ -24,9 +24,7 @@ import torch
 PB_MAX_SWEEPS = 20
 
 
-def per_bucket(
-    flat: torch.Tensor, bucket_size: int, select: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
+def per_bucket(flat: torch.Tensor, bucket_size: int, select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Apply a level selector to every bucket of a flat tensor.
 
     Parameters
@@ -82,6 +80,17 @@ def recursion_tree(s: int) -> list[tuple[int, int, int]]:
     return nodes
 
 
+def level_schedule(s: int, refine: int = 0) -> list[tuple[int, int, int]]:
+    """The greedy recursion of :func:`recursion_tree`, then ``refine`` sweeps of coordinate descent.
+
+    A refinement step ``(k - 1, k, k + 1)`` moves level ``k`` to the variance-optimal point
+    between its current neighbours (exact, so the variance never increases). ``refine=0`` is
+    the paper's greedy algorithm; the paper notes that the greedy "may be further improved", and
+    refinement is our extension, off by default.
+    """
+    return recursion_tree(s) + [(k - 1, k, k + 1) for _ in range(refine) for k in range(1, s - 1)]
+
+
 def best_middle_index(w: torch.Tensor, p: torch.Tensor, il: torch.Tensor, ir: torch.Tensor) -> torch.Tensor:
     """Index of the variance-optimal middle level between data points ``w[il]`` and ``w[ir]``.
 
@@ -104,7 +113,7 @@ def best_middle_index(w: torch.Tensor, p: torch.Tensor, il: torch.Tensor, ir: to
     return torch.where(ok, pos, il)
 
 
-def orq_levels(w: torch.Tensor, s: int) -> torch.Tensor:
+def orq_levels(w: torch.Tensor, s: int, refine: int = 0) -> torch.Tensor:
     """ORQ-s levels by the greedy recursive algorithm (algorithms.md §4.4, bisection reading).
 
     Parameters
@@ -115,6 +124,8 @@ def orq_levels(w: torch.Tensor, s: int) -> torch.Tensor:
         Number of levels, at least 2. The end levels are each bucket's min and max (required
         for unbiased rounding); interior levels are placed by :func:`best_middle_index`, the
         first-order optimality condition of the 3-level problem between fixed neighbours.
+    refine : int
+        Sweeps of coordinate descent after the greedy pass (see :func:`level_schedule`).
 
     Returns
     -------
@@ -126,7 +137,7 @@ def orq_levels(w: torch.Tensor, s: int) -> torch.Tensor:
     idx = torch.empty(nb, s, dtype=torch.int64, device=w.device)
     idx[:, 0] = 0
     idx[:, s - 1] = m - 1
-    for lo, mid, hi in recursion_tree(s):
+    for lo, mid, hi in level_schedule(s, refine):
         idx[:, mid] = best_middle_index(w, p, idx[:, lo].contiguous(), idx[:, hi].contiguous())
     return w.gather(1, idx)
 
@@ -175,9 +186,7 @@ def two_means_levels(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([b0, b1], dim=1).to(torch.float32)
 
 
-def _pb_update_low(
-    w: torch.Tensor, p: torch.Tensor, b1: torch.Tensor, steps: int
-) -> torch.Tensor:
+def _pb_update_low(w: torch.Tensor, p: torch.Tensor, b1: torch.Tensor, steps: int) -> torch.Tensor:
     """Exact minimiser of the BinGrad-pb error over ``b0 <= b1`` with ``b1`` fixed.
 
     With ``k`` points ``<= b1`` and ``j`` points below ``b0`` the derivative is
