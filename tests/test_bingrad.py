@@ -75,7 +75,7 @@ def test_bingrad_b_decodes_to_the_nearer_level():
 def test_bingrad_b_error_never_exceeds_scaled_sign(dist):
     # Scaled sign is one particular 2-level nearest quantizer; the 2-means is the best one.
     rng = np.random.default_rng(4)
-    x = torch.from_numpy((rng.standard_normal(64 * 512) if dist == "gauss" else rng.laplace(size=64 * 512)))
+    x = torch.from_numpy(rng.standard_normal(64 * 512) if dist == "gauss" else rng.laplace(size=64 * 512))
     x = x.float()
     y = get_codec("bingrad-b").decode(get_codec("bingrad-b").encode(x)).view(64, 512)
     rows = x.view(64, 512)
