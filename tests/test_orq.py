@@ -271,6 +271,18 @@ def test_payload_size_is_levels_plus_packed_indices(spec):
     assert body.nbytes == 2 * codec.levels * per_level + packed_size(1000, bit_width(codec.levels))
 
 
+@pytest.mark.parametrize("name", ["orq", "linear", "bingrad-b", "bingrad-pb"])
+def test_entropy_coding_decodes_the_same_values_in_fewer_bytes(name):
+    x = sample_tensor((20000,), seed=3) ** 3  # peaked: the outer levels are rarely used
+    fixed, coded = get_codec(name), get_codec(name, coding="entropy")
+    a, b = fixed.encode(x, seed=2), coded.encode(x, seed=2)
+    assert torch.equal(fixed.decode(a, seed=2), coded.decode(b, seed=2))
+    if name in ("orq", "linear"):  # 9 levels in 4 bits leave room; 1-bit BinGrad indices barely compress
+        assert len(b) < 0.95 * len(a)
+    else:
+        assert len(b) < len(a) + 64
+
+
 def test_float16_end_levels_round_outward_and_range_is_checked():
     codec = get_codec("orq:levels=5,level_dtype=float16")
     x = sample_tensor((4096,), seed=3) * 0.1234567
@@ -304,7 +316,14 @@ def test_rejects_out_of_range_level_indices_even_with_a_valid_crc():
 
 
 @pytest.mark.parametrize(
-    "spec", ["orq:levels=5,level_dtype=float16,clip=2.5", "linear:levels=3,bucket_size=7", "orq:levels=200"]
+    "spec",
+    [
+        "orq:levels=5,level_dtype=float16,clip=2.5",
+        "linear:levels=3,bucket_size=7",
+        "orq:levels=200",
+        "orq:coding=entropy",
+        "bingrad-pb:coding=entropy,bucket_size=100",
+    ],
 )
 @pytest.mark.parametrize(
     "check",

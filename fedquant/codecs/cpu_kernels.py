@@ -232,23 +232,25 @@ def _pb_bucket(x, b, d, max_sweeps, out):
 
 @njit(cache=True)
 def _random_round_bucket(x, levels, b, d, key, out):
+    # Two passes that LLVM vectorizes: the interval index of every value (a count over the
+    # interior levels), then the random decision. Element i moves up iff u_i (hi - lo) < v - lo,
+    # in float64, exactly as in rounding.random_round.
     s = levels.shape[1]
     row = levels[b]
-    interior = row[1 : max(s - 1, 1)]
-    for i in range(b * d, min(b * d + d, x.size)):
-        v = x[i]
-        # k = #{1 <= j <= s-2 : row[j] <= v}, i.e. clamp(searchsorted_right - 1, 0, s-2)
-        if s <= 17:
-            k = 0
-            for q in range(interior.size):
-                k += 1 if interior[q] <= v else 0
-        else:
-            k = _count_le(interior, v)
-        lo = np.float64(row[k])
-        hi = np.float64(row[min(k + 1, s - 1)])
-        gap = hi - lo
-        prob = (np.float64(v) - lo) / gap if gap > 0 else 0.0
-        out[i] = k + (1 if _uniform_at(key, i) < prob else 0)
+    start = b * d
+    end = min(start + d, x.size)
+    xs = x[start:end]
+    k = np.zeros(end - start, np.int64)
+    for q in range(1, s - 1):
+        level = row[q]
+        for i in range(k.size):
+            k[i] += 1 if xs[i] >= level else 0
+    top = max(s - 2, 0)
+    for i in range(k.size):
+        kk = min(k[i], top)
+        lo = np.float64(row[kk])
+        gap = np.float64(row[min(kk + 1, s - 1)]) - lo
+        out[start + i] = kk + (1 if _uniform_at(key, start + i) * gap < np.float64(xs[i]) - lo else 0)
 
 
 @njit(cache=True)

@@ -2,7 +2,9 @@
 
 Unbiased random rounding (algorithms.md §0): a value ``v`` with ``l_k <= v <= l_{k+1}`` becomes
 ``l_{k+1}`` with probability ``(v - l_k) / (l_{k+1} - l_k)`` and ``l_k`` otherwise, so
-``E[Q(v)] = v``. The uniform variate of element ``i`` (its index in the flattened tensor) is
+``E[Q(v)] = v``. Element ``i`` moves up iff ``u_i (l_{k+1} - l_k) < v - l_k`` (float64, no
+division; for ``u`` with 24 random bits the probability is exact to ``2**-24``). The uniform
+variate of element ``i`` (its index in the flattened tensor) is
 ``fedquant.rng.uniform(seed, n)[i]``; the CPU kernels draw the same numbers inline, so both paths
 give identical indices. Values outside ``[l_0, l_{s-1}]`` are clipped to the nearest end level
 (which only BinGrad-pb relies on: ORQ and Linear include the bucket's min and max).
@@ -49,11 +51,10 @@ def random_round(flat: torch.Tensor, levels: torch.Tensor, bucket_size: int, see
     k = torch.searchsorted(levels.contiguous(), rows.contiguous(), right=True) - 1
     k = torch.clamp(k, 0, max(s - 2, 0))
     lo = levels.gather(1, k).to(torch.float64)
-    hi = levels.gather(1, torch.clamp(k + 1, max=s - 1)).to(torch.float64)
-    gap = hi - lo
-    prob = torch.where(gap > 0, (rows.to(torch.float64) - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    gap = levels.gather(1, torch.clamp(k + 1, max=s - 1)).to(torch.float64) - lo
+    above = (rows.to(torch.float64) - lo).reshape(-1)[:n]
     u = uniform(seed, n, device=flat.device).to(torch.float64)
-    up = u < prob.reshape(-1)[:n]
+    up = u * gap.reshape(-1)[:n] < above
     return (k.reshape(-1)[:n] + up.to(torch.int64)).to(torch.uint8)
 
 
