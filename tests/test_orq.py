@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedquant import PayloadError
-from fedquant.codecs import cpu_kernels, get_codec
+from fedquant.codecs import cpu_kernels, get_codec, level_codec
 from fedquant.codecs import levels as L
 from fedquant.codecs.rounding import gather_levels, random_round
 from fedquant.rng import stream_key
@@ -242,6 +242,19 @@ def test_fast_index_packing_matches_the_wire_packer(width):
     data = cpu_kernels.pack_indices(v, width)
     assert np.array_equal(data, pack_bits(v, width))
     assert np.array_equal(cpu_kernels.unpack_indices(data, width, v.size), unpack_bits(data, width, v.size))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["orq", "orq:levels=8,refine=2,clip=2.5", "linear:levels=5,level_dtype=float16", "bingrad-b", "bingrad-pb"],
+)
+def test_torch_path_end_to_end_gives_the_same_bytes(spec, monkeypatch):
+    # The path CUDA tensors take (batched torch levels and rounding), run on the CPU.
+    codec = get_codec(spec, bucket_size=300)
+    x = sample_tensor((7, 1001), seed=12)
+    expected = codec.encode(x, seed=5)
+    monkeypatch.setattr(level_codec, "use_cpu_kernels", lambda t: False)
+    assert codec.encode(x, seed=5) == expected
 
 
 @cuda

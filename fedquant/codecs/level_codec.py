@@ -53,6 +53,11 @@ COMMON_PARAMS: dict[str, Param] = {
 }
 
 
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` is encoded by the numba kernels (CPU tensors) or the torch code (others)."""
+    return x.device.type == "cpu"
+
+
 class LevelCodec(Codec):
     """Base of codecs that send each bucket's levels and one level index per element.
 
@@ -91,7 +96,7 @@ class LevelCodec(Codec):
         """
         if x.numel() == 0:
             return x.new_zeros((0, self.num_levels()))
-        if x.device.type == "cpu":
+        if use_cpu_kernels(x):
             return torch.from_numpy(self._levels_cpu(x.numpy()))
         return self._levels_torch(x)
 
@@ -132,7 +137,7 @@ class LevelCodec(Codec):
     def _indices(self, x: torch.Tensor, levels: torch.Tensor, seed: int) -> np.ndarray:
         """uint8 level index of every element (numba on the CPU, torch elsewhere)."""
         d = self.bucket_size
-        if x.device.type == "cpu":
+        if use_cpu_kernels(x):
             if self.rounding == "nearest":
                 return cpu_kernels.nearest_of_two(x.numpy(), levels.numpy(), d)
             return cpu_kernels.random_round(x.numpy(), levels.numpy(), d, np.uint64(stream_key(seed)))
