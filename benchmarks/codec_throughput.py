@@ -4,8 +4,10 @@ For float32 tensors of each size (default 1M and 25M elements) the script measur
 run: an in-place copy ``y.copy_(x)`` (the memory-bandwidth yardstick), a straightforward
 whole-tensor torch QSGD (rand + floor + compare, int8 levels, no bit packing) as a reference
 line, and every codec setting of :mod:`benchmarks.specs`. Times are the best of ``--repeats``
-runs (the machine is shared; the minimum is the least disturbed). Throughput is MB/s of float32
-input; ``x copy`` is the codec's time as a multiple of the copy's time.
+runs or more (the machine is shared; the minimum is the least disturbed). Throughput is MB/s of
+float32 input; ``x copy`` is the codec's time as a multiple of the copy's time, the copy being
+re-measured right before and after each codec (column ``copy ms``), so that a drifting load
+does not skew the ratio. ``peak MiB``: extra resident memory at the peak of encode or decode.
 
 Target: the fixed-width ``qsgd``, ``terngrad`` and ``signsgd`` settings (``FAST_PATHS``) encode
 and decode each within 15x the time of the in-place copy. The script exits with status 1 when
@@ -123,8 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     settings = [build(s) for s in specs]
     threads = torch.get_num_threads()
     print(f"codec throughput: float32 input, best of {repeats}, torch threads {threads}")
-    headers = ["codec", "bits/param", "enc MB/s", "enc x copy", "dec MB/s", "dec x copy", "peak MiB", "target"]
-    widths = [36, 10, 9, 10, 9, 10, 9, 6]
+    headers = [
+        "codec",
+        "bits/param",
+        "enc MB/s",
+        "enc x copy",
+        "dec MB/s",
+        "dec x copy",
+        "peak MiB",
+        "copy ms",
+        "target",
+    ]
+    widths = [36, 10, 9, 10, 9, 10, 9, 8, 6]
     failures: list[str] = []
     for n in sizes:
         gen = torch.Generator().manual_seed(n)
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{mb / td:,.0f}",
                     f"{td / t_copy:.1f}",
                     f"{peak_memory_mib(enc):.0f}",
+                    f"{t_copy * 1e3:.2f}",
                     "",
                 ],
                 widths,
@@ -162,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             codec = st.codec
             side = side_info_for(codec, x)
             payload = codec.encode(x, seed=1)
+            # the copy is re-measured next to each codec: on a shared machine the load drifts
+            t_copy = best_time(lambda x=x, y=y: y.copy_(x), repeats)
             te = best_time(lambda c=codec, x=x: c.encode(x, seed=1), repeats)
             td = best_time(lambda c=codec, p=payload, s=side: c.decode(p, seed=1, side_info=s), repeats)
+            t_copy = min(t_copy, best_time(lambda x=x, y=y: y.copy_(x), repeats))
             pe = peak_memory_mib(lambda c=codec, x=x: c.encode(x, seed=1))
             pd = peak_memory_mib(lambda c=codec, p=payload, s=side: c.decode(p, seed=1, side_info=s))
             verdict = ""
@@ -185,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{mb / td:,.0f}",
                         f"{td / t_copy:.1f}",
                         f"{max(pe, pd):.0f}",
+                        f"{t_copy * 1e3:.2f}",
                         verdict,
                     ],
                     widths,

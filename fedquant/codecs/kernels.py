@@ -204,9 +204,14 @@ def round_pack(x, d, steps, s, key, width):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        codes = np.empty(CHUNK, np.uint16)
-        _chunk_codes(x, d, steps, s, key, c0, c1, codes)
-        _pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+        if width <= 8:  # byte symbols: half the traffic through the chunk buffer
+            small = np.empty(CHUNK, np.uint8)
+            _chunk_codes(x, d, steps, s, key, c0, c1, small)
+            _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            _chunk_codes(x, d, steps, s, key, c0, c1, wide)
+            _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
     return out
 
 

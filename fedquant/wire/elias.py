@@ -245,7 +245,7 @@ def _peek(buf, pos, width):
     return (word << np.uint64(pos & 7)) >> np.uint64(64 - width)
 
 
-@numba.njit(inline="always")
+@numba.njit
 def _get_omega_long(buf, pos, end):
     """Decode one codeword at bit ``pos`` bit by bit; returns (status, value, new_pos)."""
     n = np.uint64(1)
