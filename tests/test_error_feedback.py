@@ -7,6 +7,7 @@ import torch
 
 from fedquant.codecs import get_codec
 from fedquant.codecs.error_feedback import ErrorFeedback, residual_state_key
+from tests import test_codecs_common as common
 from tests.helpers import cuda, sample_tensor
 
 
@@ -84,3 +85,20 @@ def test_residual_stays_on_the_tensors_device():
     _, residual = ef.encode_with_feedback(x, 1, None)
     _, residual = ef.encode_with_feedback(x, 2, residual)
     assert residual.device == x.device and residual.dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec", ["ef+bingrad-b", "ef+orq:levels=5", "ef+linear:coding=entropy"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        common.test_rejects_empty_truncated_and_extended,
+        common.test_rejects_every_single_bit_flip_in_header_and_body,
+        common.test_rejects_forged_bodies_of_wrong_length,
+        common.test_rejects_wrong_shape_and_dtype,
+        common.test_rejects_payload_of_another_codec,
+        common.test_same_seed_same_bytes,
+    ],
+    ids=lambda f: getattr(f, "__name__", str(f)),
+)
+def test_wrapped_codecs_keep_the_bad_input_contract(spec, check):
+    check(get_codec(spec))
