@@ -236,6 +236,20 @@ def test_parallel_kernels_equal_the_torch_path(name):
     assert np.array_equal(cpu_kernels.unpack_indices(data, 3, n), idx)
 
 
+@pytest.mark.parametrize(
+    ("n", "d", "s"),
+    [(3 * cpu_kernels.PARALLEL_MIN + 5, 7, 5), (100003, 1, 2), (70001, 513, 9), (17, 3, 3), (200000, 100000, 4)],
+)
+def test_decode_kernel_gathers_the_right_bucket_row(n, d, s):
+    rng = np.random.default_rng(n)
+    levels = rng.standard_normal((-(-n // d), s)).astype(np.float32)
+    idx = rng.integers(0, s, n).astype(np.uint8)
+    width = bit_width(s)
+    values, bad = cpu_kernels.decode_levels(cpu_kernels.pack_indices(idx, width), width, levels, d, n)
+    assert bad == 0
+    assert np.array_equal(values, gather_levels(torch.from_numpy(idx), torch.from_numpy(levels), d).numpy())
+
+
 @pytest.mark.parametrize("width", range(1, 9))
 def test_fast_index_packing_matches_the_wire_packer(width):
     v = np.random.default_rng(width).integers(0, 1 << width, 1003).astype(np.uint8)

@@ -291,20 +291,30 @@ def _unpack_group(data, width, g, out):
 
 
 @njit(cache=True)
-def _decode_group(data, width, flat_levels, s, d, g, out):
-    acc = _group_bits(data, width, g)
+def _decode_block(data, width, flat_levels, s, d, first_group, end_group, out):
+    # Groups [first_group, end_group); the bucket row advances incrementally (no division per element).
     mask = np.uint64((1 << width) - 1)
-    base = g * 8
     bad = 0
-    for j in range(min(8, out.size - base)):
-        i = base + j
-        k = np.int64((acc >> np.uint64(j * width)) & mask)
-        if k < s:
-            out[i] = flat_levels[(i // d) * s + k]
-        else:
-            out[i] = 0.0
-            bad += 1
+    i = first_group * 8
+    row = (i // d) * s
+    boundary = (i // d + 1) * d
+    for g in range(first_group, end_group):
+        acc = _group_bits(data, width, g)
+        for j in range(min(8, out.size - g * 8)):
+            if i == boundary:
+                row += s
+                boundary += d
+            k = np.int64((acc >> np.uint64(j * width)) & mask)
+            if k < s:
+                out[i] = flat_levels[row + k]
+            else:
+                out[i] = 0.0
+                bad += 1
+            i += 1
     return bad
+
+
+DECODE_BLOCK_GROUPS = 2048
 
 
 # ---------------------------------------------------------------- loops: parallel and serial
@@ -412,18 +422,18 @@ def _unpack_seq(data, width, out):
 
 @njit(cache=True, parallel=True)
 def _decode_par(data, width, flat_levels, s, d, out):
+    groups = (out.size + 7) // 8
+    blocks = (groups + DECODE_BLOCK_GROUPS - 1) // DECODE_BLOCK_GROUPS
     bad = 0
-    for g in prange((out.size + 7) // 8):
-        bad += _decode_group(data, width, flat_levels, s, d, g, out)
+    for blk in prange(blocks):
+        first = blk * DECODE_BLOCK_GROUPS
+        bad += _decode_block(data, width, flat_levels, s, d, first, min(first + DECODE_BLOCK_GROUPS, groups), out)
     return bad
 
 
 @njit(cache=True)
 def _decode_seq(data, width, flat_levels, s, d, out):
-    bad = 0
-    for g in range((out.size + 7) // 8):
-        bad += _decode_group(data, width, flat_levels, s, d, g, out)
-    return bad
+    return _decode_block(data, width, flat_levels, s, d, 0, (out.size + 7) // 8, out)
 
 
 def _levels_out(n: int, d: int, s: int) -> np.ndarray:
