@@ -9,6 +9,7 @@ from fedquant.codecs.dithered import dither, nested_quantize, nested_reconstruct
 from fedquant.codecs.nested_params import (
     RunningMean,
     choose_rho,
+    choose_rho_for_variance,
     nested_mse,
     optimal_alpha,
     spread_in_steps,
@@ -184,3 +185,19 @@ def test_running_mean_is_the_mean_in_any_order_and_matches_the_authors_recursion
         rm.side_info(torch.zeros(4))
     rm.reset()
     assert rm.count == 0 and rm.mean is None
+
+
+def test_choose_rho_for_variance_keeps_the_dithered_variance_where_k3_does_not():
+    # sigma_z = Delta1: the k = 3 rule gives rho = 7 and wraps inflate the MSE (algorithms.md §5.5
+    # measured 0.12 against 1/12); the variance-targeted rule keeps the excess below 1 %
+    assert choose_rho(1.0, 1.0) == 7
+    rho = choose_rho_for_variance(1.0, 1.0, max_excess=0.01)
+    assert rho > 7 and rho % 2 == 1
+    err_k3, _, _ = _monte_carlo(1.0, 1.0, 7, seed=8)
+    err_var, _, _ = _monte_carlo(1.0, 1.0, rho, seed=9)
+    assert err_k3.pow(2).mean().item() > 1.2 / 12
+    # 1 % excess allowed, plus 5 sd of the uniform error's sample MSE (relative sd sqrt(0.8 / n))
+    assert err_var.pow(2).mean().item() < (1 / 12) * (1.01 + 5 * math.sqrt(0.8 / err_var.numel()))
+    assert choose_rho_for_variance(0.05, 1.0) == 3
+    with pytest.raises(ValueError, match="max_excess"):
+        choose_rho_for_variance(1.0, 1.0, max_excess=0.0)

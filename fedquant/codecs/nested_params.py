@@ -63,6 +63,32 @@ def choose_rho(sigma_z: float, delta1: float, alpha: float = 1.0, k: float = 3.0
     return rho if rho % 2 else rho + 1
 
 
+def choose_rho_for_variance(
+    sigma_z: float, delta1: float, alpha: float = 1.0, max_excess: float = 0.01, max_rho: int = (1 << 16) - 1
+) -> int:
+    """Smallest odd ``rho >= 3`` whose expected wrap-around excess is at most ``max_excess`` of the MSE.
+
+    A wrap moves the estimate by about ``alpha Delta2 = alpha rho Delta1``, so wraps add about
+    ``wrap_probability * (alpha rho Delta1)**2`` to the per-coordinate MSE. This rule keeps that
+    below ``max_excess * nested_mse(alpha, sigma_z, delta1)`` for Gaussian ``z``. Unlike a fixed
+    ``k`` it accounts for the excess growing with ``rho**2``: ``choose_rho``'s ``k = 3`` lets the
+    MSE grow by up to about 45 % once ``sigma_z`` approaches ``Delta1`` (see the benchmark
+    ``benchmarks/nested_rate_distortion.py``). Starts from ``choose_rho(..., k=3)`` and steps by 2.
+
+    Returns
+    -------
+    int
+        Odd ``rho``, at most ``max_rho`` (returned when even it does not meet the target).
+    """
+    if not max_excess > 0:
+        raise ValueError(f"max_excess must be > 0, got {max_excess}")
+    rho = choose_rho(sigma_z, delta1, alpha, k=3.0)
+    target = max_excess * nested_mse(alpha, sigma_z, delta1)
+    while rho + 2 <= max_rho and wrap_probability(alpha, sigma_z, delta1, rho) * (alpha * rho * delta1) ** 2 > target:
+        rho += 2
+    return min(rho, max_rho)
+
+
 def optimal_alpha(sigma_z: float, delta1: float, min_alpha: float = 1e-3) -> float:
     """MSE-minimizing shrinkage ``alpha = sqrt(1 - Delta1**2 / (24 sigma_z**2))``, within ``[min_alpha, 1]``.
 
