@@ -274,6 +274,7 @@ def test_rejects_negative_or_non_finite_steps(bad):
 
 
 # ------------------------------------------------------------------ CUDA (skipped without a GPU)
+@pytest.mark.cuda
 @cuda
 def test_cuda_dither_and_payloads_match_cpu():
     assert torch.equal(dither(2**40 + 3, 100_000, "cuda").cpu(), dither(2**40 + 3, 100_000))

@@ -132,7 +132,7 @@ def test_wrap_probability_matches_the_reference_table():
 
 
 # ------------------------------------------------------------------ spread estimate
-def _spread_reference(updates, levels, bucket_size):
+def _spread_reference(updates, levels, bucket_size, dqsg_levels=None):
     """Loop version of spread_in_steps, written from its docstring."""
     m = len(updates)
     total, count = 0.0, 0
@@ -144,7 +144,9 @@ def _spread_reference(updates, levels, bucket_size):
             if step > 0:
                 total += (((g - others[start : start + bucket_size].double()) / step) ** 2).sum().item()
                 count += g.numel()
-    return math.sqrt(total / count)
+    s2_qv = total / count * (m - 1) / m
+    qv = (levels / dqsg_levels) ** 2 / 12 if dqsg_levels else 0.0
+    return math.sqrt(max(s2_qv - qv, 0) + s2_qv / m)
 
 
 def test_spread_in_steps_matches_its_definition_and_is_scale_free():
@@ -155,8 +157,10 @@ def test_spread_in_steps_matches_its_definition_and_is_scale_free():
     got = spread_in_steps(updates, levels=3, bucket_size=100)
     assert got == pytest.approx(_spread_reference(updates, 3, 100), rel=1e-6)  # reference mean in float32
     assert spread_in_steps([5 * u for u in updates], 3, 100) == pytest.approx(got, rel=1e-6)
-    # sigma 0.2 * sqrt(4/3) (leave-one-out) over steps of about max|N(0, 1.04)| / 3 ~ 0.9
+    # sigma 0.2 * sqrt(1 + 1/4) over steps of about max|N(0, 1.04)| / 3 ~ 0.9
     assert 0.15 < got < 0.45
+    with_q = spread_in_steps(updates, 3, 100, dqsg_levels=6)
+    assert with_q == pytest.approx(_spread_reference(updates, 3, 100, 6), rel=1e-6) and with_q < got
     with pytest.raises(ValueError, match="at least 2"):
         spread_in_steps(updates[:1], 3, 100)
 
@@ -201,3 +205,43 @@ def test_choose_rho_for_variance_keeps_the_dithered_variance_where_k3_does_not()
     assert choose_rho_for_variance(0.05, 1.0) == 3
     with pytest.raises(ValueError, match="max_excess"):
         choose_rho_for_variance(1.0, 1.0, max_excess=0.0)
+
+
+def test_two_group_decoding_as_in_algorithm_2():
+    """One tensor through Algorithm 2 with the pure pieces (what the server wrapper will do).
+
+    P1 clients send DQSG; their decoded mean seeds a RunningMean; rho comes from their spread;
+    each P2 client's NDQSG payload is decoded against the running mean of everything decoded
+    before it, then folded in. Each P2 client should get DQSG's error variance (alpha = 1).
+    """
+    from fedquant.codecs import get_codec
+
+    n, levels, sigma = 1 << 16, 3, 0.05
+    gen = torch.Generator().manual_seed(7)
+    true = torch.randn(n, generator=gen)
+    updates = [true + sigma * torch.randn(n, generator=gen) for _ in range(8)]
+    p1, p2 = updates[:4], updates[4:]
+    dq = get_codec("dqsg", levels=levels)
+    decoded_p1 = [dq.decode(dq.encode(g, seed=100 + i), seed=100 + i) for i, g in enumerate(p1)]
+    spread = spread_in_steps(decoded_p1, levels, 512, dqsg_levels=levels)
+    # sigma_z^2 = s2 + (s2 + 1/12) / 4 in fine steps, s = 0.05 / Delta1 with Delta1 ~ 3.6 / 3
+    assert 0.13 < spread < 0.18
+    rho = choose_rho_for_variance(spread, 1.0)
+    assert rho == 3
+    nd = get_codec("ndqsg", levels=levels, rho=rho)
+    mean = RunningMean()
+    for g in decoded_p1:
+        mean.add(g)
+    for i, g in enumerate(p2):
+        x_hat = nd.decode(nd.encode(g, seed=200 + i), seed=200 + i, side_info=mean.side_info(g))
+        err = (x_hat - g).double()
+        step = torch.nn.functional.pad(g, (0, (-n) % 512)).view(-1, 512).abs().amax(1) / levels
+        dqsg_var = float((step.double() ** 2 / 12).repeat_interleave(512)[:n].mean())
+        # uniform errors: relative sd of the sample MSE sqrt(4/5 / n) = 0.35 %; 5 sd
+        assert abs(err.pow(2).mean().item() / dqsg_var - 1) < 5 * math.sqrt(0.8 / n)
+        assert err.abs().max() <= step.max() / 2 + 1e-5  # no wrap-around
+        mean.add(x_hat)
+    assert mean.count == 8
+    # the aggregate is the plain mean of unbiased estimates: error variance ~ DQSG variance / 8
+    agg_err = (mean.mean - torch.stack(updates).double().mean(0)).pow(2).mean().item()
+    assert agg_err < 1.2 * dqsg_var / 8
