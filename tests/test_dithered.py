@@ -238,7 +238,8 @@ def test_ndqsg_without_side_info_says_what_is_missing():
         ("ndqsg:alpha=1.5", "<= 1.0"),
         ("dqsg:levels=0", ">= 1"),
         ("dqsg:levels=40000", "<="),
-        ("dqsg:bucket_size=0", ">= 1"),
+        ("dqsg:bucket_size=-1", ">= 0"),
+        ("ndqsg:coding=gzip", "fixed, entropy"),
     ],
 )
 def test_bad_parameters_fail_at_construction(spec, message):
@@ -287,3 +288,42 @@ def test_cuda_dither_and_payloads_match_cpu():
         assert (err.abs() <= _steps(x, 4, 512).reshape(x.shape) / 2 + 1e-5).all()
         y_dev = codec.decode(on_gpu, seed=77, device="cuda", **{k: v.cuda() for k, v in kwargs.items()})
         assert y_dev.is_cuda and torch.allclose(y_dev.cpu(), x + err, atol=1e-6)
+
+
+# ------------------------------------------------------------------ entropy coding
+@pytest.mark.parametrize("spec", ["dqsg:levels=7", "ndqsg:levels=7,rho=5", "dqsg:levels=2,bucket_size=0"])
+def test_entropy_coding_decodes_to_the_same_values_in_fewer_bytes(spec):
+    x = sample_tensor((20000,), seed=51)
+    kwargs = {"side_info": x + 0.01} if spec.startswith("ndqsg") else {}
+    fixed, entropy = get_codec(spec), get_codec(spec + ",coding=entropy")
+    p_fixed, p_entropy = fixed.encode(x, seed=3), entropy.encode(x, seed=3)
+    assert torch.equal(fixed.decode(p_fixed, seed=3, **kwargs), entropy.decode(p_entropy, seed=3, **kwargs))
+    assert len(p_entropy) < len(p_fixed)
+    # the coded indices take at most the empirical entropy plus the count table (a few bytes per symbol)
+    width = 3 if "levels=2" in spec else 4 if spec.startswith("dqsg") else 3
+    steps = 4 * (1 if "bucket_size=0" in spec else math.ceil(20000 / 512))
+    symbols = _unpack_all(p_fixed, 20000, width, steps)
+    probs = np.bincount(symbols) / 20000
+    probs = probs[probs > 0]
+    entropy_bytes = -(probs * np.log2(probs)).sum() * 20000 / 8
+    coded = len(read_payload(p_entropy).body) - steps
+    assert entropy_bytes <= coded + 1 <= entropy_bytes + 8 + 4 * probs.size + 1
+
+
+def _unpack_all(payload, n, width, offset):
+    from fedquant.wire import unpack_bits
+
+    body = bytes(read_payload(payload).body)
+    return unpack_bits(np.frombuffer(body[offset:], np.uint8), width, n).astype(np.int64)
+
+
+@pytest.mark.parametrize("spec", ["dqsg:coding=entropy", "ndqsg:coding=entropy"])
+def test_entropy_coded_bodies_of_wrong_length_are_rejected(spec):
+    codec = get_codec(spec)
+    x = sample_tensor((3000,), seed=52)
+    kwargs = {"side_info": x} if codec.needs_side_info else {}
+    p = read_payload(codec.encode(x, seed=1))
+    body = bytes(p.body)
+    for bad in (body[:-1], body[:-4], body + b"\x00\x00\x00\x00", body[: 4 * 6]):
+        with pytest.raises(PayloadError):
+            codec.decode(write_payload(p.spec, p.dtype, p.shape, [bad]), seed=1, **kwargs)

@@ -29,7 +29,8 @@ from a spread ``sigma_z`` must compare it with the clients' typical ``kappa / M1
 (see :mod:`fedquant.codecs.nested_params`).
 
 Wire, per tensor: one float32 step per bucket, then the indices packed at ``ceil(log2(2M+1))``
-(``dqsg``) or ``ceil(log2(rho))`` (``ndqsg``) bits each.
+(``dqsg``) or ``ceil(log2(rho))`` (``ndqsg``) bits each, or with ``coding="entropy"`` the bytes of
+:func:`fedquant.wire.entropy.entropy_encode` to the end of the body.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from fedquant.codecs.base import Codec
 from fedquant.codecs.buckets import num_buckets, to_buckets
+from fedquant.codecs.index_coding import coder_available, decode_symbols, encode_symbols
 from fedquant.codecs.params import Param
 from fedquant.errors import PayloadError
 from fedquant.rng import uniform
@@ -111,21 +113,33 @@ def nested_reconstruct(
     return torch.where(step1 > 0, y + alpha * r, torch.zeros_like(y))
 
 
-def _write(out: BodyWriter, steps: torch.Tensor, symbols: torch.Tensor, numel: int, num_symbols: int) -> None:
+def _bucket(numel: int, bucket_size: int) -> int:
+    """Effective bucket size: ``bucket_size``, or the whole tensor when it is 0."""
+    return bucket_size if bucket_size else max(numel, 1)
+
+
+def _write(out: BodyWriter, steps: torch.Tensor, symbols: torch.Tensor, numel: int, half: int, coding: str) -> None:
+    """Steps as float32, then the symbols ``0 .. 2 half`` packed or entropy coded."""
     out.add_array(steps.reshape(-1).cpu().numpy(), "<f4")
     sym = symbols.reshape(-1)[:numel].to(torch.int32).cpu().numpy()
-    out.add(pack_bits(sym, bit_width(num_symbols)))
+    if coding == "fixed":
+        out.add(pack_bits(sym, bit_width(2 * half + 1)))
+    else:
+        encode_symbols(out, sym.astype(np.uint16), half, coding)
 
 
-def _read(body: BodyReader, name: str, numel: int, bucket_size: int, num_symbols: int):
-    """Steps ``(buckets, 1)`` and symbols (padded to whole buckets) of a body, all checked."""
+def _read(body: BodyReader, name: str, numel: int, bucket_size: int, half: int, coding: str):
+    """Steps ``(buckets, 1)`` and symbols (float32, padded to whole buckets) of a body, all checked."""
     nb = num_buckets(numel, bucket_size)
+    num_symbols = 2 * half + 1
     steps = body.take_array("<f4", nb, "bucket steps")
-    width = bit_width(num_symbols)
-    packed = body.take(packed_size(numel, width), "packed indices")
     if not np.isfinite(steps).all() or (steps < 0).any():
         raise PayloadError(f"{name} payload holds a negative or non-finite bucket step")
-    sym = unpack_bits(packed, width, numel)
+    if coding == "fixed":
+        width = bit_width(num_symbols)
+        sym = unpack_bits(body.take(packed_size(numel, width), "packed indices"), width, numel)
+    else:
+        sym = decode_symbols(body, numel, half, coding, name)
     if sym.size and int(sym.max()) >= num_symbols:
         raise PayloadError(f"{name} payload holds an index {int(sym.max())} outside 0..{num_symbols - 1}")
     padded = torch.zeros(nb * bucket_size, dtype=torch.float32)
@@ -133,7 +147,13 @@ def _read(body: BodyReader, name: str, numel: int, bucket_size: int, num_symbols
     return torch.from_numpy(steps.astype(np.float32)).reshape(nb, 1), padded.view(nb, bucket_size)
 
 
-_BUCKET = Param(int, 512, "elements per bucket, each with its own step", minimum=1)
+_BUCKET = Param(int, 512, "elements per bucket, each with its own step; 0 = one step per tensor", minimum=0)
+_CODING = Param(str, "fixed", "index stream: fixed-width packing or entropy coded", choices=("fixed", "entropy"))
+
+
+def _check_coding(name: str, coding: str) -> None:
+    if not coder_available(coding):
+        raise ValueError(f"{name}: coding '{coding}' is not available in this installation")
 
 
 # ---------------------------------------------------------------------- codecs
@@ -146,7 +166,10 @@ class DQSGCodec(Codec):
         ``M``: ``2M+1`` indices ``{-M..M}``, step ``max|g| / M`` per bucket. Default 3 (7 levels),
         the authors' setting for the DQSG group of their NDQSG experiments.
     bucket_size : int
-        Elements per bucket (each sends one float32 step). Default 512.
+        Elements per bucket (each sends one float32 step). Default 512; 0 = one step per tensor.
+    coding : {"fixed", "entropy"}
+        Indices packed at ``ceil(log2(2M+1))`` bits (default) or entropy coded with their own
+        empirical distribution (:mod:`fedquant.wire.entropy`), the rate the authors report.
 
     Notes
     -----
@@ -159,26 +182,30 @@ class DQSGCodec(Codec):
     params = {
         "levels": Param(int, 3, "M: 2M+1 quantization indices, step = max|g|/M", minimum=1, maximum=MAX_LEVELS),
         "bucket_size": _BUCKET,
+        "coding": _CODING,
     }
     unbiased = True
     paper = "Abdi & Fekri 2019 (DQSG)"
-    wire = "float32 step per bucket + indices at ceil(log2(2M+1)) bits; dither regenerated from the seed"
+    wire = "float32 step per bucket + indices at ceil(log2(2M+1)) bits or entropy coded; no dither bits"
+
+    def _validate(self) -> None:
+        _check_coding(self.name, self.coding)
 
     @property
     def num_symbols(self) -> int:
         return 2 * self.levels + 1
 
     def _encode(self, flat: torch.Tensor, seed: int) -> BodyWriter:
-        v = to_buckets(flat, self.bucket_size)
+        v = to_buckets(flat, _bucket(flat.numel(), self.bucket_size))
         step = bucket_steps(v, self.levels)
         u = dither(seed, v.numel(), flat.device).view_as(v)
         q = dithered_quantize(v, step, u, self.levels)
         out = BodyWriter()
-        _write(out, step, q + self.levels, flat.numel(), self.num_symbols)
+        _write(out, step, q + self.levels, flat.numel(), self.levels, self.coding)
         return out
 
     def _decode(self, body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None) -> torch.Tensor:
-        step, sym = _read(body, self.name, numel, self.bucket_size, self.num_symbols)
+        step, sym = _read(body, self.name, numel, _bucket(numel, self.bucket_size), self.levels, self.coding)
         u = dither(seed, sym.numel()).view_as(sym)
         return dithered_reconstruct(sym - self.levels, step, u).reshape(-1)[:numel]
 
@@ -195,7 +222,10 @@ class NDQSGCodec(Codec):
     alpha : float
         Shrinkage in (0, 1]. 1 (default) keeps the decoder conditionally unbiased.
     bucket_size : int
-        Elements per bucket. Default 512.
+        Elements per bucket. Default 512; 0 = one step per tensor.
+    coding : {"fixed", "entropy"}
+        Coset indices packed at ``ceil(log2(rho))`` bits (default) or entropy coded (about
+        ``log2(rho)`` bits: the dither makes them nearly uniform).
 
     Notes
     -----
@@ -213,25 +243,27 @@ class NDQSGCodec(Codec):
         "rho": Param(int, 3, "odd coarse/fine step ratio Delta2/Delta1, >= 3", minimum=3, maximum=MAX_RHO),
         "alpha": Param(float, 1.0, "shrinkage factor in (0, 1]", maximum=1.0),
         "bucket_size": _BUCKET,
+        "coding": _CODING,
     }
     unbiased = False
     needs_side_info = True
     paper = "Abdi & Fekri 2019 (NDQSG)"
-    wire = "float32 fine step per bucket + coset indices at ceil(log2(rho)) bits; decoder needs side info"
+    wire = "float32 fine step per bucket + coset indices at ceil(log2(rho)) bits or entropy coded; side info"
 
     def _validate(self) -> None:
+        _check_coding(self.name, self.coding)
         if self.rho % 2 == 0:
             raise ValueError(f"ndqsg: parameter 'rho' must be odd (coarse cells on fine ones), got {self.rho}")
         if not self.alpha > 0:
             raise ValueError(f"ndqsg: parameter 'alpha' must be in (0, 1], got {self.alpha}")
 
     def _encode(self, flat: torch.Tensor, seed: int) -> BodyWriter:
-        v = to_buckets(flat, self.bucket_size)
+        v = to_buckets(flat, _bucket(flat.numel(), self.bucket_size))
         step1 = bucket_steps(v, self.levels)
         u = dither(seed, v.numel(), flat.device).view_as(v)
         s = nested_quantize(v, step1, u, self.rho, self.alpha)
         out = BodyWriter()
-        _write(out, step1, s + self.rho // 2, flat.numel(), self.rho)
+        _write(out, step1, s + self.rho // 2, flat.numel(), self.rho // 2, self.coding)
         return out
 
     def _decode(self, body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None) -> torch.Tensor:
@@ -242,8 +274,9 @@ class NDQSGCodec(Codec):
             )
         if not bool(torch.isfinite(side_info).all()):
             raise ValueError("ndqsg: side_info contains NaN or Inf")
-        step1, sym = _read(body, self.name, numel, self.bucket_size, self.rho)
+        d = _bucket(numel, self.bucket_size)
+        step1, sym = _read(body, self.name, numel, d, self.rho // 2, self.coding)
         u = dither(seed, sym.numel()).view_as(sym)
-        y = to_buckets(side_info.detach().to("cpu", torch.float64), self.bucket_size)
+        y = to_buckets(side_info.detach().to("cpu", torch.float64), d)
         x = nested_reconstruct(sym - self.rho // 2, step1, u, self.rho, self.alpha, y)
         return x.reshape(-1)[:numel].to(torch.float32)
