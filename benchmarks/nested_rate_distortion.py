@@ -216,7 +216,8 @@ def check(cases: dict[tuple[float, int], list[Row]], total: int) -> list[str]:
         sigma = min(s for s, m in cases if m == levels)
         rows = cases[(sigma, levels)]
         dq, rec = rows[0], next(r for r in rows if r.rule == "var1%")
-        if not (rec.bits_fixed < dq.bits_fixed and rec.bits_entropy < dq.bits_entropy and rec.bits_coded < dq.bits_coded):
+        fewer = (rec.bits_fixed < dq.bits_fixed, rec.bits_entropy < dq.bits_entropy, rec.bits_coded < dq.bits_coded)
+        if not all(fewer):
             failures.append(
                 f"sigma_z={sigma}, M={levels}: NDQSG sends {rec.bits_fixed:.3f}/{rec.bits_entropy:.3f}/"
                 f"{rec.bits_coded:.3f} bits (fixed/entropy/rANS), DQSG {dq.bits_fixed:.3f}/{dq.bits_entropy:.3f}/"
