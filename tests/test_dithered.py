@@ -82,7 +82,7 @@ def test_dqsg_error_is_uniform_and_independent_of_the_input():
 
 
 def test_dqsg_is_unbiased_with_variance_kappa_delta_squared_over_12():
-    levels, d, seeds = 2, 16, 3000
+    levels, d, seeds = 2, 16, 1000
     x = sample_tensor((64,), seed=12)
     codec = get_codec("dqsg", levels=levels, bucket_size=d)
     outs = torch.stack([codec.decode(codec.encode(x, seed=s), seed=s) for s in range(seeds)]).double()
