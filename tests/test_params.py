@@ -39,3 +39,11 @@ def test_fp32_spec_has_no_parameters():
     assert get_codec("fp32").spec == "fp32"
     with pytest.raises(ValueError, match="unknown parameter"):
         get_codec("fp32:levels=3")
+
+
+def test_get_codec_accepts_codec_objects_including_error_feedback():
+    ef = get_codec("ef+signsgd")
+    assert get_codec(ef) is ef
+    assert get_codec(ef, bucket_size=64).spec == "ef+" + get_codec("signsgd", bucket_size=64).spec
+    plain = get_codec("qsgd")
+    assert get_codec(plain) is plain

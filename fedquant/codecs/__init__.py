@@ -68,13 +68,13 @@ def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
     ValueError
         For an unknown codec or parameter, or a value out of range, naming the bad part.
     """
-    if isinstance(name_or_spec, Codec) and not params:
-        return name_or_spec
-    if isinstance(name_or_spec, Codec):
+    from fedquant.codecs.error_feedback import ErrorFeedback
+
+    if isinstance(name_or_spec, (Codec, ErrorFeedback)):
+        if not params:
+            return name_or_spec
         name_or_spec = name_or_spec.spec
     if isinstance(name_or_spec, str) and name_or_spec.strip().lower().startswith(EF_PREFIX):
-        from fedquant.codecs.error_feedback import ErrorFeedback
-
         return ErrorFeedback(get_codec(name_or_spec.strip()[len(EF_PREFIX) :], **params))
     name, spec_params = parse_spec(name_or_spec)
     return codec_class(name)(**{**spec_params, **params})
