@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.codecs import Codec
 from fedquant.strategies.decode_plan import SideInformation
-from fedquant.strategies.protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE, is_encoded, tensor_seed
+from fedquant.strategies.protocol import FLOAT_DTYPES, PAYLOAD_DTYPE, PAYLOAD_STYPE, is_encoded, tensor_seed
 
 NUMPY_STYPE = "numpy.ndarray"
 # Largest .npy header accepted on a tensor that travels as is (np.save writes 128 bytes or a
@@ -60,28 +60,35 @@ def _decode_entry(
         update = codec.decode(array.data, seed, side_info, shape=received.shape, dtype=torch.float32)
     except ValueError as err:  # PayloadError is a ValueError
         raise RejectedReply(f"'{name}': {err}") from err
-    dense = received.astype(np.float32, copy=False) + update.numpy()
+    with np.errstate(over="ignore"):  # overflow is detected just below
+        dense = (received.astype(np.float32, copy=False) + update.numpy()).astype(received.dtype, copy=False)
     if not np.isfinite(dense).all():
-        raise RejectedReply(f"'{name}': received + update overflows to Inf")
-    return dense.astype(received.dtype, copy=False), update
+        raise RejectedReply(f"'{name}': received + update overflows {received.dtype} to Inf")
+    return dense, update
+
+
+def _same_kind(dtype: str, received: np.dtype) -> bool:
+    """A float tensor may come back in another float dtype (a float32 model trained on float64
+    arrays that FedAdam returned); any other tensor must keep its dtype."""
+    if received.kind == "f":
+        return dtype in FLOAT_DTYPES
+    return dtype == str(received)
 
 
 def _check_plain_entry(name: str, array: Array, received: np.ndarray) -> np.ndarray:
     if array.stype != NUMPY_STYPE:
         raise RejectedReply(f"'{name}' must travel as a NumPy array, got stype '{array.stype}'")
-    if array.dtype != str(received.dtype) or tuple(array.shape) != received.shape:
-        raise RejectedReply(
-            f"'{name}' declares {array.dtype}{list(array.shape)}, expected {received.dtype}{list(received.shape)}"
-        )
-    if len(array.data) > received.nbytes + MAX_NPY_HEADER:
+    want = f"{received.dtype}{list(received.shape)}"
+    if not _same_kind(array.dtype, received.dtype) or tuple(array.shape) != received.shape:
+        raise RejectedReply(f"'{name}' declares {array.dtype}{list(array.shape)}, expected {want}")
+    if len(array.data) > 8 * received.size + MAX_NPY_HEADER:
         raise RejectedReply(f"'{name}' holds {len(array.data)} bytes, more than its shape needs")
     try:
         value = array.numpy()
     except (ValueError, TypeError, EOFError, OSError) as err:
         raise RejectedReply(f"'{name}' is not a valid NumPy array: {err}") from err
-    if value.dtype != received.dtype or value.shape != received.shape:
-        got, want = f"{value.dtype}{list(value.shape)}", f"{received.dtype}{list(received.shape)}"
-        raise RejectedReply(f"'{name}' holds {got}, expected {want}")
+    if str(value.dtype) != array.dtype or value.shape != received.shape:
+        raise RejectedReply(f"'{name}' holds {value.dtype}{list(value.shape)}, expected {want}")
     if value.dtype.kind == "f" and not np.isfinite(value).all():
         raise RejectedReply(f"'{name}' contains NaN or Inf")
     return value
