@@ -15,6 +15,7 @@ from fedquant.codecs import get_codec
 from fedquant.rng import derive_seed
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
+    KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
@@ -153,6 +154,13 @@ def test_reply_without_metricrecord_gets_fedquant_record():
     reply = quantize_mod(_train_message(_fq_config("fp32")), _context(), _app(with_metrics=False))
     record = reply.content.metric_records[CLIENT_METRICRECORD_NAME]
     assert record[METRIC_CLIENT_MSE] == 0.0
+
+
+def test_client_mse_can_be_switched_off():
+    config = _fq_config("fp16")
+    config[KEY_CLIENT_MSE] = False
+    metrics = quantize_mod(_train_message(config), _context(), _app()).content["metrics"]
+    assert METRIC_CLIENT_MSE not in metrics and metrics[METRIC_CLIENT_ENCODE_SECONDS] > 0
 
 
 def test_min_numel_threshold_is_inclusive():

@@ -24,7 +24,15 @@ from fedquant.codecs import Codec, get_codec
 from fedquant.metrics import HistoryRecorder, dense_float32_bytes, result_rows
 from fedquant.rng import derive_seed
 from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
-from fedquant.strategies.protocol import KEY_CODEC, KEY_MIN_NUMEL, KEY_ROLE, KEY_SEED, PAYLOAD_STYPE, tensor_seed
+from fedquant.strategies.protocol import (
+    KEY_CLIENT_MSE,
+    KEY_CODEC,
+    KEY_MIN_NUMEL,
+    KEY_ROLE,
+    KEY_SEED,
+    PAYLOAD_STYPE,
+    tensor_seed,
+)
 from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
 from fedquant.wire.body import BodyReader, BodyWriter
 from fedquant.wire.payload import write_payload
@@ -119,6 +127,13 @@ def test_configure_train_gives_each_client_its_own_config():
         assert config[KEY_MIN_NUMEL] == MIN_NUMEL
         assert config["lr"] == 0.1 and config["server-round"] == 3
     assert KEY_CODEC not in user_config  # the user's ConfigRecord is not modified by fedquant
+    assert all(c[KEY_CLIENT_MSE] is True for c in configs)
+
+
+def test_client_mse_off_leaves_the_metric_out():
+    grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
+    metrics = _wrap(codec="fp16", client_mse=False).start(grid, initial_arrays(), 1).train_metrics_clientapp[1]
+    assert "quantization-mse" not in metrics and metrics["encode-seconds"] > 0
 
 
 # ---------------------------------------------------------------------------- whole rounds

@@ -17,6 +17,7 @@ from fedquant.clients.state import load_residual, store_residuals
 from fedquant.codecs import Codec, get_codec
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
+    KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
@@ -56,7 +57,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     with seed ``derive_seed(fedquant.seed, tensor_name)``; smaller and non-float tensors go as
     they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
     the decoded update over all encoded elements; not for codecs that need decoder side
-    information) and ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the
+    information, or when the server sets ``fedquant.client-mse`` to False) and
+    ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the
     residual of each tensor is kept in ``context.state``.
 
     Notes
@@ -77,6 +79,7 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         codec = _codec(str(config[KEY_CODEC]))
         client_seed = int(config[KEY_SEED])
         min_numel = int(config[KEY_MIN_NUMEL])
+        measure_mse = bool(config.get(KEY_CLIENT_MSE, True))
     except (KeyError, ValueError, TypeError) as err:
         return _error(msg, f"{MOD_NAME}: bad fedquant config: {err}")
     # Array objects are immutable in practice (their data is bytes): keep references, not copies.
@@ -112,7 +115,7 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
             payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
         else:
             payload = codec.encode(update, seed)
-        if not codec.needs_side_info:
+        if measure_mse and not codec.needs_side_info:
             decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32)
             sq_error += float(torch.sum((decoded - update).double() ** 2))
             encoded_numel += numel
