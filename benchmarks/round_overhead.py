@@ -6,14 +6,23 @@ first run of each kind is a warm-up (Ray actors start, numba compiles the QSGD k
 not counted. The task: an MLP (784-128-10, ~100K parameters, what a small FL model on edge
 clients looks like) trained for one local epoch with torch SGD on synthetic data.
 
-Target: fedquant adds at most 10% to a round. Prints a table; exits 1 when the target is missed.
+Target: fedquant adds at most 10% to a round. Runs of the two kinds alternate, so each wrapped
+run has a plain neighbour that saw the same background load; the check uses the median over
+reps of (wrapped / plain) per pair. Best-of-runs and medians are printed beside it.
+Reading the numbers: the simulation Grid polls for replies every 0.1 s (flwr's InMemoryGrid
+``pull_interval``), so a phase's wall time moves in 0.1 s steps, and a few milliseconds of
+encoding can cost a whole step when a phase ends near a boundary. Each client trains one epoch
+over 1024 samples so that training, not polling, sets the round time, as in real use. The last
+line gives fedquant's own compute per round (client encode + MSE check, server decode).
+Prints a table; exits 1 when the target is missed.
 
-    python benchmarks/round_overhead.py [--rounds 3] [--reps 3] [--clients 4] [--codec SPEC] [--no-client-mse]
+    python benchmarks/round_overhead.py [--rounds 4] [--reps 8] [--clients 4] [--codec SPEC] [--no-client-mse]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,7 +40,7 @@ from fedquant.clients import quantize_mod  # noqa: E402
 from fedquant.strategies import QuantizedStrategy  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
-N_SAMPLES, BATCH = 256, 32
+N_SAMPLES, BATCH = 1024, 32
 
 
 def make_model() -> torch.nn.Module:
@@ -85,8 +94,8 @@ client_app.evaluate()(evaluate)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per timed run")
-    parser.add_argument("--reps", type=int, default=3, help="timed runs of each kind (after one warm-up each)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per timed run")
+    parser.add_argument("--reps", type=int, default=8, help="timed runs of each kind (after one warm-up each)")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--codec", default="qsgd:levels=16,bucket_size=512,coding=fixed")
     parser.add_argument("--min-numel", type=int, default=1024)
@@ -113,7 +122,8 @@ def main() -> int:
             )
 
         for rep in range(args.reps + 1):
-            for name, make in (("FedAvg", plain), ("QuantizedStrategy(FedAvg)", wrapped)):
+            kinds = [("FedAvg", plain), ("QuantizedStrategy(FedAvg)", wrapped)]
+            for name, make in kinds if rep % 2 else kinds[::-1]:  # alternate which kind goes first
                 start = time.perf_counter()
                 result = make().start(grid, initial, num_rounds=args.rounds)
                 per_round = (time.perf_counter() - start) / args.rounds
@@ -132,17 +142,23 @@ def main() -> int:
         print("the simulation did not finish", file=sys.stderr)
         return 2
 
-    plain_s = statistics.median(times["FedAvg"])
-    wrapped_s = statistics.median(times["QuantizedStrategy(FedAvg)"])
-    overhead = wrapped_s / plain_s - 1
+    plain, wrapped = times["FedAvg"], times["QuantizedStrategy(FedAvg)"]
+    overhead = statistics.median(w / p for w, p in zip(wrapped, plain, strict=True)) - 1
+    overhead_best = min(wrapped) / min(plain) - 1
+    overhead_median = statistics.median(wrapped) / statistics.median(plain) - 1
     params = sum(p.numel() for p in make_model().parameters())
     print()
     mse = "off" if args.no_client_mse else "on"
+    print(f"environment: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, {os.cpu_count()} CPUs")
     print(f"round_overhead: {args.clients} clients, MLP 784-128-10 ({params} params), {args.codec}, client MSE {mse}")
-    print(f"{'strategy':<28}{'s/round (median)':>18}{'runs (s/round)':>40}")
+    print(f"{'strategy':<28}{'best s/round':>14}{'median':>10}   runs (s/round)")
     for name, values in times.items():
-        print(f"{name:<28}{statistics.median(values):>18.3f}{'  '.join(f'{v:.3f}' for v in values):>40}")
-    print(f"fedquant overhead per round: {100 * overhead:+.1f}%  (target <= {100 * TARGET_OVERHEAD:.0f}%)")
+        runs = "  ".join(f"{v:.3f}" for v in values)
+        print(f"{name:<28}{min(values):>14.3f}{statistics.median(values):>10.3f}   {runs}")
+    print(
+        f"fedquant overhead per round: {100 * overhead:+.1f}% (median of paired ratios; target <= "
+        f"{100 * TARGET_OVERHEAD:.0f}%), {100 * overhead_best:+.1f}% best-of-runs, {100 * overhead_median:+.1f}% medians"
+    )
     print(
         f"wrapped run: compression-ratio {last_metrics.get('compression-ratio', float('nan')):.2f}, "
         f"client encode {1000 * last_metrics.get('encode-seconds', float('nan')):.1f} ms, "
