@@ -157,7 +157,8 @@ def main() -> int:
         print(f"{name:<28}{min(values):>14.3f}{statistics.median(values):>10.3f}   {runs}")
     print(
         f"fedquant overhead per round: {100 * overhead:+.1f}% (median of paired ratios; target <= "
-        f"{100 * TARGET_OVERHEAD:.0f}%), {100 * overhead_best:+.1f}% best-of-runs, {100 * overhead_median:+.1f}% medians"
+        f"{100 * TARGET_OVERHEAD:.0f}%), {100 * overhead_best:+.1f}% best-of-runs, "
+        f"{100 * overhead_median:+.1f}% medians"
     )
     print(
         f"wrapped run: compression-ratio {last_metrics.get('compression-ratio', float('nan')):.2f}, "
