@@ -185,6 +185,20 @@ def test_round_metrics_match_bytes_counted_independently():
     assert 1.8 < result.train_metrics_clientapp[1]["compression-ratio"] < 2.0
 
 
+@pytest.mark.parametrize("spec", ["qsgd:levels=4,bucket_size=256", "ef+signsgd"])
+def test_compressing_codecs_train_the_model(spec):
+    grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
+    result = _wrap(codec=spec).start(grid, initial_arrays(), num_rounds=3)
+    for server_round in (1, 2, 3):
+        metrics = result.train_metrics_clientapp[server_round]
+        assert metrics["rejected-replies"] == 0
+        assert metrics["uplink-bytes"] == grid.train_reply_bytes[server_round - 1]
+        assert metrics["compression-ratio"] > 4 and metrics["quantization-mse"] > 0
+    assert global_loss(result.arrays, NUM_NODES) < 0.95 * global_loss(initial_arrays(), NUM_NODES)
+    if spec.startswith("ef+"):  # each client kept its residual for the encoded tensor
+        assert all(list(c.state["fedquant.ef-residual"].keys()) == ["fc.weight"] for c in grid.contexts.values())
+
+
 def test_simulated_upload_seconds_is_the_slowest_client():
     bandwidth = {101: 1000.0, 102: 4000.0, 103: 500.0, 104: 2000.0}
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)

@@ -58,8 +58,9 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
     the decoded update over all encoded elements; not for codecs that need decoder side
     information, or when the server sets ``fedquant.client-mse`` to False) and
-    ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the
-    residual of each tensor is kept in ``context.state``.
+    ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the residual of each
+    tensor is kept in ``context.state`` and the MSE is that of the codec on ``update + residual``
+    (the new residual), not against the update alone.
 
     Notes
     -----
@@ -113,9 +114,12 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         if hasattr(codec, "encode_with_feedback"):
             residual = load_residual(ctxt.state, name, old.shape)
             payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
+            if measure_mse:  # the new residual is exactly the codec's error on what it encoded
+                sq_error += float(torch.sum(residuals[name].double() ** 2))
+                encoded_numel += numel
         else:
             payload = codec.encode(update, seed)
-        if measure_mse and not codec.needs_side_info:
+        if measure_mse and not codec.needs_side_info and name not in residuals:
             decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32)
             sq_error += float(torch.sum((decoded - update).double() ** 2))
             encoded_numel += numel
