@@ -354,6 +354,20 @@ def test_update_that_overflows_the_model_dtype_is_rejected():
         decode_reply(content, received, get_codec("fp32"), 5, 1, SideInformation())
 
 
+def test_unexpected_decoder_error_rejects_the_reply_not_the_round(monkeypatch):
+    strategy = _wrap()
+    real_decode = strategy.codec.decode
+
+    def flaky(payload, seed, *args, **kwargs):
+        if seed == tensor_seed(derive_seed(11, 1, 104), "fc.weight"):
+            raise IndexError("kernel read past the end")
+        return real_decode(payload, seed, *args, **kwargs)
+
+    monkeypatch.setattr(strategy.codec, "decode", flaky)
+    arrays, metrics = _round(strategy)
+    assert metrics["rejected-replies"] == 1 and arrays is not None
+
+
 def test_duplicate_and_unknown_replies_are_dropped():
     def tamper(replies):
         first = replies[0]

@@ -224,7 +224,7 @@ class QuantizedStrategy(Strategy):
                 dense_float32_bytes(sent) if sent is not None else reply_bytes,
                 record_numel(sent) if sent is not None else 0,
             )
-            if self.uplink_bandwidth is not None:
+            if self.uplink_bandwidth is not None and sent is not None:
                 traffic.upload_seconds.append(reply_bytes / float(self.uplink_bandwidth(node_id)))
             if sent is None:
                 self._reject(server_round, node_id, "the node was not sent a train message this round", traffic)
