@@ -20,7 +20,9 @@ Names
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,20 +135,26 @@ def load_test_set(dataset: str) -> TensorData:
 
 @functools.lru_cache(maxsize=1)
 def _digits_split() -> tuple[TensorData, TensorData]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    # The file behind sklearn.datasets.load_digits, read without importing scikit-learn: a
+    # simulated client is a fresh process, and importing sklearn costs it seconds.
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the digits dataset ships with scikit-learn: pip install scikit-learn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+    x = (table[:, :-1].reshape(-1, 1, 8, 8) / 16.0 - 0.5) / 0.5  # pixel values are 0..16
+    y = table[:, -1].astype(np.int64)
+    # Stratified split: the same share of every class goes to the test set.
+    rng = np.random.default_rng(_DIGITS_SPLIT_SEED)
+    test = np.zeros(len(y), dtype=bool)
+    for c in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == c))
+        test[members[: round(_DIGITS_TEST_FRACTION * len(members))]] = True
 
-    digits = load_digits()
-    x = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5  # pixel values are 0..16
-    y = digits.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=_DIGITS_TEST_FRACTION, stratify=y, random_state=_DIGITS_SPLIT_SEED
-    )
+    def wrap(mask: np.ndarray) -> TensorData:
+        return TensorData(torch.from_numpy(x[mask].copy()), torch.from_numpy(y[mask].copy()), 10)
 
-    def wrap(xs: np.ndarray, ys: np.ndarray) -> TensorData:
-        return TensorData(torch.from_numpy(xs[:, None].copy()), torch.from_numpy(ys.copy()), 10)
-
-    return wrap(x_tr, y_tr), wrap(x_te, y_te)
+    return wrap(~test), wrap(test)
 
 
 @functools.lru_cache(maxsize=8)
@@ -207,9 +215,14 @@ def _federated_dataset(
     except ImportError as err:  # pragma: no cover - depends on the install
         raise ImportError(f"dataset {dataset!r} needs flwr-datasets: pip install -e '.[hub]'") from err
     spec = _hub_spec(dataset)
-    features = datasets.load_dataset_builder(spec.path).info.features
-    spec = HubSpec(spec.path, spec.image_key or _column_of(features, datasets.Image, spec.path, "Image"),
-                   spec.label_key or _column_of(features, datasets.ClassLabel, spec.path, "ClassLabel"))  # fmt: skip
+    if spec.image_key is None or spec.label_key is None:
+        # A generic dataset: find its columns (load_dataset reads the local cache / files).
+        features = datasets.load_dataset(spec.path, split="train").features
+        spec = HubSpec(
+            spec.path,
+            spec.image_key or _column_of(features, datasets.Image, spec.path, "Image"),
+            spec.label_key or _column_of(features, datasets.ClassLabel, spec.path, "ClassLabel"),
+        )
     if partitioning == "iid":
         partitioner = IidPartitioner(num_partitions=num_partitions)
     else:
@@ -220,9 +233,7 @@ def _federated_dataset(
     preprocessor = None
     if "test" not in splits:
         preprocessor = Divider({"train": 1 - _HELD_OUT_FRACTION, "test": _HELD_OUT_FRACTION}, divide_split="train")
-    fds = FederatedDataset(
-        dataset=spec.path, partitioners={"train": partitioner}, preprocessor=preprocessor, seed=seed
-    )
+    fds = FederatedDataset(dataset=spec.path, partitioners={"train": partitioner}, preprocessor=preprocessor, seed=seed)
     return fds, spec
 
 

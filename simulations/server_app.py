@@ -6,17 +6,20 @@ run's ``history.json``, ``history.csv`` and ``history.png`` into ``<out-dir>/<ru
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Iterable
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from fedquant.rng import derive_seed
 from fedquant.strategies import QuantizedStrategy
 from simulations.data import load_test_set
 from simulations.history import RunHistory, run_dir_name
@@ -25,6 +28,30 @@ from simulations.models import build_model
 from simulations.settings import CLIENT_INFO_KEY, SimSettings
 from simulations.task import evaluate
 
+
+class SeededFedAvg(FedAvg):
+    """FedAvg whose client sampling comes from the run's seed instead of Python's global ``random``.
+
+    Runs with the same seed (e.g. the codecs of a sweep) then train the same clients each round.
+    """
+
+    def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.fraction_train == 0.0:
+            return []
+        all_nodes = sorted(grid.get_node_ids())
+        sample_size = min(len(all_nodes), max(int(len(all_nodes) * self.fraction_train), self.min_train_nodes))
+        rng = random.Random(derive_seed(self.seed, "sample-clients", server_round))
+        node_ids = rng.sample(all_nodes, sample_size)
+        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(node_ids), len(all_nodes))
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return self._construct_messages(record, node_ids, MessageType.TRAIN)
 
 
 class RecordingStrategy(QuantizedStrategy):
@@ -69,7 +96,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
     history = RunHistory(settings)
     uplink = parse_uplink(settings.uplink, settings.seed)
     strategy = RecordingStrategy(
-        FedAvg(fraction_train=settings.fraction_train, fraction_evaluate=0.0, min_train_nodes=1),
+        SeededFedAvg(
+            fraction_train=settings.fraction_train, fraction_evaluate=0.0, min_train_nodes=1, seed=settings.seed
+        ),
         codec=settings.codec,
         seed=settings.seed,
         min_numel=settings.min_numel,

@@ -28,7 +28,7 @@ class SimSettings:
     model: str = "cnn"
     rounds: int = 20
     fraction_train: float = 0.5
-    local_epochs: int = 1
+    local_epochs: int = 3
     batch_size: int = 16
     learning_rate: float = 0.05
     seed: int = 0
