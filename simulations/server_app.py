@@ -144,9 +144,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
 def _round_line(row: dict[str, Any], rounds: int) -> str:
     text = f"[fedquant] round {row['round']}/{rounds}: accuracy {row['accuracy']:.4f}, loss {row['loss']:.4f}"
     if "uplink-bytes" in row:
+        ratio, bits = row.get("compression-ratio", float("nan")), row.get("bits-per-param", float("nan"))
         text += (
-            f" | uplink {row['uplink-bytes'] / 1e3:.1f} kB"
-            f" (x{row.get('compression-ratio', float('nan')):.1f}, {row.get('bits-per-param', float('nan')):.2f} bits/param)"
+            f" | uplink {row['uplink-bytes'] / 1e3:.1f} kB (x{ratio:.1f}, {bits:.2f} bits/param)"
             f", cumulative {row.get('cumulative-uplink-bytes', 0) / 1e6:.3f} MB"
         )
     if "simulated-upload-seconds" in row:
