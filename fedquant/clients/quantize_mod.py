@@ -1,0 +1,135 @@
+"""``quantize_mod``: the client half of fedquant, a Flower Mod."""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from logging import ERROR
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode
+from flwr.supercore import log
+
+from fedquant.clients.state import load_residual, store_residuals
+from fedquant.codecs import Codec, get_codec
+from fedquant.strategies.protocol import (
+    CLIENT_METRICRECORD_NAME,
+    KEY_CODEC,
+    KEY_MIN_NUMEL,
+    KEY_SEED,
+    METRIC_CLIENT_ENCODE_SECONDS,
+    METRIC_CLIENT_MSE,
+    PAYLOAD_DTYPE,
+    PAYLOAD_STYPE,
+    is_encoded,
+    tensor_seed,
+)
+
+MOD_NAME = "quantize_mod"
+
+
+@lru_cache(maxsize=64)
+def _codec(spec: str) -> Codec:
+    return get_codec(spec)
+
+
+def _fedquant_config(msg: Message) -> ConfigRecord | None:
+    for record in msg.content.config_records.values():
+        if KEY_CODEC in record:
+            return record
+    return None
+
+
+def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Client-side quantization modifier: sends encoded updates instead of trained arrays.
+
+    Use with :class:`fedquant.strategies.QuantizedStrategy` on the server
+    (``ClientApp(mods=[quantize_mod])``). It acts on TRAIN messages whose ConfigRecord holds
+    ``fedquant.codec`` and leaves every other message alone, so one ClientApp serves plain and
+    wrapped strategies.
+
+    After the ClientApp trained, each float tensor with at least ``fedquant.min-numel``
+    elements is replaced by the payload of its update ``trained - received`` (float32), encoded
+    with seed ``derive_seed(fedquant.seed, tensor_name)``; smaller and non-float tensors go as
+    they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
+    the decoded update over all encoded elements; not for codecs that need decoder side
+    information) and ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the
+    residual of each tensor is kept in ``context.state``.
+
+    Notes
+    -----
+    Put it last among mods that change the trained arrays (e.g. after a clipping mod), since it
+    turns them into payloads. The reply must carry exactly one ArrayRecord with the keys of the
+    one received; otherwise the mod answers with an error reply, as Flower's DP mods do.
+    """
+    if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:  # "train" or "train.<action>"
+        return call_next(msg, ctxt)
+    config = _fedquant_config(msg)
+    if config is None:
+        return call_next(msg, ctxt)
+    if len(msg.content.array_records) != 1:
+        found = len(msg.content.array_records)
+        return _error(msg, f"{MOD_NAME} expects exactly one ArrayRecord in the train message, found {found}")
+    try:
+        codec = _codec(str(config[KEY_CODEC]))
+        client_seed = int(config[KEY_SEED])
+        min_numel = int(config[KEY_MIN_NUMEL])
+    except (KeyError, ValueError, TypeError) as err:
+        return _error(msg, f"{MOD_NAME}: bad fedquant config: {err}")
+    # Array objects are immutable in practice (their data is bytes): keep references, not copies.
+    received = dict(next(iter(msg.content.array_records.values())).items())
+
+    reply = call_next(msg, ctxt)
+    if reply.has_error():
+        return reply
+    if len(reply.content.array_records) != 1:
+        found = len(reply.content.array_records)
+        return _error(msg, f"{MOD_NAME} expects exactly one ArrayRecord in the reply, found {found}")
+    record_name, trained = next(iter(reply.content.array_records.items()))
+    if list(trained.keys()) != list(received.keys()):
+        return _error(msg, f"{MOD_NAME} expects the reply's ArrayRecord to keep the keys of the one received")
+
+    start = time.perf_counter()
+    out: dict[str, Array] = {}
+    residuals: dict[str, torch.Tensor] = {}
+    sq_error, encoded_numel = 0.0, 0
+    for name, sent in received.items():
+        numel = int(np.prod(sent.shape, dtype=np.int64))
+        if not is_encoded(sent.dtype, numel, min_numel):
+            out[name] = trained[name]
+            continue
+        new = trained[name].numpy()
+        old = sent.numpy()
+        if new.shape != old.shape:
+            return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
+        update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32))
+        seed = tensor_seed(client_seed, name)
+        if hasattr(codec, "encode_with_feedback"):
+            residual = load_residual(ctxt.state, name, old.shape)
+            payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
+        else:
+            payload = codec.encode(update, seed)
+        if not codec.needs_side_info:
+            decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32)
+            sq_error += float(torch.sum((decoded - update).double() ** 2))
+            encoded_numel += numel
+        out[name] = Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
+    store_residuals(ctxt.state, residuals)
+    reply.content[record_name] = ArrayRecord(out)
+
+    metrics = next(iter(reply.content.metric_records.values()), None)
+    if metrics is None:
+        metrics = MetricRecord()
+        reply.content[CLIENT_METRICRECORD_NAME] = metrics
+    if encoded_numel:
+        metrics[METRIC_CLIENT_MSE] = sq_error / encoded_numel
+    metrics[METRIC_CLIENT_ENCODE_SECONDS] = time.perf_counter() - start
+    return reply
+
+
+def _error(msg: Message, reason: str) -> Message:
+    log(ERROR, reason)
+    return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)

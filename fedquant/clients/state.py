@@ -1,0 +1,31 @@
+"""Error-feedback residuals kept in a ClientApp's ``context.state`` between rounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
+
+
+def load_residual(state: RecordDict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The stored float32 residual of tensor ``name``, or zeros when none (or of another shape) is stored."""
+    record = state.array_records.get(STATE_RESIDUAL_KEY)
+    if record is not None and name in record:
+        value = record[name].numpy()
+        if value.shape == tuple(shape) and value.dtype == np.float32:
+            return torch.from_numpy(value.copy())
+    return torch.zeros(shape, dtype=torch.float32)
+
+
+def store_residuals(state: RecordDict, residuals: dict[str, torch.Tensor]) -> None:
+    """Store (replace) the residuals of the given tensors; others stay as they are."""
+    if not residuals:
+        return
+    record = state.array_records.get(STATE_RESIDUAL_KEY)
+    if record is None:
+        record = ArrayRecord()
+        state[STATE_RESIDUAL_KEY] = record
+    for name, residual in residuals.items():
+        record[name] = Array(np.ascontiguousarray(residual.detach().cpu().to(torch.float32).numpy()))

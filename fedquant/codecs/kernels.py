@@ -1,0 +1,336 @@
+"""Fused numba kernels shared by the scaled-grid codecs (QSGD, TernGrad, scaled sign).
+
+All kernels work on a flat float32 array split into buckets of ``d`` elements (the last bucket
+may be short). They read the input once per pass and write packed bytes (or float32 output)
+directly, in parallel over chunks of ``CHUNK`` elements; ``CHUNK`` is a multiple of 8, so every
+chunk starts on a byte boundary of the packed stream at any bit width.
+
+Stochastic rounding draws its uniforms inline from the counter-based stream of
+:mod:`fedquant.rng`: element ``i`` of the flattened tensor uses
+``splitmix64(stream_key(seed) + (i + 1) * GOLDEN_GAMMA) >> 40`` times ``2**-24``, bit for bit
+what ``fedquant.rng.uniform(seed, n)[i]`` returns. The torch implementations in
+:mod:`fedquant.codecs.grid` perform the same float32 operations in the same order, so both
+paths produce identical bytes.
+
+The rounding rule (one element ``v`` of a bucket with grid step ``step = scale / s``)::
+
+    t = |v| / step                     # float32 division, exact on grid points
+    l = floor(t); p = t - l            # l clamped to s (then p = 0)
+    l += (u < p)                       # u: the element's 24-bit uniform
+    q = sign(v) * l                    # signed level in [-s, s]; sign(0) = +1
+    code = q + s                       # unsigned symbol in [0, 2s]
+
+and decoding is ``(code - s) * step`` in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE
+
+CHUNK = 1 << 14
+
+_GAMMA = np.uint64(GOLDEN_GAMMA)
+_MIX1 = np.uint64(MIX1)
+_MIX2 = np.uint64(MIX2)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_SHIFT_U = np.uint64(64 - UNIFORM_BITS)
+_U_SCALE = np.float32(UNIFORM_SCALE)
+_ZERO32 = np.float32(0.0)
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+
+
+@njit(cache=True, inline="always")
+def _uniform24(key: np.uint64, i: np.int64) -> np.float32:
+    """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
+    z = key + np.uint64(i + 1) * _GAMMA
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    z = z ^ (z >> _S31)
+    return np.float32(z >> _SHIFT_U) * _U_SCALE
+
+
+@njit(cache=True, parallel=True)
+def uniform_stream(key: np.uint64, n: int, offset: int) -> np.ndarray:
+    """``n`` uniforms of the stream starting at ``offset`` (for tests of the inline generator)."""
+    out = np.empty(n, np.float32)
+    for i in prange(n):
+        out[i] = _uniform24(key, offset + i)
+    return out
+
+
+# ---------------------------------------------------------------- per-bucket statistics
+@njit(cache=True, parallel=True)
+def bucket_max_abs(x: np.ndarray, d: int) -> np.ndarray:
+    """``max |x|`` of each bucket, float32 (compares the bit patterns: exact for finite input)."""
+    bits = x.view(np.uint32)
+    n = x.size
+    nb = (n + d - 1) // d
+    out = np.empty(nb, np.uint32)
+    for b in prange(nb):
+        lo = b * d
+        hi = min(lo + d, n)
+        m = np.uint32(0)
+        for i in range(lo, hi):
+            m = max(m, bits[i] & _ABS_MASK)
+        out[b] = m
+    return out.view(np.float32)
+
+
+@njit(cache=True)
+def _sum_f64(x, lo, hi, square):
+    """Sum of ``|x|`` (or ``x**2``) over ``lo .. hi`` in float64, in a fixed order.
+
+    Eight partial sums (lane ``k`` takes the elements ``lo + k (mod 8)``), combined pairwise: the
+    order is the same on every machine and the loop vectorizes.
+    """
+    acc = np.zeros(8, np.float64)
+    m = lo + ((hi - lo) // 8) * 8
+    for i in range(lo, m, 8):
+        for k in range(8):
+            v = np.float64(x[i + k])
+            acc[k] += v * v if square else abs(v)
+    for i in range(m, hi):
+        v = np.float64(x[i])
+        acc[i - m] += v * v if square else abs(v)
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+
+
+@njit(cache=True, parallel=True)
+def bucket_l2(x: np.ndarray, d: int) -> np.ndarray:
+    """Euclidean norm of each bucket, accumulated in float64 and rounded to float32."""
+    n = x.size
+    nb = (n + d - 1) // d
+    out = np.empty(nb, np.float32)
+    for b in prange(nb):
+        lo = b * d
+        out[b] = np.float32(np.sqrt(_sum_f64(x, lo, min(lo + d, n), True)))
+    return out
+
+
+@njit(cache=True, parallel=True)
+def bucket_l1_mean(x: np.ndarray, d: int) -> np.ndarray:
+    """``||x||_1 / count`` of each bucket (true count of the short last bucket), float32."""
+    n = x.size
+    nb = (n + d - 1) // d
+    out = np.empty(nb, np.float32)
+    for b in prange(nb):
+        lo = b * d
+        hi = min(lo + d, n)
+        out[b] = np.float32(_sum_f64(x, lo, hi, False) / (hi - lo))
+    return out
+
+
+# ---------------------------------------------------------------- rounding to the grid
+@njit(cache=True)
+def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
+    """Symbols ``q + s`` of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``, bucket by bucket.
+
+    Branch-free per element so that LLVM vectorizes the loop (hash included).
+    """
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        step = steps[b]
+        if step > _ZERO32:
+            for j in range(i, hi):
+                v = x[j]
+                t = abs(v) / step
+                f = np.floor(t)
+                lvl = min(np.int64(f) + np.int64(_uniform24(key, j) < t - f), s)
+                codes[j - c0] = s - lvl if v < _ZERO32 else s + lvl
+        else:
+            for j in range(i, hi):
+                codes[j - c0] = s
+        i = hi
+
+
+@njit(cache=True)
+def _pack_into(codes, count, width, out, pos):
+    """Pack ``codes[:count]`` LSB-first at ``width`` bits into ``out`` from byte ``pos``."""
+    if width == 8:
+        for j in range(count):
+            out[pos + j] = codes[j]
+        return
+    if 8 % width == 0:
+        per = 8 // width
+        full = count // per
+        for j in range(full):
+            acc = 0
+            for k in range(per):
+                acc |= np.int64(codes[j * per + k]) << (k * width)
+            out[pos + j] = acc
+        rest = count - full * per
+        if rest:
+            acc = 0
+            for k in range(rest):
+                acc |= np.int64(codes[full * per + k]) << (k * width)
+            out[pos + full] = acc
+        return
+    acc = np.uint64(0)
+    nbits = 0
+    p = pos
+    for j in range(count):
+        acc |= np.uint64(codes[j]) << np.uint64(nbits)
+        nbits += width
+        while nbits >= 8:
+            out[p] = acc & np.uint64(255)
+            acc >>= np.uint64(8)
+            nbits -= 8
+            p += 1
+    if nbits:
+        out[p] = acc & np.uint64(255)
+
+
+@njit(cache=True, parallel=True)
+def round_pack(x, d, steps, s, key, width):
+    """Stochastically round ``x`` to the grid ``steps[b] * {-s..s}`` and pack the symbols.
+
+    Returns
+    -------
+    np.ndarray
+        uint8, ``ceil(n * width / 8)`` bytes: symbol ``q + s`` of element ``i`` at bits
+        ``[i * width, (i + 1) * width)``.
+    """
+    n = x.size
+    out = np.empty((n * width + 7) // 8, np.uint8)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        codes = np.empty(CHUNK, np.uint16)
+        _chunk_codes(x, d, steps, s, key, c0, c1, codes)
+        _pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+    return out
+
+
+@njit(cache=True, parallel=True)
+def round_codes(x, d, steps, s, key):
+    """Like :func:`round_pack` but returns the unpacked symbols ``q + s`` (uint16), for entropy coders."""
+    n = x.size
+    out = np.empty(n, np.uint16)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        _chunk_codes(x, d, steps, s, key, c0, c1, out[c0:c1])
+    return out
+
+
+# ---------------------------------------------------------------- decoding
+@njit(cache=True)
+def _chunk_unpack_dequant(data, width, d, steps, s, c0, c1, out):
+    """Decode packed symbols of elements ``c0 .. c1``; ``data`` has 2 bytes of zero padding.
+
+    Returns how many symbols exceed ``2s``.
+    """
+    mask = (1 << width) - 1
+    top = 2 * s
+    bad = 0
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        step = steps[b]
+        for j in range(i, hi):
+            bit = j * width
+            p = bit >> 3
+            word = np.int64(data[p]) | (np.int64(data[p + 1]) << 8) | (np.int64(data[p + 2]) << 16)
+            c = (word >> (bit & 7)) & mask
+            bad += c > top
+            out[j] = np.float32(c - s) * step
+        i = hi
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def unpack_dequant(data, n, d, steps, s, width):
+    """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
+    padded = np.zeros(data.size + 2, np.uint8)
+    padded[: data.size] = data
+    out = np.empty(n, np.float32)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        bad[c] = _chunk_unpack_dequant(padded, width, d, steps, s, c0, c1, out)
+    return out, bad.sum()
+
+
+@njit(cache=True)
+def _chunk_dequant(codes, d, steps, s, c0, c1, out):
+    """``(code - s) * step`` for elements ``c0 .. c1``; returns how many codes exceed ``2s``."""
+    bad = 0
+    top = 2 * s
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        step = steps[b]
+        for j in range(i, hi):
+            c = np.int64(codes[j - c0])
+            bad += c > top
+            out[j] = np.float32(c - s) * step
+        i = hi
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def codes_dequant(codes, d, steps, s):
+    """Decode unpacked symbols (from an entropy decoder). Returns ``(values, symbols > 2s)``."""
+    n = codes.size
+    out = np.empty(n, np.float32)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        bad[c] = _chunk_dequant(codes[c0:c1], d, steps, s, c0, c1, out)
+    return out, bad.sum()
+
+
+# ---------------------------------------------------------------- sign bits
+@njit(cache=True, parallel=True)
+def sign_pack(x):
+    """One bit per element, LSB first: 1 where ``x < 0`` (so ``sign(0) = +1``)."""
+    n = x.size
+    nbytes = (n + 7) // 8
+    out = np.empty(nbytes, np.uint8)
+    full = n // 8
+    for j in prange(full):
+        acc = 0
+        for k in range(8):
+            acc |= np.int64(x[8 * j + k] < _ZERO32) << k
+        out[j] = acc
+    if full < nbytes:
+        acc = 0
+        for k in range(n - 8 * full):
+            acc |= np.int64(x[8 * full + k] < _ZERO32) << k
+        out[full] = acc
+    return out
+
+
+@njit(cache=True, parallel=True)
+def sign_unpack(data, n, d, scales):
+    """``-scale`` where the bit is 1, ``+scale`` where it is 0, bucket by bucket."""
+    out = np.empty(n, np.float32)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        i = c0
+        while i < c1:
+            b = i // d
+            hi = min((b + 1) * d, c1)
+            m = scales[b]
+            for j in range(i, hi):
+                bit = (data[j >> 3] >> (j & 7)) & 1
+                out[j] = -m if bit else m
+            i = hi
+    return out

@@ -1,0 +1,34 @@
+"""Bandwidth accounting and per-round history export (JSON + CSV)."""
+
+from fedquant.metrics.bandwidth import (
+    BITS_PER_PARAM,
+    COMPRESSION_RATIO,
+    CUMULATIVE_UPLINK_BYTES,
+    DOWNLINK_BYTES,
+    QUANTIZATION_MSE,
+    REJECTED_REPLIES,
+    SIMULATED_UPLOAD_SECONDS,
+    UPLINK_BYTES,
+    UPLINK_BYTES_DENSE,
+    content_bytes,
+    dense_float32_bytes,
+    message_bytes,
+)
+from fedquant.metrics.history import HistoryRecorder, result_rows
+
+__all__ = [
+    "BITS_PER_PARAM",
+    "COMPRESSION_RATIO",
+    "CUMULATIVE_UPLINK_BYTES",
+    "DOWNLINK_BYTES",
+    "QUANTIZATION_MSE",
+    "REJECTED_REPLIES",
+    "SIMULATED_UPLOAD_SECONDS",
+    "UPLINK_BYTES",
+    "UPLINK_BYTES_DENSE",
+    "HistoryRecorder",
+    "content_bytes",
+    "dense_float32_bytes",
+    "message_bytes",
+    "result_rows",
+]

@@ -1,0 +1,140 @@
+"""Bandwidth accounting: bytes that messages really carry, and their dense float32 equivalent.
+
+All byte counts follow Flower's :meth:`flwr.app.ArrayRecord.count_bytes`: for every entry, the
+length of the Array's ``data`` (for a NumPy Array that includes the ``.npy`` header) plus the
+length of its key. Metadata strings (dtype, shape, stype) are not counted, the same for every
+Array, compressed or not.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, RecordDict
+
+# Exact metric keys the strategy adds to the train MetricRecord (see DESIGN.md).
+UPLINK_BYTES = "uplink-bytes"
+UPLINK_BYTES_DENSE = "uplink-bytes-dense"
+COMPRESSION_RATIO = "compression-ratio"
+BITS_PER_PARAM = "bits-per-param"
+DOWNLINK_BYTES = "downlink-bytes"
+CUMULATIVE_UPLINK_BYTES = "cumulative-uplink-bytes"
+QUANTIZATION_MSE = "quantization-mse"
+REJECTED_REPLIES = "rejected-replies"
+SIMULATED_UPLOAD_SECONDS = "simulated-upload-seconds"
+ENCODE_SECONDS = "encode-seconds"
+DECODE_SECONDS = "decode-seconds"
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Bytes held by all ArrayRecords of a message's content (``count_bytes`` summed)."""
+    return sum(record.count_bytes() for record in content.array_records.values())
+
+
+def message_bytes(message: Message) -> int:
+    """Bytes held by a message's ArrayRecords; 0 for a message that carries an error."""
+    return 0 if message.has_error() else content_bytes(message.content)
+
+
+@lru_cache(maxsize=4096)
+def _npy_header_bytes(descr: str, shape: tuple[int, ...]) -> int:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.tell()
+
+
+def dense_float32_bytes(record: ArrayRecord) -> int:
+    """What ``count_bytes()`` gives for ``record`` with every float tensor as float32.
+
+    Non-float entries count as they are. This is the size of an uncompressed reply of a
+    float32 model, the reference for ``compression-ratio``.
+    """
+    total = 0
+    for key, array in record.items():
+        shape = tuple(int(s) for s in array.shape)
+        numel = math.prod(shape)
+        if array.dtype in ("float16", "float32", "float64"):
+            total += _npy_header_bytes("<f4", shape) + 4 * numel
+        else:
+            total += len(array.data)
+        total += len(key)
+    return total
+
+
+def record_numel(record: ArrayRecord) -> int:
+    """Total number of elements (parameters) in an ArrayRecord, from its metadata."""
+    return sum(math.prod(int(s) for s in array.shape) for array in record.values())
+
+
+@dataclass
+class RoundTraffic:
+    """Accumulates one round's traffic and turns it into the per-round metrics.
+
+    Attributes
+    ----------
+    downlink_bytes : int
+        Bytes of the train messages sent (all their ArrayRecords).
+    uplink_bytes : int
+        Bytes of every reply that carried content (accepted or rejected).
+    dense_bytes : int
+        The same replies as float32 ArrayRecords.
+    params : int
+        Parameters in those replies (one model per reply).
+    rejected : int
+        Replies dropped from the aggregate.
+    client_mse, client_encode_seconds : list of float
+        What accepted replies reported.
+    upload_seconds : list of float
+        Per reply, bytes / the client's uplink bandwidth (only when bandwidths are given).
+    """
+
+    downlink_bytes: int = 0
+    uplink_bytes: int = 0
+    dense_bytes: int = 0
+    params: int = 0
+    rejected: int = 0
+    decode_seconds: float = 0.0
+    client_mse: list[float] = field(default_factory=list)
+    client_encode_seconds: list[float] = field(default_factory=list)
+    upload_seconds: list[float] = field(default_factory=list)
+
+    def add_reply(self, reply_bytes: int, dense_bytes: int, params: int) -> None:
+        """Count one reply that carried content."""
+        self.uplink_bytes += reply_bytes
+        self.dense_bytes += dense_bytes
+        self.params += params
+
+    def metrics(self, cumulative_uplink_bytes: int, with_upload_seconds: bool) -> dict[str, int | float]:
+        """The round's metrics under their exact keys.
+
+        ``compression-ratio`` and ``bits-per-param`` are 0.0 in a round without replies;
+        ``quantization-mse`` and ``encode-seconds`` are left out when no accepted reply reported
+        them (codecs that need side information cannot measure their error on the client).
+        """
+        out: dict[str, int | float] = {
+            UPLINK_BYTES: self.uplink_bytes,
+            UPLINK_BYTES_DENSE: self.dense_bytes,
+            COMPRESSION_RATIO: self.dense_bytes / self.uplink_bytes if self.uplink_bytes else 0.0,
+            BITS_PER_PARAM: 8.0 * self.uplink_bytes / self.params if self.params else 0.0,
+            DOWNLINK_BYTES: self.downlink_bytes,
+            CUMULATIVE_UPLINK_BYTES: cumulative_uplink_bytes,
+            REJECTED_REPLIES: self.rejected,
+            DECODE_SECONDS: self.decode_seconds,
+        }
+        if self.client_mse:
+            out[QUANTIZATION_MSE] = float(np.mean(self.client_mse))
+        if self.client_encode_seconds:
+            out[ENCODE_SECONDS] = float(np.mean(self.client_encode_seconds))
+        if with_upload_seconds:
+            out[SIMULATED_UPLOAD_SECONDS] = max(self.upload_seconds, default=0.0)
+        return out
+
+
+def sum_message_bytes(messages: Iterable[Message]) -> int:
+    """Bytes held by the ArrayRecords of several messages."""
+    return sum(message_bytes(m) for m in messages)

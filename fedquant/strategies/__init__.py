@@ -1,0 +1,11 @@
+"""Server side: the ``QuantizedStrategy`` wrapper and its decode hook.
+
+>>> from fedquant.strategies import QuantizedStrategy
+>>> strategy = QuantizedStrategy(FedAvg(), codec="qsgd:levels=16", seed=0)
+"""
+
+from fedquant.strategies.decode_plan import ClientAssignment, DecodePlan, SideInformation
+from fedquant.strategies.protocol import DEFAULT_MIN_NUMEL
+from fedquant.strategies.quantized import QuantizedStrategy
+
+__all__ = ["DEFAULT_MIN_NUMEL", "ClientAssignment", "DecodePlan", "QuantizedStrategy", "SideInformation"]

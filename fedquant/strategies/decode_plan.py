@@ -1,0 +1,131 @@
+"""The decode hook: per-client codec assignment, decode order and decoder side information.
+
+Most codecs decode each reply on its own. Codecs with ``needs_side_info`` (NDQSG) decode a
+client's payload against the server's current estimate of the update, which is built from the
+updates decoded before it in the same round. :class:`QuantizedStrategy` asks a
+:class:`DecodePlan` three things each round:
+
+1. ``assign(server_round, node_ids, codec)`` in ``configure_train``: which codec each sampled
+   client uses and which extra ``fedquant.*`` config entries it gets (e.g. a group role);
+2. ``decode_order(node_ids, assignments)`` in ``aggregate_train``: in which order to decode the
+   replies that arrived (given in arrival order);
+3. ``side_information()``: a fresh per-round :class:`SideInformation` that gives the side
+   information for a tensor before each decode and learns each accepted reply's decoded updates.
+
+The default plan gives every client the strategy's codec, decodes in arrival order and offers the
+running mean of the updates decoded so far (zeros before the first) to every codec that needs
+side information. A two-group scheme (NDQSG's Algorithm 2: group P1 with DQSG first, then group
+P2 with nested quantization decoded against the running mean) only overrides ``assign`` (codec
+and role per client, with a lower ``rank`` for P1) and keeps the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fedquant.codecs import Codec
+
+ConfigValue = int | float | str | bool | bytes
+
+
+@dataclass(frozen=True)
+class ClientAssignment:
+    """What one sampled client does this round.
+
+    Attributes
+    ----------
+    codec : Codec
+        The codec the client encodes with and the server decodes with.
+    config : Mapping[str, ConfigValue]
+        Extra ConfigRecord entries for this client (keys should start with ``fedquant.``).
+    rank : int
+        Decode order: replies with a lower rank are decoded first; equal ranks keep arrival order.
+    """
+
+    codec: Codec
+    config: Mapping[str, ConfigValue] = field(default_factory=dict)
+    rank: int = 0
+
+
+class SideInformation:
+    """Running mean, per tensor name, of the updates decoded so far in a round.
+
+    ``get`` returns the mean of the updates ``add``-ed so far, or zeros before the first one.
+    Only accepted replies are added (the strategy adds a reply's updates once all of its tensors
+    decoded), so a rejected reply never influences the side information of later ones.
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[str, torch.Tensor] = {}
+        self._count: dict[str, int] = {}
+
+    def get(self, name: str, numel: int) -> torch.Tensor:
+        """Flat float32 side information for tensor ``name`` with ``numel`` elements."""
+        total = self._sum.get(name)
+        if total is None or total.numel() != numel:
+            return torch.zeros(numel, dtype=torch.float32)
+        return total / self._count[name]
+
+    def add(self, updates: Mapping[str, torch.Tensor]) -> None:
+        """Add one accepted reply's decoded updates (any shape; flattened, float32)."""
+        for name, update in updates.items():
+            flat = update.detach().reshape(-1).to(torch.float32)
+            if name in self._sum and self._sum[name].numel() == flat.numel():
+                self._sum[name] += flat
+                self._count[name] += 1
+            else:
+                self._sum[name] = flat.clone()
+                self._count[name] = 1
+
+    def count(self, name: str) -> int:
+        """How many updates of tensor ``name`` the mean holds."""
+        return self._count.get(name, 0)
+
+
+class DecodePlan:
+    """Default plan: one codec for everyone, arrival order, running-mean side information.
+
+    Subclass and override ``assign`` (and, if needed, ``decode_order`` or ``side_information``)
+    to give clients different codecs or roles.
+    """
+
+    def assign(self, server_round: int, node_ids: Sequence[int], codec: Codec) -> dict[int, ClientAssignment]:
+        """Assign a codec (and extra config entries) to each sampled node.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+        node_ids : sequence of int
+            The nodes the inner strategy sampled, in the order of its messages.
+        codec : Codec
+            The strategy's codec.
+
+        Returns
+        -------
+        dict of int to ClientAssignment
+            One assignment per node id in ``node_ids``.
+        """
+        return {node_id: ClientAssignment(codec) for node_id in node_ids}
+
+    def decode_order(self, node_ids: Sequence[int], assignments: Mapping[int, ClientAssignment]) -> list[int]:
+        """Order in which replies are decoded: by ``rank``, then arrival order (a stable sort).
+
+        Parameters
+        ----------
+        node_ids : sequence of int
+            Nodes whose replies arrived, in arrival order (only nodes that were assigned).
+        assignments : mapping of int to ClientAssignment
+            This round's assignments.
+        """
+        return sorted(node_ids, key=lambda node_id: assignments[node_id].rank)
+
+    def side_information(self) -> SideInformation:
+        """A fresh side-information accumulator for one round."""
+        return SideInformation()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,91 @@
+"""What the server and the clients agree on: config keys, the payload marker, the encoding rule.
+
+Everything fedquant puts into a train message or a reply is named here, in one place.
+
+Server -> client (entries added to the train message's ConfigRecord by ``QuantizedStrategy``):
+
+===========================  =====  ==========================================================
+key                          type   meaning
+===========================  =====  ==========================================================
+``fedquant.codec``           str    codec spec for this client this round (``"qsgd:levels=16,..."``,
+                                    ``"ef+signsgd"``); its presence switches ``quantize_mod`` on
+``fedquant.seed``            int    the client's seed for this round,
+                                    ``derive_seed(base_seed, server_round, node_id)``
+``fedquant.min-numel``       int    float tensors with fewer elements are sent as they are
+``fedquant.role``            str    optional; a decode plan's role for this client (e.g. NDQSG's
+                                    ``"p1"`` / ``"p2"`` groups); ``quantize_mod`` ignores it
+===========================  =====  ==========================================================
+
+A decode plan may add further ``fedquant.*`` entries per client.
+
+Client -> server (the reply):
+
+* The reply's single ArrayRecord keeps the keys of the ArrayRecord the client received. Every
+  entry the rule :func:`is_encoded` selects holds an :class:`flwr.app.Array` with
+  ``stype == PAYLOAD_STYPE``, ``dtype == "uint8"``, ``shape == (len(payload),)`` and the codec
+  payload as ``data`` (no NumPy header, so ``ArrayRecord.count_bytes()`` counts exactly the
+  payload plus the key). It is the payload of the *update* ``trained - received`` (float32).
+* Every other entry (float tensors under ``min-numel`` elements, non-float tensors) is the
+  client's trained value, unchanged, as a normal NumPy Array. The server uses it as the trained
+  value, not as an update.
+* No marker travels: which entries are encoded follows from the rule applied to the arrays the
+  server sent, which the server knows, so a client cannot choose it.
+* The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of the
+  decoded update over all encoded elements, as the client measures it; absent for codecs that
+  need decoder side information) and ``fedquant.encode-seconds``. The server removes them before
+  the inner strategy sees the reply and reports their means as ``quantization-mse`` and
+  ``encode-seconds``.
+
+Per tensor the codec's seed is ``derive_seed(client_seed, tensor_name)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedquant.rng import derive_seed
+
+CONFIG_PREFIX = "fedquant."
+KEY_CODEC = "fedquant.codec"
+KEY_SEED = "fedquant.seed"
+KEY_MIN_NUMEL = "fedquant.min-numel"
+KEY_ROLE = "fedquant.role"
+
+METRIC_CLIENT_MSE = "fedquant.quantization-mse"
+METRIC_CLIENT_ENCODE_SECONDS = "fedquant.encode-seconds"
+CLIENT_METRIC_KEYS = (METRIC_CLIENT_MSE, METRIC_CLIENT_ENCODE_SECONDS)
+# MetricRecord the mod creates when the ClientApp's reply has none; the server drops it again.
+CLIENT_METRICRECORD_NAME = "fedquant"
+
+PAYLOAD_STYPE = "fedquant.payload"
+PAYLOAD_DTYPE = "uint8"
+
+# Error-feedback residuals live in ``context.state`` under this key (an ArrayRecord).
+STATE_RESIDUAL_KEY = "fedquant.ef-residual"
+
+# QSGD's authors left tensors under 10K elements unquantized (ImageNet-size models). fedquant's
+# default is lower so that the hidden layers of small models (a 64x32 MLP layer has 2048
+# weights) are compressed too; biases and norm parameters still travel as they are.
+DEFAULT_MIN_NUMEL = 1024
+
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+
+
+def is_encoded(dtype: str | np.dtype, numel: int, min_numel: int) -> bool:
+    """Whether a tensor of this dtype and size travels encoded (the rule both sides apply).
+
+    Parameters
+    ----------
+    dtype : str or numpy.dtype
+        The dtype of the array the server sent.
+    numel : int
+        Its number of elements.
+    min_numel : int
+        The round's ``fedquant.min-numel``.
+    """
+    return str(np.dtype(dtype)) in FLOAT_DTYPES and numel >= min_numel and numel > 0
+
+
+def tensor_seed(client_seed: int, tensor_name: str) -> int:
+    """The codec seed of one tensor: ``derive_seed(client_seed, tensor_name)``."""
+    return derive_seed(client_seed, tensor_name)

@@ -1,0 +1,99 @@
+"""The fused numba kernels against fedquant.rng, the bit packer and their torch twins."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedquant.codecs import grid, kernels
+from fedquant.rng import stream_key, uniform
+from fedquant.wire.bitpack import bit_width, pack_bits, unpack_bits
+from tests.helpers import sample_tensor
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1234, 2**62 + 7, 2**63 - 1])
+@pytest.mark.parametrize("offset", [0, 1, 999_999])
+def test_inline_uniform_equals_rng_stream_bit_for_bit(seed, offset):
+    got = kernels.uniform_stream(np.uint64(stream_key(seed)), 4097, offset)
+    want = uniform(seed, 4097, offset=offset).numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+CASES = [
+    # n, bucket, s
+    (1, 512, 16),
+    (7, 512, 1),
+    (1000, 7, 1),
+    (4099, 100, 7),
+    (10_007, 512, 16),
+    (5000, 64, 127),
+    (3001, 3001, 3),
+    (20_000, 33, 300),  # width 10: symbols straddle bytes
+    (40_000, 512, 2),  # several kernel chunks
+]
+
+
+@pytest.mark.parametrize(("n", "d", "s"), CASES)
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_kernel_and_torch_paths_give_identical_bytes_and_values(n, d, s, norm):
+    x = sample_tensor((n,), seed=n + s)
+    x[::5] = 0.0
+    width = bit_width(2 * s + 1)
+    scales = grid.bucket_scales(x, d, norm)
+    assert np.array_equal(scales, grid.bucket_scales(x, d, norm, use_torch=True))
+    steps = grid.grid_steps(scales, s)
+    packed = grid.round_pack(x, d, steps, s, 11, width)
+    assert np.array_equal(packed, grid.round_pack(x, d, steps, s, 11, width, use_torch=True))
+    codes = grid.round_codes(x, d, steps, s, 11)
+    assert np.array_equal(codes, grid.round_codes(x, d, steps, s, 11, use_torch=True))
+    # the fused packer writes exactly what the reference bit packer writes
+    assert np.array_equal(packed, pack_bits(codes, width))
+    y, bad = grid.dequantize_packed(packed, n, d, steps, s, width)
+    y_torch, bad_torch = grid.dequantize_packed(packed, n, d, steps, s, width, use_torch=True)
+    y_codes, bad_codes = grid.dequantize_codes(codes, d, steps, s)
+    assert bad == bad_torch == bad_codes == 0
+    assert torch.equal(y, y_torch) and torch.equal(y, y_codes)
+    # every decoded value is a neighbouring grid point of its input
+    step = torch.from_numpy(steps).repeat_interleave(d)[:n]
+    assert torch.all((y - x).abs() <= step * (1 + 1e-6))
+
+
+def test_scale_kernels_match_definitions():
+    x = sample_tensor((1030,), seed=3)
+    d = 100
+    xb = torch.nn.functional.pad(x, (0, 70)).view(-1, d).double()
+    counts = torch.tensor([100.0] * 10 + [30.0], dtype=torch.float64)
+    np.testing.assert_array_equal(kernels.bucket_max_abs(x.numpy(), d), xb.abs().amax(1).float().numpy())
+    np.testing.assert_allclose(kernels.bucket_l2(x.numpy(), d), xb.norm(dim=1).float().numpy(), rtol=1e-7)
+    np.testing.assert_allclose(
+        kernels.bucket_l1_mean(x.numpy(), d), (xb.abs().sum(1) / counts).float().numpy(), rtol=1e-7
+    )
+
+
+def test_unpack_counts_symbols_beyond_the_alphabet():
+    s, width, n = 2, 3, 11  # 5 symbols in 3 bits: 5, 6, 7 are invalid
+    codes = np.array([0, 4, 5, 7, 2, 6, 1, 1, 1, 4, 3], np.uint16)
+    steps = np.ones(1, np.float32)
+    _, bad = grid.dequantize_packed(pack_bits(codes, width), n, 512, steps, s, width)
+    assert bad == 3
+    _, bad = grid.dequantize_codes(codes, 512, steps, s)
+    assert bad == 3
+
+
+def test_sign_kernels_match_reference():
+    x = sample_tensor((1001,), seed=5)
+    x[::7] = 0.0
+    bits = kernels.sign_pack(x.numpy())
+    assert np.array_equal(bits, pack_bits((x < 0).numpy().astype(np.uint8), 1))
+    scales = np.arange(1, 12, dtype=np.float32)
+    y = kernels.sign_unpack(bits, 1001, 100, scales)
+    want = np.where(unpack_bits(bits, 1, 1001) == 1, -1.0, 1.0) * np.repeat(scales, 100)[:1001]
+    assert np.array_equal(y, want.astype(np.float32))
+
+
+def test_zero_step_buckets_give_zero_levels():
+    x = torch.zeros(1500)
+    x[1000:] = 1.0
+    scales = grid.bucket_scales(x, 500, "max")
+    assert scales.tolist() == [0.0, 0.0, 1.0]
+    codes = grid.round_codes(x, 500, grid.grid_steps(scales, 4), 4, 0)
+    assert codes[:1000].tolist() == [4] * 1000 and codes[1000:].tolist() == [8] * 500

@@ -1,0 +1,251 @@
+"""Unit tests of ``quantize_mod`` with hand-built Messages (as Flower's own mod tests do)."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
+
+from fedquant.clients import quantize_mod
+from fedquant.codecs import get_codec
+from fedquant.rng import derive_seed
+from fedquant.strategies.protocol import (
+    CLIENT_METRICRECORD_NAME,
+    KEY_CODEC,
+    KEY_MIN_NUMEL,
+    KEY_SEED,
+    METRIC_CLIENT_ENCODE_SECONDS,
+    METRIC_CLIENT_MSE,
+    PAYLOAD_STYPE,
+    STATE_RESIDUAL_KEY,
+)
+from tests.flower_fakes import set_task_identity
+
+# The package exports the function under the module's name; take the module itself.
+mod_module = importlib.import_module("fedquant.clients.quantize_mod")
+
+CLIENT_SEED = 4242
+NODE_ID = 7
+
+
+def _received() -> ArrayRecord:
+    gen = np.random.default_rng(0)
+    return ArrayRecord(
+        {
+            "w": Array(gen.standard_normal((32, 16)).astype(np.float32)),  # 512 elements: encoded
+            "b": Array(gen.standard_normal(16).astype(np.float32)),  # small: as is
+            "steps": Array(np.array([3, 4], dtype=np.int64)),  # not float: as is
+            "w64": Array(gen.standard_normal((20, 20))),  # float64, 400 elements: encoded
+        }
+    )
+
+
+def _train_message(config: dict | None, message_type: str = MessageType.TRAIN) -> Message:
+    set_task_identity()
+    content = RecordDict({"arrays": _received(), "config": ConfigRecord(config or {"lr": 0.1})})
+    return Message(content, dst_node_id=NODE_ID, message_type=message_type)
+
+
+def _fq_config(codec: str = "fp16", min_numel: int = 100) -> dict:
+    return {"lr": 0.1, KEY_CODEC: codec, KEY_SEED: CLIENT_SEED, KEY_MIN_NUMEL: min_numel}
+
+
+def _context() -> Context:
+    return Context(run_id=1, node_id=NODE_ID, node_config={}, state=RecordDict(), run_config={})
+
+
+def _trained(received: ArrayRecord, step: float = 0.25) -> ArrayRecord:
+    """What a ClientApp sends back: every float tensor moved by a deterministic amount."""
+    out = {}
+    for name, array in received.items():
+        value = array.numpy()
+        if value.dtype.kind == "f":
+            value = value + step * np.cos(np.arange(value.size)).reshape(value.shape).astype(value.dtype)
+        else:
+            value = value + 1
+        out[name] = Array(value)
+    return ArrayRecord(out)
+
+
+def _app(with_metrics: bool = True, step: float = 0.25):
+    """A ClientApp callable; records what it was called with."""
+    calls = []
+
+    def app(msg: Message, ctxt: Context) -> Message:
+        calls.append(msg)
+        records = {"arrays": _trained(next(iter(msg.content.array_records.values())), step)}
+        if with_metrics:
+            records["metrics"] = MetricRecord({"num-examples": 10, "train-loss": 1.5})
+        return Message(RecordDict(records), reply_to=msg)
+
+    app.calls = calls
+    return app
+
+
+def test_non_train_message_passes_untouched():
+    msg = _train_message(_fq_config(), message_type=MessageType.EVALUATE)
+    app = _app()
+    reply = quantize_mod(msg, _context(), app)
+    assert app.calls == [msg]
+    for array in reply.content["arrays"].values():
+        assert array.stype == "numpy.ndarray"
+    assert METRIC_CLIENT_MSE not in reply.content["metrics"]
+
+
+def test_train_message_without_fedquant_config_passes_untouched():
+    msg = _train_message(None)
+    expected = _app()(msg, _context()).content["arrays"]
+    reply = quantize_mod(msg, _context(), _app())
+    assert {k: a.data for k, a in reply.content["arrays"].items()} == {k: a.data for k, a in expected.items()}
+    assert dict(reply.content["metrics"]) == {"num-examples": 10, "train-loss": 1.5}
+
+
+@pytest.mark.parametrize("spec", ["fp32", "fp16"])
+def test_encodes_large_float_tensors_as_payloads_of_the_update(spec):
+    msg = _train_message(_fq_config(spec))
+    received = _received()
+    trained = _trained(received)
+    reply = quantize_mod(msg, _context(), _app())
+    record = reply.content["arrays"]
+    assert list(record.keys()) == ["w", "b", "steps", "w64"]
+    codec = get_codec(spec)
+    for name in ("w", "w64"):
+        array = record[name]
+        assert array.stype == PAYLOAD_STYPE and array.dtype == "uint8" and array.shape == (len(array.data),)
+        update = trained[name].numpy().astype(np.float32) - received[name].numpy().astype(np.float32)
+        decoded = codec.decode(
+            array.data, derive_seed(CLIENT_SEED, name), shape=update.shape, dtype=torch.float32
+        ).numpy()
+        tol = 0 if spec == "fp32" else 1e-3  # fp16 keeps 11 significant bits; |update| <= 0.25
+        np.testing.assert_allclose(decoded, update, rtol=0, atol=tol)
+    # Small and non-float tensors are the ClientApp's trained values, byte for byte.
+    for name in ("b", "steps"):
+        assert record[name].stype == "numpy.ndarray"
+        np.testing.assert_array_equal(record[name].numpy(), trained[name].numpy())
+    # count_bytes counts payload bytes plus keys: what the message really carries.
+    expected = sum(len(k) + len(a.data) for k, a in record.items())
+    assert record.count_bytes() == expected
+    assert record.count_bytes() < trained.count_bytes()
+
+
+def test_reports_client_mse_and_encode_time():
+    msg = _train_message(_fq_config("fp16"))
+    received, trained = _received(), _trained(_received())
+    reply = quantize_mod(msg, _context(), _app())
+    metrics = reply.content["metrics"]
+    assert metrics["num-examples"] == 10 and metrics["train-loss"] == 1.5
+    # The MSE the mod reports is that of fp16 rounding of the updates, over the encoded elements.
+    errors = []
+    for name in ("w", "w64"):
+        update = trained[name].numpy().astype(np.float32) - received[name].numpy().astype(np.float32)
+        errors.append((update.astype(np.float16).astype(np.float32) - update).ravel() ** 2)
+    expected = float(np.concatenate(errors).astype(np.float64).mean())
+    assert metrics[METRIC_CLIENT_MSE] == pytest.approx(expected, rel=1e-6)
+    assert expected > 0
+    assert metrics[METRIC_CLIENT_ENCODE_SECONDS] > 0
+
+
+def test_reply_without_metricrecord_gets_fedquant_record():
+    reply = quantize_mod(_train_message(_fq_config("fp32")), _context(), _app(with_metrics=False))
+    record = reply.content.metric_records[CLIENT_METRICRECORD_NAME]
+    assert record[METRIC_CLIENT_MSE] == 0.0
+
+
+def test_min_numel_threshold_is_inclusive():
+    reply = quantize_mod(_train_message(_fq_config("fp32", min_numel=512)), _context(), _app())
+    record = reply.content["arrays"]
+    assert record["w"].stype == PAYLOAD_STYPE  # exactly 512 elements
+    assert record["w64"].stype == "numpy.ndarray"  # 400 elements
+
+
+def test_same_seed_gives_identical_bytes():
+    a = quantize_mod(_train_message(_fq_config("fp16")), _context(), _app()).content["arrays"]
+    b = quantize_mod(_train_message(_fq_config("fp16")), _context(), _app()).content["arrays"]
+    assert all(a[k].data == b[k].data for k in a.keys())
+
+
+def test_client_error_reply_is_passed_through():
+    msg = _train_message(_fq_config())
+
+    def failing(m, c):
+        from flwr.app import Error
+
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="boom"), reply_to=m)
+
+    reply = quantize_mod(msg, _context(), failing)
+    assert reply.has_error() and reply.error.reason == "boom"
+
+
+def test_reply_with_two_arrayrecords_is_an_error():
+    msg = _train_message(_fq_config())
+
+    def two_records(m, c):
+        arrays = _trained(m.content["arrays"])
+        return Message(RecordDict({"a": arrays, "b": arrays}), reply_to=m)
+
+    reply = quantize_mod(msg, _context(), two_records)
+    assert reply.has_error()
+    assert reply.error.code == ErrorCode.MOD_FAILED_PRECONDITION
+    assert "exactly one ArrayRecord" in reply.error.reason
+
+
+def test_reply_with_other_keys_is_an_error():
+    msg = _train_message(_fq_config())
+
+    def renamed(m, c):
+        arrays = _trained(m.content["arrays"])
+        return Message(RecordDict({"arrays": ArrayRecord({"x" + k: v for k, v in arrays.items()})}), reply_to=m)
+
+    reply = quantize_mod(msg, _context(), renamed)
+    assert reply.has_error() and "keys" in reply.error.reason
+
+
+def test_bad_config_is_an_error():
+    config = _fq_config()
+    config[KEY_CODEC] = "nope"
+    reply = quantize_mod(_train_message(config), _context(), _app())
+    assert reply.has_error() and "fedquant config" in reply.error.reason
+
+
+class _FeedbackFp16:
+    """Test double with the ErrorFeedback API (``encode_with_feedback``) around fp16.
+
+    residual' = (x + residual) - decode(encode(x + residual)); the payload is fp16's.
+    """
+
+    def __init__(self):
+        self.inner = get_codec("fp16")
+        self.needs_side_info = False
+        self.spec = "ef+" + self.inner.spec
+        self.residuals_seen = []
+
+    def encode_with_feedback(self, x, seed, residual):
+        self.residuals_seen.append(residual.clone())
+        corrected = x + residual
+        payload = self.inner.encode(corrected, seed)
+        decoded = self.inner.decode(payload, seed, shape=tuple(x.shape), dtype=torch.float32)
+        return payload, corrected - decoded
+
+    def decode(self, payload, seed, side_info=None, **kwargs):
+        return self.inner.decode(payload, seed, side_info, **kwargs)
+
+
+def test_error_feedback_residual_lives_in_context_state(monkeypatch):
+    double = _FeedbackFp16()
+    monkeypatch.setattr(mod_module, "_codec", lambda spec: double)
+    context = _context()
+    quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.3))
+    first = context.state.array_records[STATE_RESIDUAL_KEY]
+    assert set(first.keys()) == {"w", "w64"}
+    assert all(torch.count_nonzero(r) == 0 for r in double.residuals_seen)  # round 1 starts from zero
+    stored = {k: first[k].numpy().copy() for k in first.keys()}
+    assert any(np.abs(v).max() > 0 for v in stored.values())  # fp16 rounding left a residual
+
+    quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.3))
+    # Round 2 was given exactly the residuals stored in round 1, in the same order of tensors.
+    np.testing.assert_array_equal(double.residuals_seen[2].numpy(), stored["w"])
+    np.testing.assert_array_equal(double.residuals_seen[3].numpy(), stored["w64"])
