@@ -14,6 +14,7 @@ from flwr.clientapp import ClientApp
 
 from fedquant.clients import quantize_mod
 from fedquant.rng import derive_seed
+from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
 from simulations.settings import CLIENT_INFO_KEY
@@ -49,6 +50,10 @@ def train_fn(msg: Message, context: Context) -> Message:
     device = pick_device()
     model = _model(cfg, data, msg.content.array_records["arrays"])
     server_round = int(cfg.get("server-round", 0))
+    if server_round == 1 and STATE_RESIDUAL_KEY in context.state:
+        # A new federation starts (a sweep runs several on the same nodes): forget the
+        # error-feedback residuals of the previous one.
+        del context.state[STATE_RESIDUAL_KEY]
     loss = train(
         model,
         data,

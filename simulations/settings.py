@@ -32,7 +32,7 @@ class SimSettings:
     batch_size: int = 16
     learning_rate: float = 0.05
     seed: int = 0
-    min_numel: int = 0
+    min_numel: int = 1
     uplink: str = "none"
     out_dir: str = "results"
     run_name: str = ""
@@ -49,8 +49,8 @@ class SimSettings:
             raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
-        if self.min_numel < 0:
-            raise ValueError(f"min-numel must be >= 0, got {self.min_numel}")
+        if self.min_numel < 1:
+            raise ValueError(f"min-numel must be >= 1, got {self.min_numel}")
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any], **overrides: Any) -> SimSettings:
