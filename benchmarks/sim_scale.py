@@ -93,9 +93,8 @@ def main() -> int:
     print("|---:|---:|---|---|---:|---:|---:|---:|---:|")
     print(f"| {args.clients} | {sampled} | {args.model} | {args.codec} | {per_round[0]:.1f} | {sec:.1f} | "
           f"{1000 * sec / max(sampled, 1):.0f} | {gib:.2f} | {total:.0f} |")  # fmt: skip
-    print(
-        f"final accuracy {rounds[-1]['accuracy']:.4f}; uplink per round {rounds[-1].get('uplink-bytes', 0) / 1e6:.3f} MB"
-    )
+    uplink_mb = rounds[-1].get("uplink-bytes", 0) / 1e6
+    print(f"final accuracy {rounds[-1]['accuracy']:.4f}; uplink per round {uplink_mb:.3f} MB")
     ok = sec <= args.max_round_seconds and gib <= args.max_memory_gib and sampled == args.per_round
     if not ok:
         print(f"TARGET MISSED: s/round <= {args.max_round_seconds}, peak <= {args.max_memory_gib} GiB, "
