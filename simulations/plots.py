@@ -1,4 +1,9 @@
-"""Plots of a run and of a codec comparison (matplotlib, Agg backend, PNG files)."""
+"""Plots of a run and of a codec comparison (PNG files).
+
+Figures are built with ``matplotlib.figure.Figure`` rather than pyplot, so saving works in any
+process (Ray workers, servers without a display) and the caller's backend (e.g. a notebook's
+inline backend) is left alone.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
 MB = 1e6
 
@@ -24,7 +26,8 @@ def plot_run(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "
     ``rows``: per-round dicts with ``round``, ``accuracy``, ``uplink-bytes``,
     ``cumulative-uplink-bytes`` and optionally ``uplink-bytes-dense``.
     """
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot([v / MB for v in _series(rows, "cumulative-uplink-bytes")], _series(rows, "accuracy"), marker="o", ms=3)
     ax1.set_xlabel("cumulative uplink (MB)")
     ax1.set_ylabel("test accuracy")
@@ -42,13 +45,13 @@ def plot_run(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_comparison(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, title: str = "") -> Path:
     """One line per codec: accuracy against cumulative uplink MB (log x), and total uplink bars."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    fig = Figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     totals = []
     for label, rows in runs.items():
         x = [v / MB for v in _series(rows, "cumulative-uplink-bytes")]
@@ -68,5 +71,4 @@ def plot_comparison(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
