@@ -18,7 +18,7 @@ from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
 from simulations.settings import CLIENT_INFO_KEY
-from simulations.task import evaluate, pick_device, train
+from simulations.task import evaluate, limit_threads, pick_device, train
 
 app = ClientApp(mods=[quantize_mod])
 
@@ -46,6 +46,7 @@ def _model(cfg: Any, data: TensorData, arrays: ArrayRecord) -> Any:
 @app.train()
 def train_fn(msg: Message, context: Context) -> Message:
     """Train the received model for ``local-epochs`` on this node's partition."""
+    limit_threads()
     pid, data, cfg = _partition(msg, context)
     device = pick_device()
     model = _model(cfg, data, msg.content.array_records["arrays"])

@@ -13,7 +13,6 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -26,7 +25,7 @@ from simulations.history import RunHistory, run_dir_name
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
 from simulations.settings import CLIENT_INFO_KEY, SimSettings
-from simulations.task import evaluate
+from simulations.task import evaluate, limit_threads
 
 
 class SeededFedAvg(FedAvg):
@@ -160,7 +159,7 @@ def make_server_app(**overrides: Any) -> ServerApp:
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        torch.set_num_threads(1)
+        limit_threads()
         run_server(grid, dict(context.run_config), **overrides)
 
     return server_app

@@ -30,6 +30,7 @@ from simulations.history import run_dir_name
 from simulations.plots import plot_comparison
 from simulations.server_app import run_server
 from simulations.settings import SimSettings
+from simulations.task import limit_threads
 
 COLUMNS = ["codec", "final accuracy", "best accuracy", "uplink MB", "compression ratio", "bits/param", "seconds"]
 
@@ -133,9 +134,7 @@ def make_sweep_app(codecs: Sequence[str], out: Path, command: str = "", **overri
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        import torch
-
-        torch.set_num_threads(1)
+        limit_threads()
         rows: list[SweepRow] = []
         histories: dict[str, list[dict[str, Any]]] = {}
         base = SimSettings.from_run_config(dict(context.run_config), out_dir=str(out / "runs"), **overrides)
