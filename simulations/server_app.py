@@ -68,7 +68,9 @@ class RecordingStrategy(QuantizedStrategy):
         self.last_train_metrics: dict[int, dict[str, Any]] = {}
 
     def aggregate_train(self, server_round: int, replies: Any) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
+        # Aggregate in partition order, not arrival order: float sums then do not depend on
+        # which client finished first, and a run repeats exactly.
+        replies = sorted(replies, key=_partition_of)
         infos = []
         for msg in replies:
             if msg.has_error() or CLIENT_INFO_KEY not in msg.content.config_records:
@@ -82,6 +84,14 @@ class RecordingStrategy(QuantizedStrategy):
         arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}
         return arrays, metrics
+
+
+def _partition_of(msg: Message) -> tuple[int, int]:
+    if not msg.has_error() and CLIENT_INFO_KEY in msg.content.config_records:
+        info = msg.content.config_records[CLIENT_INFO_KEY]
+        if "partition-id" in info:
+            return (0, int(info["partition-id"]))
+    return (1, msg.metadata.src_node_id)
 
 
 def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunHistory:
