@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds is not None:
         overrides["rounds"] = args.rounds
     codecs = split_codecs(args.codecs)
-    command = "python -m simulations.sweep " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    command = ("python -m simulations.sweep " + shlex.join(sys.argv[1:] if argv is None else list(argv))).strip()
     rows = run_sweep(codecs, out=args.out, num_supernodes=args.num_supernodes, num_cpus=args.num_cpus,
                      num_gpus=args.num_gpus, command=command, **overrides)  # fmt: skip
     failed = [r.codec for r in rows if r.error]
