@@ -53,9 +53,10 @@ def plot_comparison(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
     fig = Figure(figsize=(12, 4.5))
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     totals = []
-    for label, rows in runs.items():
+    for i, (label, rows) in enumerate(runs.items()):
         x = [v / MB for v in _series(rows, "cumulative-uplink-bytes")]
-        ax1.plot(x, _series(rows, "accuracy"), marker="o", ms=2, label=label)
+        style = ("-", "--", ":")[(i // 10) % 3]  # the colour cycle has 10 colours
+        ax1.plot(x, _series(rows, "accuracy"), marker="o", ms=2, ls=style, label=label)
         totals.append((label, x[-1] if x else 0.0))
     ax1.set_xscale("log")
     ax1.set_xlabel("cumulative uplink (MB, log scale)")
