@@ -158,3 +158,80 @@ def test_rejects_nonzero_padding_bits():
 
     with pytest.raises(PayloadError, match="padding"):
         codec.decode(_forge(codec, x, edit), seed=2)
+
+
+# ---------------------------------------------------------------- Elias and entropy coding
+def _levels(codec, x, seed):
+    """The signed levels the codec draws for ``x`` (same kernels as its encoder)."""
+    flat = x.reshape(-1).float()
+    d = grid.effective_bucket_size(codec.bucket_size, flat.numel())
+    steps = grid.grid_steps(grid.bucket_scales(flat, d, codec.norm), codec.levels)
+    return grid.round_codes(flat, d, steps, codec.levels, seed).astype(np.int64) - codec.levels
+
+
+@pytest.mark.parametrize(("levels", "bucket_size"), [(1, 4096), (2, 512), (16, 512), (64, 4096), (300, 0)])
+def test_elias_payload_is_header_plus_the_shorter_code_s_and_decodes_like_fixed(levels, bucket_size):
+    from fedquant.wire.elias import elias_omega_lengths
+
+    x = sample_tensor((3, 4096), seed=levels)
+    elias = get_codec("qsgd", levels=levels, bucket_size=bucket_size, coding="elias")
+    fixed = get_codec("qsgd", levels=levels, bucket_size=bucket_size)
+    data = elias.encode(x, seed=5)
+    assert torch.equal(elias.decode(data, seed=5), fixed.decode(fixed.encode(x, seed=5), seed=5))
+    q = _levels(elias, x, 5)
+    nz = np.flatnonzero(q)
+    gaps = np.diff(nz, prepend=-1)  # 1-based position of the first nonzero, then distances
+    sparse_bits = int(elias_omega_lengths(gaps).sum() + nz.size + elias_omega_lengths(np.abs(q[nz])).sum())
+    dense_bits = int(elias_omega_lengths(np.abs(q) + 1).sum() + nz.size)
+    nb = 1 if bucket_size == 0 else -(-q.size // bucket_size)
+    body = 4 * nb + 1 + math.ceil(min(sparse_bits, dense_bits) / 8)
+    assert len(data) == header_size(2, elias.spec) + body
+    variant = read_payload(data).body[4 * nb]
+    assert variant == (0 if sparse_bits <= dense_bits else 1)
+
+
+@pytest.mark.parametrize("levels", [1, 4, 16, 127])
+def test_entropy_coded_size_is_within_5_percent_of_the_empirical_entropy(levels):
+    from fedquant.wire.entropy import empirical_entropy_bits
+
+    x = sample_tensor((50_000,), seed=levels)
+    codec = get_codec("qsgd", levels=levels, coding="entropy")
+    data = codec.encode(x, seed=1)
+    fixed = get_codec("qsgd", levels=levels)
+    assert torch.equal(codec.decode(data, seed=1), fixed.decode(fixed.encode(x, seed=1), seed=1))
+    symbols = _levels(codec, x, 1) + levels
+    entropy_bytes = empirical_entropy_bits(symbols, 2 * levels + 1) / 8
+    coded = len(read_payload(data).body) - 4 * math.ceil(50_000 / 512)
+    # constant: the count table (a few bytes per present symbol) and the coder's final words
+    assert coded <= 1.05 * entropy_bytes + 16 + 4 * (2 * levels + 1)
+    assert coded >= 0.99 * entropy_bytes
+
+
+@pytest.mark.parametrize("coding", ["elias", "entropy"])
+def test_coded_paths_are_deterministic_and_equal_on_the_torch_path(coding):
+    x = sample_tensor((4000,), seed=3)
+    fast, slow = get_codec("qsgd", levels=3, coding=coding), get_codec("qsgd", levels=3, coding=coding)
+    slow.force_torch = True
+    assert fast.encode(x, seed=1) == slow.encode(x, seed=1) == fast.encode(x.clone(), seed=1)
+    assert fast.encode(x, seed=1) != fast.encode(x, seed=2)
+
+
+def test_elias_rejects_unknown_variant_and_levels_beyond_s():
+    from fedquant.wire.elias import code_s_encode
+
+    codec = get_codec("qsgd", levels=2, bucket_size=100, coding="elias")
+    x = sample_tensor((1000,), seed=1)
+    with pytest.raises(PayloadError, match="variant"):
+        codec.decode(_forge(codec, x, lambda b: b.__setitem__(40, 7)), seed=2)
+    stream, _ = code_s_encode(np.array([0, 5, 0, -1] * 250, np.int8))  # |level| 5 > s = 2
+    p = read_payload(codec.encode(x, seed=2))
+    body = bytes(p.body)[:40] + b"\x00" + stream.tobytes()
+    with pytest.raises(PayloadError):
+        codec.decode(write_payload(p.spec, p.dtype, p.shape, [body]), seed=2)
+
+
+def test_entropy_rejects_a_forged_table():
+    codec = get_codec("qsgd", levels=2, bucket_size=100, coding="entropy")
+    x = sample_tensor((1000,), seed=1)
+    with pytest.raises(PayloadError):
+        codec.decode(_forge(codec, x, lambda b: b.__setitem__(40, b[40] ^ 0xFF)), seed=2)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from fedquant.codecs import get_codec
 from fedquant.rng import derive_seed
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
+    KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
@@ -24,9 +23,6 @@ from fedquant.strategies.protocol import (
     STATE_RESIDUAL_KEY,
 )
 from tests.flower_fakes import set_task_identity
-
-# The package exports the function under the module's name; take the module itself.
-mod_module = importlib.import_module("fedquant.clients.quantize_mod")
 
 CLIENT_SEED = 4242
 NODE_ID = 7
@@ -155,6 +151,13 @@ def test_reply_without_metricrecord_gets_fedquant_record():
     assert record[METRIC_CLIENT_MSE] == 0.0
 
 
+def test_client_mse_can_be_switched_off():
+    config = _fq_config("fp16")
+    config[KEY_CLIENT_MSE] = False
+    metrics = quantize_mod(_train_message(config), _context(), _app()).content["metrics"]
+    assert METRIC_CLIENT_MSE not in metrics and metrics[METRIC_CLIENT_ENCODE_SECONDS] > 0
+
+
 def test_min_numel_threshold_is_inclusive():
     reply = quantize_mod(_train_message(_fq_config("fp32", min_numel=512)), _context(), _app())
     record = reply.content["arrays"]
@@ -211,41 +214,29 @@ def test_bad_config_is_an_error():
     assert reply.has_error() and "fedquant config" in reply.error.reason
 
 
-class _FeedbackFp16:
-    """Test double with the ErrorFeedback API (``encode_with_feedback``) around fp16.
+def test_error_feedback_residual_lives_in_context_state():
+    # ErrorFeedback (ef+fp16): send C(update + residual), keep residual' = (update + residual) - C(...).
+    fp16, context = get_codec("fp16"), _context()
+    received = _received()
+    first = quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.3))
+    stored = context.state.array_records[STATE_RESIDUAL_KEY]
+    assert list(stored.keys()) == ["w", "w64"]
+    residual1 = {}
+    for name in ("w", "w64"):
+        update = _trained(received, 0.3)[name].numpy().astype(np.float32) - received[name].numpy().astype(np.float32)
+        seed = derive_seed(CLIENT_SEED, name)
+        assert first.content["arrays"][name].data == fp16.encode(torch.from_numpy(update), seed)  # no residual yet
+        sent = fp16.decode(first.content["arrays"][name].data, seed, shape=update.shape, dtype=torch.float32)
+        residual1[name] = update - sent.numpy()
+        np.testing.assert_array_equal(stored[name].numpy(), residual1[name])
+        assert np.abs(residual1[name]).max() > 0  # fp16 rounding left something to feed back
+    assert first.content["metrics"][METRIC_CLIENT_MSE] == pytest.approx(
+        float(np.mean(np.concatenate([r.ravel() for r in residual1.values()]).astype(np.float64) ** 2)), rel=1e-6
+    )
 
-    residual' = (x + residual) - decode(encode(x + residual)); the payload is fp16's.
-    """
-
-    def __init__(self):
-        self.inner = get_codec("fp16")
-        self.needs_side_info = False
-        self.spec = "ef+" + self.inner.spec
-        self.residuals_seen = []
-
-    def encode_with_feedback(self, x, seed, residual):
-        self.residuals_seen.append(residual.clone())
-        corrected = x + residual
-        payload = self.inner.encode(corrected, seed)
-        decoded = self.inner.decode(payload, seed, shape=tuple(x.shape), dtype=torch.float32)
-        return payload, corrected - decoded
-
-    def decode(self, payload, seed, side_info=None, **kwargs):
-        return self.inner.decode(payload, seed, side_info, **kwargs)
-
-
-def test_error_feedback_residual_lives_in_context_state(monkeypatch):
-    double = _FeedbackFp16()
-    monkeypatch.setattr(mod_module, "_codec", lambda spec: double)
-    context = _context()
-    quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.3))
-    first = context.state.array_records[STATE_RESIDUAL_KEY]
-    assert set(first.keys()) == {"w", "w64"}
-    assert all(torch.count_nonzero(r) == 0 for r in double.residuals_seen)  # round 1 starts from zero
-    stored = {k: first[k].numpy().copy() for k in first.keys()}
-    assert any(np.abs(v).max() > 0 for v in stored.values())  # fp16 rounding left a residual
-
-    quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.3))
-    # Round 2 was given exactly the residuals stored in round 1, in the same order of tensors.
-    np.testing.assert_array_equal(double.residuals_seen[2].numpy(), stored["w"])
-    np.testing.assert_array_equal(double.residuals_seen[3].numpy(), stored["w64"])
+    second = quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.5))
+    for name in ("w", "w64"):
+        update = _trained(received, 0.5)[name].numpy().astype(np.float32) - received[name].numpy().astype(np.float32)
+        corrected = torch.from_numpy(update + residual1[name])
+        # Round 2 encodes update + the residual stored in round 1: byte-identical to doing it by hand.
+        assert second.content["arrays"][name].data == fp16.encode(corrected, derive_seed(CLIENT_SEED, name))

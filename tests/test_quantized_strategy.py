@@ -24,7 +24,15 @@ from fedquant.codecs import Codec, get_codec
 from fedquant.metrics import HistoryRecorder, dense_float32_bytes, result_rows
 from fedquant.rng import derive_seed
 from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
-from fedquant.strategies.protocol import KEY_CODEC, KEY_MIN_NUMEL, KEY_ROLE, KEY_SEED, PAYLOAD_STYPE, tensor_seed
+from fedquant.strategies.protocol import (
+    KEY_CLIENT_MSE,
+    KEY_CODEC,
+    KEY_MIN_NUMEL,
+    KEY_ROLE,
+    KEY_SEED,
+    PAYLOAD_STYPE,
+    tensor_seed,
+)
 from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
 from fedquant.wire.body import BodyReader, BodyWriter
 from fedquant.wire.payload import write_payload
@@ -119,6 +127,13 @@ def test_configure_train_gives_each_client_its_own_config():
         assert config[KEY_MIN_NUMEL] == MIN_NUMEL
         assert config["lr"] == 0.1 and config["server-round"] == 3
     assert KEY_CODEC not in user_config  # the user's ConfigRecord is not modified by fedquant
+    assert all(c[KEY_CLIENT_MSE] is True for c in configs)
+
+
+def test_client_mse_off_leaves_the_metric_out():
+    grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
+    metrics = _wrap(codec="fp16", client_mse=False).start(grid, initial_arrays(), 1).train_metrics_clientapp[1]
+    assert "quantization-mse" not in metrics and metrics["encode-seconds"] > 0
 
 
 # ---------------------------------------------------------------------------- whole rounds
@@ -168,6 +183,20 @@ def test_round_metrics_match_bytes_counted_independently():
         assert "fedquant.quantization-mse" not in m  # client entries do not reach the inner strategy
     # fp16 payloads: 2 bytes per weight + a small envelope; bias and keys as is.
     assert 1.8 < result.train_metrics_clientapp[1]["compression-ratio"] < 2.0
+
+
+@pytest.mark.parametrize("spec", ["qsgd:levels=4,bucket_size=256", "ef+signsgd"])
+def test_compressing_codecs_train_the_model(spec):
+    grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
+    result = _wrap(codec=spec).start(grid, initial_arrays(), num_rounds=3)
+    for server_round in (1, 2, 3):
+        metrics = result.train_metrics_clientapp[server_round]
+        assert metrics["rejected-replies"] == 0
+        assert metrics["uplink-bytes"] == grid.train_reply_bytes[server_round - 1]
+        assert metrics["compression-ratio"] > 4 and metrics["quantization-mse"] > 0
+    assert global_loss(result.arrays, NUM_NODES) < 0.95 * global_loss(initial_arrays(), NUM_NODES)
+    if spec.startswith("ef+"):  # each client kept its residual for the encoded tensor
+        assert all(list(c.state["fedquant.ef-residual"].keys()) == ["fc.weight"] for c in grid.contexts.values())
 
 
 def test_simulated_upload_seconds_is_the_slowest_client():
@@ -323,6 +352,20 @@ def test_update_that_overflows_the_model_dtype_is_rejected():
     )
     with pytest.raises(RejectedReply, match="overflows float16"):
         decode_reply(content, received, get_codec("fp32"), 5, 1, SideInformation())
+
+
+def test_unexpected_decoder_error_rejects_the_reply_not_the_round(monkeypatch):
+    strategy = _wrap()
+    real_decode = strategy.codec.decode
+
+    def flaky(payload, seed, *args, **kwargs):
+        if seed == tensor_seed(derive_seed(11, 1, 104), "fc.weight"):
+            raise IndexError("kernel read past the end")
+        return real_decode(payload, seed, *args, **kwargs)
+
+    monkeypatch.setattr(strategy.codec, "decode", flaky)
+    arrays, metrics = _round(strategy)
+    assert metrics["rejected-replies"] == 1 and arrays is not None
 
 
 def test_duplicate_and_unknown_replies_are_dropped():

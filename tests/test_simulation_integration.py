@@ -21,6 +21,8 @@ from fedquant.clients import quantize_mod
 from fedquant.strategies import QuantizedStrategy
 from tests.flower_fakes import MIN_NUMEL, global_loss, initial_arrays, make_client_app, raw_array_bytes
 
+pytestmark = pytest.mark.slow
+
 NUM_NODES = 3
 ROUNDS = 3
 QSGD_SPEC = "qsgd:levels=4,bucket_size=256"

@@ -117,3 +117,18 @@ def test_rejects_the_fourth_two_bit_symbol():
 
     with pytest.raises(PayloadError, match="beyond"):
         codec.decode(_forge(codec, sample_tensor((500,), seed=1), edit), seed=2)
+
+
+def test_entropy_coding_decodes_like_two_bit_packing_in_at_most_log2_3_bits():
+    from fedquant.wire.entropy import empirical_entropy_bits
+
+    x = sample_tensor((40_000,), seed=9)
+    coded, fixed = get_codec("terngrad", coding="entropy"), get_codec("terngrad")
+    data = coded.encode(x, seed=4)
+    assert torch.equal(coded.decode(data, seed=4), fixed.decode(fixed.encode(x, seed=4), seed=4))
+    body = len(read_payload(data).body) - 4 * 79
+    q = fixed.decode(fixed.encode(x, seed=4), seed=4)
+    symbols = (q.sign() + 1).to(torch.int64).numpy()
+    entropy_bytes = empirical_entropy_bits(symbols, 3) / 8
+    assert body <= 1.05 * entropy_bytes + 32
+    assert body * 8 <= np.log2(3) * 40_000

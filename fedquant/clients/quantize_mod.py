@@ -17,6 +17,7 @@ from fedquant.clients.state import load_residual, store_residuals
 from fedquant.codecs import Codec, get_codec
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
+    KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
@@ -56,8 +57,10 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     with seed ``derive_seed(fedquant.seed, tensor_name)``; smaller and non-float tensors go as
     they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
     the decoded update over all encoded elements; not for codecs that need decoder side
-    information) and ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the
-    residual of each tensor is kept in ``context.state``.
+    information, or when the server sets ``fedquant.client-mse`` to False) and
+    ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the residual of each
+    tensor is kept in ``context.state`` and the MSE is that of the codec on ``update + residual``
+    (the new residual), not against the update alone.
 
     Notes
     -----
@@ -77,6 +80,7 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         codec = _codec(str(config[KEY_CODEC]))
         client_seed = int(config[KEY_SEED])
         min_numel = int(config[KEY_MIN_NUMEL])
+        measure_mse = bool(config.get(KEY_CLIENT_MSE, True))
     except (KeyError, ValueError, TypeError) as err:
         return _error(msg, f"{MOD_NAME}: bad fedquant config: {err}")
     # Array objects are immutable in practice (their data is bytes): keep references, not copies.
@@ -110,9 +114,12 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         if hasattr(codec, "encode_with_feedback"):
             residual = load_residual(ctxt.state, name, old.shape)
             payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
+            if measure_mse:  # the new residual is exactly the codec's error on what it encoded
+                sq_error += float(torch.sum(residuals[name].double() ** 2))
+                encoded_numel += numel
         else:
             payload = codec.encode(update, seed)
-        if not codec.needs_side_info:
+        if measure_mse and not codec.needs_side_info and name not in residuals:
             decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32)
             sq_error += float(torch.sum((decoded - update).double() ** 2))
             encoded_numel += numel

@@ -1,4 +1,8 @@
-"""Error-feedback residuals kept in a ClientApp's ``context.state`` between rounds."""
+"""Error-feedback residuals kept in a ClientApp's ``context.state`` between rounds.
+
+``context.state[STATE_RESIDUAL_KEY]`` is one ArrayRecord whose entries are the float32 residuals,
+keyed by tensor name. A ClientApp object does not survive between rounds; its Context does.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,14 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 
 
-def load_residual(state: RecordDict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The stored float32 residual of tensor ``name``, or zeros when none (or of another shape) is stored."""
+def load_residual(state: RecordDict, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The stored float32 residual of tensor ``name``; None when none (or one of another shape) is stored."""
     record = state.array_records.get(STATE_RESIDUAL_KEY)
     if record is not None and name in record:
         value = record[name].numpy()
         if value.shape == tuple(shape) and value.dtype == np.float32:
             return torch.from_numpy(value.copy())
-    return torch.zeros(shape, dtype=torch.float32)
+    return None
 
 
 def store_residuals(state: RecordDict, residuals: dict[str, torch.Tensor]) -> None:

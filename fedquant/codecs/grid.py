@@ -160,9 +160,11 @@ class ScaledGridCodec(Codec):
 
     Body layout: ``nb`` float32 bucket scales, then the symbols ``q + s`` of all elements in the
     stream of the ``coding`` parameter: ``"fixed"`` packs them at ``bit_width(2s + 1)`` bits,
-    ``"entropy"`` codes them with an adaptive-free static entropy coder (see
-    :mod:`fedquant.wire.entropy`), ``"elias"`` uses QSGD's Code_s (see :mod:`fedquant.wire.elias`).
-    Subclasses provide ``levels``, ``norm`` and may transform the input in ``_prepare``.
+    ``"entropy"`` codes them with rANS under their own exact empirical distribution (see
+    :mod:`fedquant.wire.entropy`), ``"elias"`` uses QSGD's Code_s or Code'_s (see
+    :mod:`fedquant.codecs.index_coding`). Subclasses provide ``(s, norm)`` through ``_grid`` and
+    may transform the input in ``_prepare`` (TernGrad's clipping). CPU tensors run the numba
+    kernels, other devices the torch twins; ``force_torch`` selects the torch path on CPU too.
     """
 
     #: Set to True to run the torch implementation on CPU tensors too (tests of path equality).

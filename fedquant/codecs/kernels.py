@@ -75,8 +75,9 @@ def bucket_max_abs(x: np.ndarray, d: int) -> np.ndarray:
         lo = b * d
         hi = min(lo + d, n)
         m = np.uint32(0)
-        for i in range(lo, hi):
-            m = max(m, bits[i] & _ABS_MASK)
+        seg = bits[lo:hi]
+        for i in range(hi - lo):
+            m = max(m, seg[i] & _ABS_MASK)
         out[b] = m
     return out.view(np.float32)
 
@@ -89,14 +90,15 @@ def _sum_f64(x, lo, hi, square):
     order is the same on every machine and the loop vectorizes.
     """
     acc = np.zeros(8, np.float64)
-    m = lo + ((hi - lo) // 8) * 8
-    for i in range(lo, m, 8):
+    seg = x[lo:hi]
+    full = (hi - lo) // 8
+    for g in range(full):
         for k in range(8):
-            v = np.float64(x[i + k])
+            v = np.float64(seg[8 * g + k])
             acc[k] += v * v if square else abs(v)
-    for i in range(m, hi):
-        v = np.float64(x[i])
-        acc[i - m] += v * v if square else abs(v)
+    for k in range(hi - lo - 8 * full):
+        v = np.float64(seg[8 * full + k])
+        acc[k] += v * v if square else abs(v)
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 
 
@@ -130,52 +132,51 @@ def bucket_l1_mean(x: np.ndarray, d: int) -> np.ndarray:
 def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
     """Symbols ``q + s`` of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``, bucket by bucket.
 
-    Branch-free per element so that LLVM vectorizes the loop (hash included).
+    Branch-free per element, on slices indexed from 0, so that LLVM vectorizes the loop (the
+    hash included).
     """
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
+        xs = x[i:hi]
+        cs = codes[i - c0 : hi - c0]
         if step > _ZERO32:
-            for j in range(i, hi):
-                v = x[j]
+            for k in range(hi - i):
+                v = xs[k]
                 t = abs(v) / step
                 f = np.floor(t)
-                lvl = min(np.int64(f) + np.int64(_uniform24(key, j) < t - f), s)
-                codes[j - c0] = s - lvl if v < _ZERO32 else s + lvl
+                lvl = min(np.int64(f) + np.int64(_uniform24(key, i + k) < t - f), s)
+                cs[k] = s - lvl if v < _ZERO32 else s + lvl
         else:
-            for j in range(i, hi):
-                codes[j - c0] = s
+            cs[:] = s
         i = hi
 
 
 @njit(cache=True)
 def _pack_into(codes, count, width, out, pos):
-    """Pack ``codes[:count]`` LSB-first at ``width`` bits into ``out`` from byte ``pos``."""
-    if width == 8:
-        for j in range(count):
-            out[pos + j] = codes[j]
-        return
-    if 8 % width == 0:
-        per = 8 // width
-        full = count // per
-        for j in range(full):
-            acc = 0
-            for k in range(per):
-                acc |= np.int64(codes[j * per + k]) << (k * width)
-            out[pos + j] = acc
-        rest = count - full * per
-        if rest:
-            acc = 0
-            for k in range(rest):
-                acc |= np.int64(codes[full * per + k]) << (k * width)
-            out[pos + full] = acc
-        return
+    """Pack ``codes[:count]`` LSB-first at ``width`` bits into ``out`` from byte ``pos``.
+
+    Widths up to 8 go by groups of 8 symbols, which fill exactly ``width`` bytes; wider symbols
+    and the tail go through a bit accumulator.
+    """
+    start = 0
+    p = pos
+    if width <= 8:
+        groups = count // 8
+        for g in range(groups):
+            word = np.uint64(0)
+            for k in range(8):
+                word |= np.uint64(codes[8 * g + k]) << np.uint64(k * width)
+            base = pos + g * width
+            for j in range(width):
+                out[base + j] = (word >> np.uint64(8 * j)) & np.uint64(255)
+        start = groups * 8
+        p = pos + groups * width
     acc = np.uint64(0)
     nbits = 0
-    p = pos
-    for j in range(count):
+    for j in range(start, count):
         acc |= np.uint64(codes[j]) << np.uint64(nbits)
         nbits += width
         while nbits >= 8:
@@ -203,9 +204,14 @@ def round_pack(x, d, steps, s, key, width):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        codes = np.empty(CHUNK, np.uint16)
-        _chunk_codes(x, d, steps, s, key, c0, c1, codes)
-        _pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+        if width <= 8:  # byte symbols: half the traffic through the chunk buffer
+            small = np.empty(CHUNK, np.uint8)
+            _chunk_codes(x, d, steps, s, key, c0, c1, small)
+            _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            _chunk_codes(x, d, steps, s, key, c0, c1, wide)
+            _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
     return out
 
 
@@ -237,13 +243,14 @@ def _chunk_unpack_dequant(data, width, d, steps, s, c0, c1, out):
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
-        for j in range(i, hi):
-            bit = j * width
+        ys = out[i:hi]
+        for k in range(hi - i):
+            bit = (i + k) * width
             p = bit >> 3
             word = np.int64(data[p]) | (np.int64(data[p + 1]) << 8) | (np.int64(data[p + 2]) << 16)
             c = (word >> (bit & 7)) & mask
             bad += c > top
-            out[j] = np.float32(c - s) * step
+            ys[k] = np.float32(c - s) * step
         i = hi
     return bad
 
@@ -273,10 +280,12 @@ def _chunk_dequant(codes, d, steps, s, c0, c1, out):
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
-        for j in range(i, hi):
-            c = np.int64(codes[j - c0])
+        cs = codes[i - c0 : hi - c0]
+        ys = out[i:hi]
+        for k in range(hi - i):
+            c = np.int64(cs[k])
             bad += c > top
-            out[j] = np.float32(c - s) * step
+            ys[k] = np.float32(c - s) * step
         i = hi
     return bad
 

@@ -12,7 +12,8 @@ quantizer with ``s = 1`` and max scaling, and shares its kernels.
   the clipped bucket (as GRACE does; TernGrad's code uses ``c sigma`` itself), and the codec is
   unbiased only with respect to the clipped tensor.
 * ``coding``: ``"fixed"`` packs ``t + 1`` at 2 bits (TernGrad's practice), ``"entropy"`` codes the
-  three symbols with a static entropy coder (about ``log2(3)`` bits or less).
+  three symbols with rANS under their empirical distribution (at most about ``log2(3)`` bits,
+  much less when most entries ternarize to 0).
 """
 
 from __future__ import annotations

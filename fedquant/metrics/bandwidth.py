@@ -4,6 +4,25 @@ All byte counts follow Flower's :meth:`flwr.app.ArrayRecord.count_bytes`: for ev
 length of the Array's ``data`` (for a NumPy Array that includes the ``.npy`` header) plus the
 length of its key. Metadata strings (dtype, shape, stype) are not counted, the same for every
 Array, compressed or not.
+
+The per-round metrics :class:`~fedquant.strategies.QuantizedStrategy` adds to the train
+MetricRecord:
+
+``uplink-bytes``             bytes of the ArrayRecords of every reply that carried content,
+                             accepted or rejected (what crossed the wire)
+``uplink-bytes-dense``       the same replies as float32 ArrayRecords (what plain Flower would
+                             have sent for a float32 model; for a float32 model it equals the
+                             uplink of the unwrapped strategy)
+``compression-ratio``        ``uplink-bytes-dense / uplink-bytes`` (0.0 without replies)
+``bits-per-param``           ``8 * uplink-bytes / (replies * parameters)``, all overheads included
+                             (codec envelope, unencoded small tensors, keys)
+``downlink-bytes``           bytes of the ArrayRecords of the train messages sent
+``cumulative-uplink-bytes``  running sum of ``uplink-bytes`` over this strategy's rounds
+``quantization-mse``         mean over accepted replies of the clients' own MSE measurement
+                             (absent when no client measured it)
+``rejected-replies``         replies dropped from the aggregate
+``simulated-upload-seconds`` only with ``uplink_bandwidth``: max over replies of bytes / bandwidth
+``encode-seconds``           mean client encode time (mod), ``decode-seconds`` server decode time
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ key                          type   meaning
 ``fedquant.seed``            int    the client's seed for this round,
                                     ``derive_seed(base_seed, server_round, node_id)``
 ``fedquant.min-numel``       int    float tensors with fewer elements are sent as they are
+``fedquant.client-mse``      bool   whether the client measures the quantization MSE (one
+                                    extra decode per tensor); absent means yes
 ``fedquant.role``            str    optional; a decode plan's role for this client (e.g. NDQSG's
                                     ``"p1"`` / ``"p2"`` groups); ``quantize_mod`` ignores it
 ===========================  =====  ==========================================================
@@ -50,6 +52,7 @@ KEY_CODEC = "fedquant.codec"
 KEY_SEED = "fedquant.seed"
 KEY_MIN_NUMEL = "fedquant.min-numel"
 KEY_ROLE = "fedquant.role"
+KEY_CLIENT_MSE = "fedquant.client-mse"
 
 METRIC_CLIENT_MSE = "fedquant.quantization-mse"
 METRIC_CLIENT_ENCODE_SECONDS = "fedquant.encode-seconds"

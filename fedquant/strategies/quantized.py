@@ -21,6 +21,7 @@ from fedquant.strategies.decode_plan import ClientAssignment, DecodePlan
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
     DEFAULT_MIN_NUMEL,
+    KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
@@ -88,6 +89,9 @@ class QuantizedStrategy(Strategy):
         :mod:`fedquant.strategies.decode_plan`); the default gives every client ``codec``.
     recorder : HistoryRecorder, optional
         Receives every round's train (``train/``) and evaluate (``evaluate/``) metrics.
+    client_mse : bool
+        Whether clients measure ``quantization-mse`` (default True). Measuring decodes every
+        payload once more on the client, which costs about one decode per tensor per round.
 
     Examples
     --------
@@ -109,6 +113,7 @@ class QuantizedStrategy(Strategy):
         uplink_bandwidth: Callable[[int], float] | None = None,
         decode_plan: DecodePlan | None = None,
         recorder: HistoryRecorder | None = None,
+        client_mse: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -126,6 +131,7 @@ class QuantizedStrategy(Strategy):
         self.uplink_bandwidth = uplink_bandwidth
         self.decode_plan = decode_plan if decode_plan is not None else DecodePlan()
         self.recorder = recorder
+        self.client_mse = bool(client_mse)
         self.cumulative_uplink_bytes = 0
         self._rounds: dict[int, _RoundPlan] = {}
 
@@ -139,6 +145,7 @@ class QuantizedStrategy(Strategy):
         log(INFO, "\t│\t├── Codec: %s", self.codec.spec)
         log(INFO, "\t│\t├── Base seed: %s", self.seed)
         log(INFO, "\t│\t├── Min. elements to encode: %s", self.min_numel)
+        log(INFO, "\t│\t├── Client-side MSE: %s", "yes" if self.client_mse else "no")
         log(INFO, "\t│\t├── Decode plan: %r", self.decode_plan)
         log(INFO, "\t│\t└── Simulated uplink bandwidth: %s", "yes" if self.uplink_bandwidth else "no")
         self.strategy.summary()
@@ -167,6 +174,7 @@ class QuantizedStrategy(Strategy):
                 KEY_CODEC: assignment.codec.spec,
                 KEY_SEED: plan.seeds[node_id],
                 KEY_MIN_NUMEL: self.min_numel,
+                KEY_CLIENT_MSE: self.client_mse,
                 **assignment.config,
             }
             # Inner strategies share one RecordDict among all messages: give each its own.
@@ -216,7 +224,7 @@ class QuantizedStrategy(Strategy):
                 dense_float32_bytes(sent) if sent is not None else reply_bytes,
                 record_numel(sent) if sent is not None else 0,
             )
-            if self.uplink_bandwidth is not None:
+            if self.uplink_bandwidth is not None and sent is not None:
                 traffic.upload_seconds.append(reply_bytes / float(self.uplink_bandwidth(node_id)))
             if sent is None:
                 self._reject(server_round, node_id, "the node was not sent a train message this round", traffic)
@@ -228,6 +236,7 @@ class QuantizedStrategy(Strategy):
 
         accepted: set[int] = set()
         side = self.decode_plan.side_information()
+        needs_side = any(a.codec.needs_side_info for a in plan.assignments.values())
         start = time.perf_counter()
         for node_id in self.decode_plan.decode_order(arrival, plan.assignments):
             reply = by_node[node_id]
@@ -243,7 +252,8 @@ class QuantizedStrategy(Strategy):
             except RejectedReply as err:
                 self._reject(server_round, node_id, str(err), traffic)
                 continue
-            side.add(decoded.updates)
+            if needs_side:
+                side.add(decoded.updates)
             reply.content[decoded.record_name] = decoded.arrays
             _take_client_metrics(reply.content, traffic)
             accepted.add(id(reply))

@@ -60,6 +60,8 @@ def _decode_entry(
         update = codec.decode(array.data, seed, side_info, shape=received.shape, dtype=torch.float32)
     except ValueError as err:  # PayloadError is a ValueError
         raise RejectedReply(f"'{name}': {err}") from err
+    except Exception as err:  # untrusted bytes must never stop the round; name the surprise
+        raise RejectedReply(f"'{name}': decoding failed with {type(err).__name__}: {err}") from err
     with np.errstate(over="ignore"):  # overflow is detected just below
         dense = (received.astype(np.float32, copy=False) + update.numpy()).astype(received.dtype, copy=False)
     if not np.isfinite(dense).all():

@@ -1,0 +1,1 @@
+"""Benchmark scripts (tables, not tests): codec throughput, rate/distortion, CUDA checks."""

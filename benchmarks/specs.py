@@ -1,0 +1,83 @@
+"""The codec settings every benchmark runs: each registered codec, with representative parameters.
+
+Every name in ``fedquant.codecs.available_codecs()`` gets at least one row: names missing from
+``REPRESENTATIVE`` are added with their defaults, and a codec whose module is not there (yet)
+or rejects its parameters shows up as "not available" with the reason, never silently skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedquant.codecs import available_codecs, get_codec
+from fedquant.codecs.base import Codec
+
+# Representative settings per registered name (defaults of a name are its first row).
+REPRESENTATIVE: dict[str, list[str]] = {
+    "fp32": ["fp32"],
+    "fp16": ["fp16"],
+    "qsgd": [
+        "qsgd",
+        "qsgd:levels=1,bucket_size=128",
+        "qsgd:levels=7",
+        "qsgd:coding=elias",
+        "qsgd:coding=entropy",
+    ],
+    "terngrad": ["terngrad", "terngrad:coding=entropy"],
+    "signsgd": ["signsgd"],
+    "bingrad-b": ["bingrad-b"],
+    "bingrad-pb": ["bingrad-pb"],
+    "orq": ["orq"],
+    "linear": ["linear"],
+    "dqsg": ["dqsg"],
+    "ndqsg": ["ndqsg"],
+}
+
+#: Settings that the throughput target (>= 1/15 of an in-place copy) applies to.
+FAST_PATHS = ("qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=7", "terngrad", "signsgd")
+
+
+@dataclass
+class Setting:
+    """One benchmark row: the spec, the codec (None if not available) and why not."""
+
+    spec: str
+    codec: Codec | None
+    reason: str = ""
+
+
+def all_specs(only: list[str] | None = None) -> list[str]:
+    """Specs for every registered codec (or those whose name or spec is in ``only``)."""
+    specs: list[str] = []
+    for name in available_codecs():
+        specs += REPRESENTATIVE.get(name, [name])
+    for name in REPRESENTATIVE:
+        if name not in available_codecs():
+            specs += REPRESENTATIVE[name]
+    if only:
+        specs = [s for s in specs if s in only or s.split(":")[0] in only] + [
+            s for s in only if s not in specs and ":" in s
+        ]
+    return specs
+
+
+def build(spec: str) -> Setting:
+    """The codec of ``spec``, or a Setting that says why it is not available."""
+    try:
+        return Setting(spec, get_codec(spec))
+    except (ImportError, AttributeError) as err:
+        return Setting(spec, None, f"not available ({type(err).__name__}: {err})")
+    except ValueError as err:
+        return Setting(spec, None, f"not available ({err})")
+
+
+def side_info_for(codec: Codec, x: torch.Tensor) -> torch.Tensor | None:
+    """Decoder side information for codecs that need it: a noisy copy of ``x`` (1% noise)."""
+    if not codec.needs_side_info:
+        return None
+    gen = torch.Generator().manual_seed(99)
+    noise = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
+    xf = x.float()
+    return xf + 0.01 * (xf.std() if xf.numel() > 1 else xf.abs().sum()) * noise

@@ -1,0 +1,1 @@
+"""fedquant deployment test app."""
