@@ -1,0 +1,94 @@
+"""The ClientApp: local training on this node's partition; ``quantize_mod`` encodes the update.
+
+The node's partition comes from its node config (``partition-id``, ``num-partitions``, set by the
+simulation engine, or by ``flower-supernode --node-config`` in a deployment); everything else
+(dataset, partitioning, model, epochs, ...) from the round config the server sends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedquant.clients import quantize_mod
+from fedquant.rng import derive_seed
+from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
+from simulations.data import TensorData, load_partition
+from simulations.models import build_model
+from simulations.settings import CLIENT_INFO_KEY
+from simulations.task import evaluate, limit_threads, pick_device, train
+
+app = ClientApp(mods=[quantize_mod])
+
+
+def _partition(msg: Message, context: Context) -> tuple[int, TensorData, Any]:
+    cfg = msg.content.config_records["config"]
+    pid = int(context.node_config["partition-id"])
+    data = load_partition(
+        str(cfg["dataset"]),
+        pid,
+        int(context.node_config["num-partitions"]),
+        str(cfg["partitioning"]),
+        float(cfg["dirichlet-alpha"]),
+        int(cfg["seed"]),
+    )
+    return pid, data, cfg
+
+
+def _model(cfg: Any, data: TensorData, arrays: ArrayRecord) -> Any:
+    model = build_model(str(cfg["model"]), data.input_shape, data.num_classes)
+    model.load_state_dict(arrays.to_torch_state_dict())
+    return model
+
+
+@app.train()
+def train_fn(msg: Message, context: Context) -> Message:
+    """Train the received model for ``local-epochs`` on this node's partition."""
+    limit_threads()
+    pid, data, cfg = _partition(msg, context)
+    device = pick_device()
+    model = _model(cfg, data, msg.content.array_records["arrays"])
+    server_round = int(cfg.get("server-round", 0))
+    if server_round == 1 and STATE_RESIDUAL_KEY in context.state:
+        # A new federation starts (a sweep runs several on the same nodes): forget the
+        # error-feedback residuals of the previous one.
+        del context.state[STATE_RESIDUAL_KEY]
+    loss = train(
+        model,
+        data,
+        epochs=int(cfg["local-epochs"]),
+        batch_size=int(cfg["batch-size"]),
+        lr=float(cfg["learning-rate"]),
+        seed=derive_seed(int(cfg["seed"]), "batches", server_round, pid),
+        device=device,
+    )
+    info = ConfigRecord(
+        {
+            "partition-id": pid,
+            "dataset": str(cfg["dataset"]),
+            "partitioning": str(cfg["partitioning"]),
+            "codec": str(cfg["codec"]),
+            "device": str(device),
+            "distinct-labels": int(data.y.unique().numel()),
+        }
+    )
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"train-loss": loss, "num-examples": len(data)}),
+            CLIENT_INFO_KEY: info,
+        }
+    )
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_fn(msg: Message, context: Context) -> Message:
+    """Score the received model on this node's partition (used when fraction-evaluate > 0)."""
+    _, data, cfg = _partition(msg, context)
+    model = _model(cfg, data, msg.content.array_records["arrays"])
+    loss, accuracy = evaluate(model, data, device=pick_device())
+    metrics = MetricRecord({"eval-loss": loss, "eval-acc": accuracy, "num-examples": len(data)})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

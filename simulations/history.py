@@ -1,0 +1,84 @@
+"""Per-round history of one simulation: what the server measured, written as JSON, CSV and PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from simulations.plots import plot_run
+from simulations.settings import SimSettings
+
+# Leading columns of history.csv; every other metric follows in alphabetical order.
+LEAD_COLUMNS = ["round", "accuracy", "loss", "elapsed-seconds"]
+FILES = ("history.json", "history.csv", "history.png")
+
+
+def run_dir_name(settings: SimSettings) -> str:
+    """Folder name of a run: the run name, else codec, dataset, partitioning and seed."""
+    name = settings.run_name or f"{settings.codec}_{settings.dataset}_{settings.partitioning}_seed{settings.seed}"
+    return re.sub(r"[^A-Za-z0-9_.+=-]+", "-", name).strip("-") or "run"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass
+class RunHistory:
+    """Rows (one per round, round 0 = initial model) and per-client records of one run."""
+
+    settings: SimSettings
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    clients: list[dict[str, Any]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    def add_round(self, row: dict[str, Any]) -> None:
+        self.rounds.append({k: _plain(v) for k, v in row.items()})
+
+    def add_clients(self, server_round: int, infos: list[dict[str, Any]]) -> None:
+        for info in infos:
+            self.clients.append({"round": server_round, **{k: _plain(v) for k, v in info.items()}})
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last round's row (empty before any round)."""
+        return self.rounds[-1] if self.rounds else {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings.as_config(),
+            "wall-seconds": self.wall_seconds,
+            "rounds": self.rounds,
+            "clients": self.clients,
+        }
+
+    def write(self, folder: str | Path) -> dict[str, Path]:
+        """Write ``history.json``, ``history.csv`` and ``history.png`` into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {name: folder / name for name in FILES}
+        paths["history.json"].write_text(json.dumps(self.to_json(), indent=1))
+        keys = {k for row in self.rounds for k in row}
+        columns = [k for k in LEAD_COLUMNS if k in keys] + sorted(keys - set(LEAD_COLUMNS))
+        with paths["history.csv"].open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rounds)
+        s = self.settings
+        title = f"{s.codec} | {s.dataset} {s.partitioning} | {s.model}"
+        plot_run([r for r in self.rounds if r["round"] > 0], paths["history.png"], title)
+        return paths
+
+
+def load_history(folder: str | Path) -> dict[str, Any]:
+    """Read a run's ``history.json``."""
+    return json.loads((Path(folder) / "history.json").read_text())

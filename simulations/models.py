@@ -1,0 +1,114 @@
+"""Models for the simulations: an MLP, a LeNet-style CNN, and ResNet-20 for CIFAR.
+
+Each takes the input shape ``(C, H, W)`` and the class count, so one name works on digits (8x8),
+MNIST/FEMNIST (28x28) and CIFAR (32x32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+MODEL_NAMES = ("mlp", "cnn", "resnet20")
+
+
+class MLP(nn.Module):
+    """Two hidden layers with ReLU."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, hidden: int = 128) -> None:
+        super().__init__()
+        numel = input_shape[0] * input_shape[1] * input_shape[2]
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(numel, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LeNet(nn.Module):
+    """LeNet-style CNN: two conv + max-pool blocks, two dense layers.
+
+    5x5 kernels (LeNet-5) on inputs of 16 pixels and more; 3x3 kernels with padding on the 8x8
+    digits, where 5x5 would leave nothing after two poolings.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = input_shape
+        small = min(height, width) < 16
+        k, pad = (3, 1) if small else (5, 0)
+        c1, c2 = (16, 32) if small else (6, 16)
+        self.conv1 = nn.Conv2d(channels, c1, k, padding=pad)
+        self.conv2 = nn.Conv2d(c1, c2, k, padding=pad)
+        h, w = height, width
+        for _ in range(2):
+            h, w = (h + 2 * pad - k + 1) // 2, (w + 2 * pad - k + 1) // 2
+        self.fc1 = nn.Linear(c2 * h * w, 120 if not small else 64)
+        self.fc2 = nn.Linear(self.fc1.out_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    """ResNet-20 of He et al. (2016) for CIFAR: 3 stages of 3 basic blocks, 16/32/64 channels (0.27 M params)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        blocks: list[nn.Module] = []
+        c_in = 16
+        for c_out, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(3):
+                blocks.append(_BasicBlock(c_in, c_out, stride if i == 0 else 1))
+                c_in = c_out
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.bn(self.conv(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, seed: int = 0) -> nn.Module:
+    """A freshly initialised model; the same seed gives the same weights.
+
+    Parameters
+    ----------
+    name : {"mlp", "cnn", "resnet20"}
+        ``cnn`` is the LeNet-style CNN.
+    input_shape : tuple
+        ``(C, H, W)`` of one example.
+    num_classes : int
+        Output size.
+    seed : int
+        Seed of the initialisation (the global RNG state is restored afterwards).
+    """
+    classes = {"mlp": MLP, "cnn": LeNet, "resnet20": ResNet20}
+    if name not in classes:
+        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return classes[name](tuple(input_shape), int(num_classes))

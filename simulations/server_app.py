@@ -1,0 +1,180 @@
+"""The ServerApp: FedAvg wrapped in fedquant's QuantizedStrategy, scored on a held-out test set.
+
+Each round it logs one line (accuracy, uplink bytes, compression), and at the end it writes the
+run's ``history.json``, ``history.csv`` and ``history.png`` into ``<out-dir>/<run-name>/``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from fedquant.rng import derive_seed
+from fedquant.strategies import QuantizedStrategy
+from simulations.data import load_test_set
+from simulations.history import RunHistory, run_dir_name
+from simulations.links import UplinkProfile, parse_uplink
+from simulations.models import build_model
+from simulations.settings import CLIENT_INFO_KEY, SimSettings
+from simulations.task import evaluate, limit_threads
+
+
+class SeededFedAvg(FedAvg):
+    """FedAvg whose client sampling comes from the run's seed instead of Python's global ``random``.
+
+    Runs with the same seed (e.g. the codecs of a sweep) then train the same clients each round.
+    """
+
+    def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.fraction_train == 0.0:
+            return []
+        all_nodes = sorted(grid.get_node_ids())
+        sample_size = min(len(all_nodes), max(int(len(all_nodes) * self.fraction_train), self.min_train_nodes))
+        rng = random.Random(derive_seed(self.seed, "sample-clients", server_round))
+        node_ids = rng.sample(all_nodes, sample_size)
+        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(node_ids), len(all_nodes))
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return self._construct_messages(record, node_ids, MessageType.TRAIN)
+
+
+class RecordingStrategy(QuantizedStrategy):
+    """QuantizedStrategy that also records what each client reports about itself.
+
+    Before the wrapper decodes a round's replies, it reads each reply's ``client-info``
+    ConfigRecord (partition id, dataset, partitioning, codec and device the client used) into the
+    history, and tells the uplink profile which partition each node holds.
+    """
+
+    def __init__(self, *args: Any, history: RunHistory, uplink: UplinkProfile | None, **kwargs: Any) -> None:
+        super().__init__(*args, uplink_bandwidth=uplink, **kwargs)
+        self.history = history
+        self.uplink = uplink
+        self.last_train_metrics: dict[int, dict[str, Any]] = {}
+
+    def aggregate_train(self, server_round: int, replies: Any) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        # Aggregate in partition order, not arrival order: float sums then do not depend on
+        # which client finished first, and a run repeats exactly.
+        replies = sorted(replies, key=_partition_of)
+        infos = []
+        for msg in replies:
+            if msg.has_error() or CLIENT_INFO_KEY not in msg.content.config_records:
+                continue
+            info = dict(msg.content.config_records[CLIENT_INFO_KEY])
+            info["node-id"] = msg.metadata.src_node_id
+            infos.append(info)
+            if self.uplink is not None and "partition-id" in info:
+                self.uplink.client_keys[int(info["node-id"])] = int(info["partition-id"])
+        self.history.add_clients(server_round, infos)
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}
+        return arrays, metrics
+
+
+def _partition_of(msg: Message) -> tuple[int, int]:
+    if not msg.has_error() and CLIENT_INFO_KEY in msg.content.config_records:
+        info = msg.content.config_records[CLIENT_INFO_KEY]
+        if "partition-id" in info:
+            return (0, int(info["partition-id"]))
+    return (1, msg.metadata.src_node_id)
+
+
+def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunHistory:
+    """Run the whole federation as the run config says; returns the history it wrote.
+
+    ``overrides`` (snake_case keys) take precedence over the run config; the sweep uses them.
+    """
+    settings = SimSettings.from_run_config(run_config, **overrides)
+    test = load_test_set(settings.dataset)
+    model = build_model(settings.model, test.input_shape, test.num_classes, seed=settings.seed)
+    history = RunHistory(settings)
+    uplink = parse_uplink(settings.uplink, settings.seed)
+    strategy = RecordingStrategy(
+        SeededFedAvg(
+            fraction_train=settings.fraction_train, fraction_evaluate=0.0, min_train_nodes=1, seed=settings.seed
+        ),
+        codec=settings.codec,
+        seed=settings.seed,
+        min_numel=settings.min_numel,
+        history=history,
+        uplink=uplink,
+    )
+    t0 = time.perf_counter()
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy = evaluate(model, test)
+        train_metrics = strategy.last_train_metrics.get(server_round, {})
+        row = {"round": server_round, "accuracy": accuracy, "loss": loss, **train_metrics}
+        row["elapsed-seconds"] = time.perf_counter() - t0
+        history.add_round(row)
+        log(INFO, "%s", _round_line(row, settings.rounds))
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=settings.rounds,
+        train_config=ConfigRecord(settings.as_config()),
+        evaluate_config=ConfigRecord(settings.as_config()),
+        evaluate_fn=evaluate_fn,
+    )
+    history.wall_seconds = time.perf_counter() - t0
+    folder = Path(settings.out_dir).expanduser().resolve() / run_dir_name(settings)
+    history.write(folder)
+    final = history.final
+    log(
+        INFO,
+        "fedquant: %s reached accuracy %.4f after %d rounds, %.3f MB uplink in total; results in %s",
+        settings.codec,
+        final.get("accuracy", float("nan")),
+        settings.rounds,
+        (final.get("cumulative-uplink-bytes") or 0) / 1e6,
+        folder,
+    )
+    return history
+
+
+def _round_line(row: dict[str, Any], rounds: int) -> str:
+    text = f"[fedquant] round {row['round']}/{rounds}: accuracy {row['accuracy']:.4f}, loss {row['loss']:.4f}"
+    if "uplink-bytes" in row:
+        ratio, bits = row.get("compression-ratio", float("nan")), row.get("bits-per-param", float("nan"))
+        text += (
+            f" | uplink {row['uplink-bytes'] / 1e3:.1f} kB (x{ratio:.1f}, {bits:.2f} bits/param)"
+            f", cumulative {row.get('cumulative-uplink-bytes', 0) / 1e6:.3f} MB"
+        )
+    if "simulated-upload-seconds" in row:
+        text += f", upload {row['simulated-upload-seconds']:.2f} s"
+    return text
+
+
+def make_server_app(**overrides: Any) -> ServerApp:
+    """A ServerApp whose run config is overridden by ``overrides`` (for ``run_simulation``)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        limit_threads()
+        run_server(grid, dict(context.run_config), **overrides)
+
+    return server_app
+
+
+app = make_server_app()
+
+__all__ = ["RecordingStrategy", "app", "make_server_app", "run_server"]
