@@ -67,10 +67,10 @@ def peak_memory_mib(fn: Callable[[], object]) -> float:
     return max(0, peak - before) / 1024
 
 
-def best_time(fn: Callable[[], object], repeats: int, budget_s: float = 1.0) -> float:
+def best_time(fn: Callable[[], object], repeats: int, budget_s: float = 2.0) -> float:
     """Best wall time (seconds) of at least ``repeats`` calls after a warm-up call.
 
-    Short calls are repeated until ``budget_s`` seconds have passed (at most 100 calls): on a
+    Short calls are repeated until ``budget_s`` seconds have passed (at most 300 calls): on a
     shared machine a single call is easily descheduled, and the minimum of many is the time the
     code needs.
     """
@@ -78,7 +78,7 @@ def best_time(fn: Callable[[], object], repeats: int, budget_s: float = 1.0) -> 
     best = float("inf")
     start = time.perf_counter()
     count = 0
-    while count < repeats or (time.perf_counter() - start < budget_s and count < 100):
+    while count < repeats or (time.perf_counter() - start < budget_s and count < 300):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
