@@ -230,43 +230,51 @@ def round_codes(x, d, steps, s, key):
 
 # ---------------------------------------------------------------- decoding
 @njit(cache=True)
-def _chunk_unpack_dequant(data, width, d, steps, s, c0, c1, out):
-    """Decode packed symbols of elements ``c0 .. c1``; ``data`` has 2 bytes of zero padding.
-
-    Returns how many symbols exceed ``2s``.
-    """
-    mask = (1 << width) - 1
-    top = 2 * s
-    bad = 0
-    i = c0
-    while i < c1:
-        b = i // d
-        hi = min((b + 1) * d, c1)
-        step = steps[b]
-        ys = out[i:hi]
-        for k in range(hi - i):
-            bit = (i + k) * width
-            p = bit >> 3
-            word = np.int64(data[p]) | (np.int64(data[p + 1]) << 8) | (np.int64(data[p + 2]) << 16)
-            c = (word >> (bit & 7)) & mask
-            bad += c > top
-            ys[k] = np.float32(c - s) * step
-        i = hi
-    return bad
+def _unpack_from(data, pos, count, width, codes):
+    """Inverse of :func:`_pack_into`: ``count`` symbols from byte ``pos`` into ``codes``."""
+    mask = np.uint64((1 << width) - 1)
+    start = 0
+    p = pos
+    if width <= 8:
+        groups = count // 8
+        for g in range(groups):
+            base = pos + g * width
+            word = np.uint64(0)
+            for j in range(width):
+                word |= np.uint64(data[base + j]) << np.uint64(8 * j)
+            for k in range(8):
+                codes[8 * g + k] = (word >> np.uint64(k * width)) & mask
+        start = groups * 8
+        p = pos + groups * width
+    acc = np.uint64(0)
+    nbits = 0
+    for j in range(start, count):
+        while nbits < width:
+            acc |= np.uint64(data[p]) << np.uint64(nbits)
+            nbits += 8
+            p += 1
+        codes[j] = acc & mask
+        acc >>= np.uint64(width)
+        nbits -= width
 
 
 @njit(cache=True, parallel=True)
 def unpack_dequant(data, n, d, steps, s, width):
     """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
-    padded = np.zeros(data.size + 2, np.uint8)
-    padded[: data.size] = data
     out = np.empty(n, np.float32)
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        bad[c] = _chunk_unpack_dequant(padded, width, d, steps, s, c0, c1, out)
+        if width <= 8:
+            small = np.empty(CHUNK, np.uint8)
+            _unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+            bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, out)
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            _unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+            bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
     return out, bad.sum()
 
 
