@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.specs import FAST_PATHS, all_specs, build, side_info_for
+from benchmarks.specs import FAST_PATHS, all_specs, build, parse_codec_list, side_info_for
 
 TARGET_FACTOR = 15.0
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in ("1M" if args.quick else args.sizes).split(",")]
     repeats = 3 if args.quick else args.repeats
-    specs = all_specs(args.codecs.split(",") if args.codecs else None)
+    specs = all_specs(parse_codec_list(args.codecs))
     settings = [build(s) for s in specs]
     threads = torch.get_num_threads()
     print(f"codec throughput: float32 input, best of {repeats}, torch threads {threads}")
