@@ -216,6 +216,48 @@ def round_pack(x, d, steps, s, key, width):
 
 
 @njit(cache=True, parallel=True)
+def scale_round_pack(x, d, s, key, width, l2):
+    """:func:`bucket_max_abs` (or :func:`bucket_l2`) fused with :func:`round_pack`: one read of ``x``.
+
+    Each chunk computes the scales of its own buckets and rounds them while they are in cache;
+    this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Returns
+    ``(scales, packed)``, identical to the two-pass result.
+    """
+    n = x.size
+    nb = (n + d - 1) // d
+    scales = np.empty(nb, np.float32)
+    steps = np.empty(nb, np.float32)
+    bits = x.view(np.uint32)
+    out = np.empty((n * width + 7) // 8, np.uint8)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        for b in range(c0 // d, (c1 + d - 1) // d):
+            lo = b * d
+            hi = min(lo + d, n)
+            if l2:
+                m = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
+            else:
+                mb = np.uint32(0)
+                seg = bits[lo:hi]
+                for i in range(hi - lo):
+                    mb = max(mb, seg[i] & _ABS_MASK)
+                m = np.array([mb], np.uint32).view(np.float32)[0]
+            scales[b] = m
+            steps[b] = m / np.float32(s)
+        if width <= 8:
+            small = np.empty(CHUNK, np.uint8)
+            _chunk_codes(x, d, steps, s, key, c0, c1, small)
+            _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            _chunk_codes(x, d, steps, s, key, c0, c1, wide)
+            _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+    return scales, out
+
+
+@njit(cache=True, parallel=True)
 def round_codes(x, d, steps, s, key):
     """Like :func:`round_pack` but returns the unpacked symbols ``q + s`` (uint16), for entropy coders."""
     n = x.size
