@@ -15,12 +15,13 @@ paths produce identical bytes.
 The rounding rule (one element ``v`` of a bucket with grid step ``step = scale / s``)::
 
     t = |v| / step                     # float32 division, exact on grid points
-    l = floor(t); p = t - l            # l clamped to s (then p = 0)
-    l += (u < p)                       # u: the element's 24-bit uniform
+    f = floor(t)
+    l = min(f + (u < t - f), s)        # u: the element's 24-bit uniform; min guards t > s by rounding
     q = sign(v) * l                    # signed level in [-s, s]; sign(0) = +1
     code = q + s                       # unsigned symbol in [0, 2s]
 
-and decoding is ``(code - s) * step`` in float32.
+(a bucket with ``step = 0`` is all zeros and gets ``q = 0``), and decoding is
+``(code - s) * step`` in float32.
 """
 
 from __future__ import annotations
