@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.specs import all_specs, build, side_info_for
+from benchmarks.specs import all_specs, build, parse_codec_list, side_info_for
 from fedquant.rng import random_bits, uniform
 
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = torch.cuda.get_device_name(0) if torch.device(dev).type == "cuda" else dev
     print(f"gpu_check on {where}, torch {torch.__version__}")
-    specs = all_specs(args.codecs.split(",") if args.codecs else None)
+    specs = all_specs(parse_codec_list(args.codecs))
     checks = Checks()
     check_streams(checks, dev)
     check_codecs(checks, specs, dev)

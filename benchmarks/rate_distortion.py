@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 import numpy as np
 import torch
 
-from benchmarks.specs import Setting, all_specs, build, side_info_for
+from benchmarks.specs import Setting, all_specs, build, parse_codec_list, side_info_for
 from fedquant.codecs import available_codecs, grid
 from fedquant.wire.bitpack import bit_width, packed_size
 from fedquant.wire.payload import header_size
@@ -69,6 +69,10 @@ def settings_by_group(only: list[str] | None) -> list[tuple[str, list[str]]]:
     if only:
         groups = [(t, [s for s in rows if s in only or s.split(":")[0] in only]) for t, rows in groups]
         groups = [(t, rows) for t, rows in groups if rows]
+        listed = {s for _, rows in groups for s in rows}
+        asked = [s for s in only if ":" in s and s not in listed]
+        if asked:
+            groups.append(("requested", asked))
     return groups
 
 
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n = 100_000 if args.quick else args.size
     seeds = list(range(1, (2 if args.quick else args.seeds) + 1))
-    only = args.codecs.split(",") if args.codecs else None
+    only = parse_codec_list(args.codecs)
     groups = settings_by_group(only)
     built = {spec: build(spec) for _, rows in groups for spec in rows}
     sources = ["gaussian", "laplace"] + (["update"] if args.update else [])

@@ -81,3 +81,25 @@ def side_info_for(codec: Codec, x: torch.Tensor) -> torch.Tensor | None:
     noise = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
     xf = x.float()
     return xf + 0.01 * (xf.std() if xf.numel() > 1 else xf.abs().sum()) * noise
+
+
+def parse_codec_list(text: str | None) -> list[str] | None:
+    """Split a ``--codecs`` value into names and specs.
+
+    ``"fp32,qsgd:levels=1,bucket_size=128,terngrad"`` gives ``["fp32",
+    "qsgd:levels=1,bucket_size=128", "terngrad"]``: a ``key=value`` item without a ``:`` belongs
+    to the spec before it. ``;`` always separates.
+    """
+    if not text:
+        return None
+    out: list[str] = []
+    for part in text.split(";"):
+        for item in part.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if "=" in item and ":" not in item and out:
+                out[-1] += "," + item
+            else:
+                out.append(item)
+    return out

@@ -97,3 +97,15 @@ def test_zero_step_buckets_give_zero_levels():
     assert scales.tolist() == [0.0, 0.0, 1.0]
     codes = grid.round_codes(x, 500, grid.grid_steps(scales, 4), 4, 0)
     assert codes[:1000].tolist() == [4] * 1000 and codes[1000:].tolist() == [8] * 500
+
+
+@pytest.mark.parametrize("d", [1, 128, 512, 16384])
+@pytest.mark.parametrize("l2", [False, True])
+def test_fused_scale_and_round_equals_the_two_passes(d, l2):
+    x = sample_tensor((50_003,), seed=d).numpy()
+    x[:1024] = 0.0
+    key = np.uint64(stream_key(4))
+    scales = kernels.bucket_l2(x, d) if l2 else kernels.bucket_max_abs(x, d)
+    packed = kernels.round_pack(x, d, grid.grid_steps(scales, 16), 16, key, 6)
+    fused_scales, fused_packed = kernels.scale_round_pack(x, d, 16, key, 6, l2)
+    assert np.array_equal(fused_scales, scales) and np.array_equal(fused_packed, packed)

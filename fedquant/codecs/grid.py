@@ -187,11 +187,16 @@ class ScaledGridCodec(Codec):
         flat = self._prepare(flat)
         d = effective_bucket_size(self.bucket_size, flat.numel())
         use_torch = self.force_torch
+        out = BodyWriter()
+        coding = getattr(self, "coding", "fixed")
+        if coding == "fixed" and uses_kernels(flat) and not use_torch and kernels.CHUNK % d == 0:
+            scales, packed = kernels.scale_round_pack(flat.numpy(), d, s, _key(seed), self.symbol_width, norm == "l2")
+            out.add_array(scales, "<f4")
+            out.add(packed)
+            return out
         scales = bucket_scales(flat, d, norm, use_torch=use_torch)
         steps = grid_steps(scales, s)
-        out = BodyWriter()
         out.add_array(scales, "<f4")
-        coding = getattr(self, "coding", "fixed")
         if coding == "fixed":
             out.add(round_pack(flat, d, steps, s, seed, self.symbol_width, use_torch=use_torch))
         else:

@@ -15,12 +15,13 @@ paths produce identical bytes.
 The rounding rule (one element ``v`` of a bucket with grid step ``step = scale / s``)::
 
     t = |v| / step                     # float32 division, exact on grid points
-    l = floor(t); p = t - l            # l clamped to s (then p = 0)
-    l += (u < p)                       # u: the element's 24-bit uniform
+    f = floor(t)
+    l = min(f + (u < t - f), s)        # u: the element's 24-bit uniform; min guards t > s by rounding
     q = sign(v) * l                    # signed level in [-s, s]; sign(0) = +1
     code = q + s                       # unsigned symbol in [0, 2s]
 
-and decoding is ``(code - s) * step`` in float32.
+(a bucket with ``step = 0`` is all zeros and gets ``q = 0``), and decoding is
+``(code - s) * step`` in float32.
 """
 
 from __future__ import annotations
@@ -216,6 +217,48 @@ def round_pack(x, d, steps, s, key, width):
 
 
 @njit(cache=True, parallel=True)
+def scale_round_pack(x, d, s, key, width, l2):
+    """:func:`bucket_max_abs` (or :func:`bucket_l2`) fused with :func:`round_pack`: one read of ``x``.
+
+    Each chunk computes the scales of its own buckets and rounds them while they are in cache;
+    this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Returns
+    ``(scales, packed)``, identical to the two-pass result.
+    """
+    n = x.size
+    nb = (n + d - 1) // d
+    scales = np.empty(nb, np.float32)
+    steps = np.empty(nb, np.float32)
+    bits = x.view(np.uint32)
+    out = np.empty((n * width + 7) // 8, np.uint8)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        for b in range(c0 // d, (c1 + d - 1) // d):
+            lo = b * d
+            hi = min(lo + d, n)
+            if l2:
+                m = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
+            else:
+                mb = np.uint32(0)
+                seg = bits[lo:hi]
+                for i in range(hi - lo):
+                    mb = max(mb, seg[i] & _ABS_MASK)
+                m = np.array([mb], np.uint32).view(np.float32)[0]
+            scales[b] = m
+            steps[b] = m / np.float32(s)
+        if width <= 8:
+            small = np.empty(CHUNK, np.uint8)
+            _chunk_codes(x, d, steps, s, key, c0, c1, small)
+            _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            _chunk_codes(x, d, steps, s, key, c0, c1, wide)
+            _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+    return scales, out
+
+
+@njit(cache=True, parallel=True)
 def round_codes(x, d, steps, s, key):
     """Like :func:`round_pack` but returns the unpacked symbols ``q + s`` (uint16), for entropy coders."""
     n = x.size
@@ -230,43 +273,51 @@ def round_codes(x, d, steps, s, key):
 
 # ---------------------------------------------------------------- decoding
 @njit(cache=True)
-def _chunk_unpack_dequant(data, width, d, steps, s, c0, c1, out):
-    """Decode packed symbols of elements ``c0 .. c1``; ``data`` has 2 bytes of zero padding.
-
-    Returns how many symbols exceed ``2s``.
-    """
-    mask = (1 << width) - 1
-    top = 2 * s
-    bad = 0
-    i = c0
-    while i < c1:
-        b = i // d
-        hi = min((b + 1) * d, c1)
-        step = steps[b]
-        ys = out[i:hi]
-        for k in range(hi - i):
-            bit = (i + k) * width
-            p = bit >> 3
-            word = np.int64(data[p]) | (np.int64(data[p + 1]) << 8) | (np.int64(data[p + 2]) << 16)
-            c = (word >> (bit & 7)) & mask
-            bad += c > top
-            ys[k] = np.float32(c - s) * step
-        i = hi
-    return bad
+def _unpack_from(data, pos, count, width, codes):
+    """Inverse of :func:`_pack_into`: ``count`` symbols from byte ``pos`` into ``codes``."""
+    mask = np.uint64((1 << width) - 1)
+    start = 0
+    p = pos
+    if width <= 8:
+        groups = count // 8
+        for g in range(groups):
+            base = pos + g * width
+            word = np.uint64(0)
+            for j in range(width):
+                word |= np.uint64(data[base + j]) << np.uint64(8 * j)
+            for k in range(8):
+                codes[8 * g + k] = (word >> np.uint64(k * width)) & mask
+        start = groups * 8
+        p = pos + groups * width
+    acc = np.uint64(0)
+    nbits = 0
+    for j in range(start, count):
+        while nbits < width:
+            acc |= np.uint64(data[p]) << np.uint64(nbits)
+            nbits += 8
+            p += 1
+        codes[j] = acc & mask
+        acc >>= np.uint64(width)
+        nbits -= width
 
 
 @njit(cache=True, parallel=True)
 def unpack_dequant(data, n, d, steps, s, width):
     """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
-    padded = np.zeros(data.size + 2, np.uint8)
-    padded[: data.size] = data
     out = np.empty(n, np.float32)
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        bad[c] = _chunk_unpack_dequant(padded, width, d, steps, s, c0, c1, out)
+        if width <= 8:
+            small = np.empty(CHUNK, np.uint8)
+            _unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+            bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, out)
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            _unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+            bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
     return out, bad.sum()
 
 
