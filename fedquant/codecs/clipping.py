@@ -17,10 +17,14 @@ def clip_sigma(flat: torch.Tensor, c: float | None) -> torch.Tensor:
     flat : torch.Tensor
         The tensor (any shape).
     c : float or None
-        Clip factor; ``None`` or ``0`` returns ``flat`` unchanged.
+        Clip factor; ``None`` or ``0`` returns ``flat`` unchanged, and so does a tensor with
+        fewer than two elements or a constant one (sigma = 0), which clipping would zero.
     """
-    if not c:
+    if not c or flat.numel() < 2:
         return flat
-    sigma = flat.std(correction=0) if flat.numel() > 1 else flat.new_zeros(())
+    sigma = flat.std(correction=0)
+    if not bool(sigma > 0):
+        # A constant tensor has sigma = 0: clipping it at 0 would erase it, so leave it as is.
+        return flat
     bound = c * sigma
     return torch.clamp(flat, -bound, bound)
