@@ -73,6 +73,8 @@ def check_simulation_on_shared_gpu() -> list[tuple[str, bool, str]]:
     last = history["rounds"][-1]
     return [
         ("clients trained on CUDA", devices != [] and all(d.startswith("cuda") for d in devices), f"devices {devices}"),
+        ("codec encoded on CUDA", all(c.get("encode-device", "").startswith("cuda") for c in history["clients"]),
+         f"encode devices {sorted({c.get('encode-device') for c in history['clients']})}"),
         ("all clients replied", len(history["clients"]) == CLIENTS * ROUNDS, f"{len(history['clients'])} replies"),
         ("no rejected replies", last.get("rejected-replies") == 0, f"rejected {last.get('rejected-replies')}"),
         ("model learns", last["accuracy"] > 0.3, f"accuracy {last['accuracy']:.4f}"),

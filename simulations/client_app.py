@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedquant.clients import quantize_mod
+from fedquant.clients.quantize_mod import encode_device
 from fedquant.rng import derive_seed
 from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 from simulations.data import TensorData, load_partition
@@ -71,6 +72,7 @@ def train_fn(msg: Message, context: Context) -> Message:
             "partitioning": str(cfg["partitioning"]),
             "codec": str(cfg["codec"]),
             "device": str(device),
+            "encode-device": str(encode_device()),
             "distinct-labels": int(data.y.unique().numel()),
         }
     )

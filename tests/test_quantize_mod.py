@@ -240,3 +240,12 @@ def test_error_feedback_residual_lives_in_context_state():
         corrected = torch.from_numpy(update + residual1[name])
         # Round 2 encodes update + the residual stored in round 1: byte-identical to doing it by hand.
         assert second.content["arrays"][name].data == fp16.encode(corrected, derive_seed(CLIENT_SEED, name))
+
+
+def test_encode_device_is_the_clients_gpu_when_it_has_one(monkeypatch):
+    from fedquant.clients.quantize_mod import encode_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert encode_device().type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert encode_device().type == "cuda"

@@ -37,6 +37,16 @@ def _codec(spec: str) -> Codec:
     return get_codec(spec)
 
 
+def encode_device() -> torch.device:
+    """Where the mod encodes: the client's GPU when it has one, else the CPU.
+
+    In a simulation, Ray makes a GPU visible only to clients given a GPU share
+    (``client-resources-num-gpus > 0``); those train on it, and their updates are encoded there
+    too. The payload bytes do not depend on the device.
+    """
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _fedquant_config(msg: Message) -> ConfigRecord | None:
     for record in msg.content.config_records.values():
         if KEY_CODEC in record:
@@ -60,7 +70,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     information, or when the server sets ``fedquant.client-mse`` to False) and
     ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the residual of each
     tensor is kept in ``context.state`` and the MSE is that of the codec on ``update + residual``
-    (the new residual), not against the update alone.
+    (the new residual), not against the update alone. Updates are encoded on the client's GPU
+    when it has one (:func:`encode_device`).
 
     Notes
     -----
@@ -97,6 +108,7 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         return _error(msg, f"{MOD_NAME} expects the reply's ArrayRecord to keep the keys of the one received")
 
     start = time.perf_counter()
+    device = encode_device()
     out: dict[str, Array] = {}
     residuals: dict[str, torch.Tensor] = {}
     sq_error, encoded_numel = 0.0, 0
@@ -109,10 +121,11 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         old = sent.numpy()
         if new.shape != old.shape:
             return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
-        update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32))
+        update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
         seed = tensor_seed(client_seed, name)
         if hasattr(codec, "encode_with_feedback"):
             residual = load_residual(ctxt.state, name, old.shape)
+            residual = residual.to(device) if residual is not None else None
             payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
             if measure_mse:  # the new residual is exactly the codec's error on what it encoded
                 sq_error += float(torch.sum(residuals[name].double() ** 2))
@@ -120,7 +133,7 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         else:
             payload = codec.encode(update, seed)
         if measure_mse and not codec.needs_side_info and name not in residuals:
-            decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32)
+            decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
             sq_error += float(torch.sum((decoded - update).double() ** 2))
             encoded_numel += numel
         out[name] = Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
