@@ -90,8 +90,10 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
             _U64.pack(body_len),
         ]
     )
-    data = b"".join([head, *body])
-    return data + _CRC.pack(zlib.crc32(data))
+    crc = zlib.crc32(head)
+    for part in body:
+        crc = zlib.crc32(part, crc)
+    return b"".join([head, *body, _CRC.pack(crc)])  # the body is copied once, here
 
 
 def read_payload(payload: bytes | bytearray | memoryview) -> Payload:
