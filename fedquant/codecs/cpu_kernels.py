@@ -20,24 +20,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE
-
-_GAMMA = np.uint64(GOLDEN_GAMMA)
-_MIX1 = np.uint64(MIX1)
-_MIX2 = np.uint64(MIX2)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
-_SU = np.uint64(64 - UNIFORM_BITS)
+from fedquant.codecs.kernels import uniform24
 
 
 @njit(inline="always")
 def _uniform_at(key, i):
-    z = key + np.uint64(i + 1) * _GAMMA
-    z = (z ^ (z >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    z = z ^ (z >> _S31)
-    return np.float64(z >> _SU) * UNIFORM_SCALE
+    # The 24-bit variate is exact in float32 and float64 alike.
+    return np.float64(uniform24(key, i))
 
 
 @njit(inline="always")

@@ -46,7 +46,7 @@ _ABS_MASK = np.uint32(0x7FFFFFFF)
 
 
 @njit(cache=True, inline="always")
-def _uniform24(key: np.uint64, i: np.int64) -> np.float32:
+def uniform24(key: np.uint64, i: np.int64) -> np.float32:
     """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
     z = key + np.uint64(i + 1) * _GAMMA
     z = (z ^ (z >> _S30)) * _MIX1
@@ -60,7 +60,7 @@ def uniform_stream(key: np.uint64, n: int, offset: int) -> np.ndarray:
     """``n`` uniforms of the stream starting at ``offset`` (for tests of the inline generator)."""
     out = np.empty(n, np.float32)
     for i in prange(n):
-        out[i] = _uniform24(key, offset + i)
+        out[i] = uniform24(key, offset + i)
     return out
 
 
@@ -148,7 +148,7 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
                 v = xs[k]
                 t = abs(v) / step
                 f = np.floor(t)
-                lvl = min(np.int64(f) + np.int64(_uniform24(key, i + k) < t - f), s)
+                lvl = min(np.int64(f) + np.int64(uniform24(key, i + k) < t - f), s)
                 cs[k] = s - lvl if v < _ZERO32 else s + lvl
         else:
             cs[:] = s
