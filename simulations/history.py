@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedquant.metrics.history import json_safe, write_rows_csv
 from simulations.plots import plot_run
 from simulations.settings import SimSettings
 
 # Leading columns of history.csv; every other metric follows in alphabetical order.
-LEAD_COLUMNS = ["round", "accuracy", "loss", "elapsed-seconds"]
+LEAD_COLUMNS = ("round", "accuracy", "loss", "elapsed-seconds")
 FILES = ("history.json", "history.csv", "history.png")
 
 
@@ -22,14 +21,6 @@ def run_dir_name(settings: SimSettings) -> str:
     """Folder name of a run: the run name, else codec, dataset, partitioning and seed."""
     name = settings.run_name or f"{settings.codec}_{settings.dataset}_{settings.partitioning}_seed{settings.seed}"
     return re.sub(r"[^A-Za-z0-9_.+=-]+", "-", name).strip("-") or "run"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 @dataclass
@@ -42,11 +33,11 @@ class RunHistory:
     wall_seconds: float = 0.0
 
     def add_round(self, row: dict[str, Any]) -> None:
-        self.rounds.append({k: _plain(v) for k, v in row.items()})
+        self.rounds.append({k: json_safe(v) for k, v in row.items()})
 
     def add_clients(self, server_round: int, infos: list[dict[str, Any]]) -> None:
         for info in infos:
-            self.clients.append({"round": server_round, **{k: _plain(v) for k, v in info.items()}})
+            self.clients.append({"round": server_round, **{k: json_safe(v) for k, v in info.items()}})
 
     @property
     def final(self) -> dict[str, Any]:
@@ -67,12 +58,7 @@ class RunHistory:
         folder.mkdir(parents=True, exist_ok=True)
         paths = {name: folder / name for name in FILES}
         paths["history.json"].write_text(json.dumps(self.to_json(), indent=1))
-        keys = {k for row in self.rounds for k in row}
-        columns = [k for k in LEAD_COLUMNS if k in keys] + sorted(keys - set(LEAD_COLUMNS))
-        with paths["history.csv"].open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.rounds)
+        write_rows_csv(paths["history.csv"], self.rounds, lead=LEAD_COLUMNS)
         s = self.settings
         title = f"{s.codec} | {s.dataset} {s.partitioning} | {s.model}"
         plot_run([r for r in self.rounds if r["round"] > 0], paths["history.png"], title)

@@ -28,13 +28,27 @@ EVALUATE_PREFIX = "evaluate/"
 SERVER_PREFIX = "server/"
 
 
-def _plain(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """A JSON-friendly value: lists stay lists, non-finite floats become None."""
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def write_rows_csv(path: str | Path, rows: list[dict[str, Any]], lead: tuple[str, ...] = ("round",)) -> None:
+    """Write per-round rows as CSV: the ``lead`` columns present first, then the rest sorted.
+
+    Rows may hold different keys (missing cells stay empty); list values are written as JSON.
+    """
+    keys = {key for row in rows for key in row}
+    columns = [k for k in lead if k in keys] + sorted(keys - set(lead))
+    with Path(path).open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
 
 
 def result_rows(result: Any) -> list[dict[str, Any]]:
@@ -60,7 +74,7 @@ def result_rows(result: Any) -> list[dict[str, Any]]:
     for prefix, per_round in sources:
         for server_round, metrics in per_round.items():
             row = rows.setdefault(int(server_round), {"round": int(server_round)})
-            row.update({prefix + key: _plain(value) for key, value in dict(metrics).items()})
+            row.update({prefix + key: json_safe(value) for key, value in dict(metrics).items()})
     return [rows[r] for r in sorted(rows)]
 
 
@@ -90,7 +104,7 @@ class HistoryRecorder:
     def record(self, server_round: int, metrics: Mapping[str, Any], prefix: str = "") -> None:
         """Merge ``metrics`` (keys prefixed with ``prefix``) into the row of ``server_round``."""
         row = self._rows.setdefault(int(server_round), {"round": int(server_round)})
-        row.update({prefix + key: _plain(value) for key, value in dict(metrics).items()})
+        row.update({prefix + key: json_safe(value) for key, value in dict(metrics).items()})
         self.flush()
 
     def record_result(self, result: Any) -> None:
@@ -103,12 +117,7 @@ class HistoryRecorder:
         """Rewrite both files from the rows held."""
         rows = self.rows
         self.json_path.write_text(json.dumps(rows, indent=1) + "\n")
-        columns = ["round"] + sorted({key for row in rows for key in row} - {"round"})
-        with self.csv_path.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns, restval="")
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+        write_rows_csv(self.csv_path, rows)
 
     @staticmethod
     def load(path: str | Path) -> list[dict[str, Any]]:
