@@ -103,8 +103,11 @@ def collect_pairs(
     lr: float = 0.3,
     beta: float | None = None,
     seed: int = 0,
-) -> tuple[list[list[Pair]], list[RoundSpread]]:
-    """Run the federated training; return the P2 ``(update, side_info)`` pairs of each round and its spreads.
+) -> tuple[list[list[Pair]], list[RoundSpread], list[dict[str, list[torch.Tensor]]]]:
+    """Run the federated training.
+
+    Returns, per round: the P2 ``(update, side_info)`` pairs, the spreads, and the decoded P1
+    updates per tensor (what ``NestedDecodePlan.learn`` gets from the round).
 
     Parameters
     ----------
@@ -126,6 +129,7 @@ def collect_pairs(
     dqsg = get_codec("dqsg", levels=levels, bucket_size=bucket_size)
     pairs: list[list[Pair]] = []
     spreads: list[RoundSpread] = []
+    p1_decoded: list[dict[str, list[torch.Tensor]]] = []
     rng = np.random.default_rng(seed)
     for server_round in range(1, rounds + 1):
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -143,6 +147,7 @@ def collect_pairs(
                 tensor_seed = derive_seed(seed, server_round, int(p), k)
                 payload = dqsg.encode(updates[p][k], tensor_seed)
                 decoded[k].append(dqsg.decode(payload, tensor_seed, shape=updates[p][k].shape).reshape(-1))
+        p1_decoded.append({k: list(v) for k, v in decoded.items()})
         estimated = max(spread_in_steps(decoded[k], levels, bucket_size, dqsg_levels=levels) for k in encoded)
         sq = count = 0.0
         pairs.append([])
@@ -161,7 +166,7 @@ def collect_pairs(
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
         spreads.append(RoundSpread(server_round, accuracy, estimated, math.sqrt(sq / max(count, 1))))
-    return pairs, spreads
+    return pairs, spreads, p1_decoded
 
 
 def _steps(x: torch.Tensor, levels: int, bucket_size: int) -> torch.Tensor:
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, default=None, help="Dirichlet label skew (default IID)")
     parser.add_argument("--save", help="torch.save the pairs here (for nested_rate_distortion --pairs)")
     args = parser.parse_args(argv)
-    by_round, spreads = collect_pairs(args.rounds, args.clients, args.levels, beta=args.beta)
+    by_round, spreads, _ = collect_pairs(args.rounds, args.clients, args.levels, beta=args.beta)
     pairs = [pair for round_pairs in by_round for pair in round_pairs]
     print(format_spreads(spreads))
     print(f"{len(pairs)} pairs of {sum(x.numel() for x, _ in pairs)} coordinates in all")
