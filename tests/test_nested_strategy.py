@@ -140,6 +140,7 @@ def test_ndqsg_codec_selects_the_nested_plan():
     fixed = _strategy("ndqsg:levels=3,rho=5,alpha=0.9").decode_plan
     assert fixed.rho == 5 and fixed.alpha == pytest.approx(0.9)
     assert type(_strategy("dqsg:levels=3").decode_plan) is DecodePlan
+    assert _strategy(get_codec("ndqsg:levels=3")).decode_plan.rho == 3  # a Codec instance fixes its rho
     with pytest.raises(ValueError, match="ndqsg"):
         NestedDecodePlan().assign(1, [1, 2], get_codec("dqsg"))
 
@@ -339,3 +340,16 @@ def test_some_p1_failing_still_decodes_p2_against_the_rest():
     for reply in plan.seen[1]:
         x = torch.from_numpy(client_update(reply.node_id - 101))
         assert bool(((reply.updates["w"] - x).abs() <= _fine_steps(x) / 2 * (1 + 1e-4) + 1e-7).all())
+
+
+def test_ndqsg_trains_the_fake_task_without_extra_arguments():
+    """``codec="ndqsg"`` alone (what a ``flwr run`` config gives) trains the linear task of the fakes."""
+    from tests import flower_fakes as fakes  # noqa: PLC0415
+
+    grid = InProcessGrid(fakes.make_client_app([quantize_mod]), 4)
+    strategy = QuantizedStrategy(FedAvg(min_available_nodes=4), "ndqsg", seed=1, min_numel=fakes.MIN_NUMEL)
+    result = strategy.start(grid, fakes.initial_arrays(), num_rounds=3)
+    for server_round in (1, 2, 3):
+        m = result.train_metrics_clientapp[server_round]
+        assert m["rejected-replies"] == 0 and m[METRIC_P1_DECODED] == 2 and m[METRIC_P2_DROPPED] == 0
+    assert fakes.global_loss(result.arrays, 4) < 0.95 * fakes.global_loss(fakes.initial_arrays(), 4)

@@ -209,7 +209,8 @@ class NestedDecodePlan(DecodePlan):
         n1 = min(len(nodes), max(1, round(self.p1_fraction * len(nodes))))
         order = np.random.default_rng(derive_seed(self.seed, server_round, "ndqsg-groups")).permutation(len(nodes))
         p1 = sorted(nodes[i] for i in order[:n1])
-        return p1, [n for n in nodes if n not in set(p1)]
+        chosen = set(p1)
+        return p1, [n for n in nodes if n not in chosen]
 
     def parameters(self, levels: int) -> tuple[int, float, int]:
         """``(rho, alpha, rule)`` for the next round, from the fixed values or the latest estimate."""
