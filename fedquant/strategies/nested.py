@@ -273,8 +273,8 @@ class NestedDecodePlan(DecodePlan):
 
     # ------------------------------------------------------------------ aggregate_train
     def admit(self, server_round: int, node_id: int, assignment: ClientAssignment, side: SideInformation) -> str | None:
-        """Drop a P2 reply when nothing was decoded before it (see the module's fallback note)."""
-        if _role(assignment) != ROLE_P2 or side.replies > 0:
+        """Drop a nested (P2) reply when nothing was decoded before it (see the module's fallback note)."""
+        if not assignment.codec.needs_side_info or side.replies > 0:
             return None
         state = self._rounds.get(server_round)
         if state is not None:
