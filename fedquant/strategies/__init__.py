@@ -4,8 +4,17 @@
 >>> strategy = QuantizedStrategy(FedAvg(), codec="qsgd:levels=16", seed=0)
 """
 
-from fedquant.strategies.decode_plan import ClientAssignment, DecodePlan, SideInformation
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
+from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.protocol import DEFAULT_MIN_NUMEL
 from fedquant.strategies.quantized import QuantizedStrategy
 
-__all__ = ["DEFAULT_MIN_NUMEL", "ClientAssignment", "DecodePlan", "QuantizedStrategy", "SideInformation"]
+__all__ = [
+    "DEFAULT_MIN_NUMEL",
+    "ClientAssignment",
+    "DecodePlan",
+    "DecodedClient",
+    "NestedDecodePlan",
+    "QuantizedStrategy",
+    "SideInformation",
+]

@@ -12,6 +12,16 @@ updates decoded before it in the same round. :class:`QuantizedStrategy` asks a
 3. ``side_information()``: a fresh per-round :class:`SideInformation` that gives the side
    information for a tensor before each decode and learns each accepted reply's decoded updates.
 
+And, in ``aggregate_train``, three optional callbacks (the default plan does nothing in them):
+
+4. ``admit(server_round, node_id, assignment, side)`` before each decode: a reason to drop the
+   reply without decoding it (counted in ``rejected-replies`` and logged), or None;
+5. ``accepted(server_round, reply)`` after each accepted reply, with a :class:`DecodedClient`
+   (node, assignment, decoded updates, bytes): a plan can learn from the round (statistics for
+   the next round's parameters, per-group rates);
+6. ``round_metrics(server_round)`` once the round is decoded: extra entries for the round's
+   train MetricRecord.
+
 The default plan gives every client the strategy's codec, decodes in arrival order and offers the
 running mean of the updates decoded so far (zeros before the first) to every codec that needs
 side information. A two-group scheme (NDQSG's Algorithm 2: group P1 with DQSG first, then group
@@ -50,6 +60,31 @@ class ClientAssignment:
     rank: int = 0
 
 
+@dataclass(frozen=True)
+class DecodedClient:
+    """One accepted reply, as a plan's ``accepted`` callback sees it.
+
+    Attributes
+    ----------
+    node_id : int
+        The replying node.
+    assignment : ClientAssignment
+        What the node was assigned this round.
+    updates : Mapping[str, torch.Tensor]
+        The decoded updates of its encoded tensors (float32, the shapes sent; do not modify).
+    reply_bytes : int
+        Bytes of the reply's ArrayRecords (as counted in ``uplink-bytes``).
+    num_params : int
+        Parameters in the model sent to the node (as counted for ``bits-per-param``).
+    """
+
+    node_id: int
+    assignment: ClientAssignment
+    updates: Mapping[str, torch.Tensor]
+    reply_bytes: int
+    num_params: int
+
+
 class SideInformation:
     """Running mean, per tensor name, of the updates decoded so far in a round.
 
@@ -61,6 +96,7 @@ class SideInformation:
     def __init__(self) -> None:
         self._sum: dict[str, torch.Tensor] = {}
         self._count: dict[str, int] = {}
+        self.replies = 0  # accepted replies added so far
 
     def get(self, name: str, numel: int) -> torch.Tensor:
         """Flat float32 side information for tensor ``name`` with ``numel`` elements."""
@@ -71,6 +107,7 @@ class SideInformation:
 
     def add(self, updates: Mapping[str, torch.Tensor]) -> None:
         """Add one accepted reply's decoded updates (any shape; flattened, float32)."""
+        self.replies += 1
         for name, update in updates.items():
             flat = update.detach().reshape(-1).to(torch.float32)
             if name in self._sum and self._sum[name].numel() == flat.numel():
@@ -126,6 +163,29 @@ class DecodePlan:
     def side_information(self) -> SideInformation:
         """A fresh side-information accumulator for one round."""
         return SideInformation()
+
+    def admit(self, server_round: int, node_id: int, assignment: ClientAssignment, side: SideInformation) -> str | None:
+        """Before decoding a reply: None to decode it, or a sentence saying why it is dropped.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being aggregated.
+        node_id : int
+            The replying node.
+        assignment : ClientAssignment
+            Its assignment.
+        side : SideInformation
+            The round's side information so far (what the reply would be decoded against).
+        """
+        return None
+
+    def accepted(self, server_round: int, reply: DecodedClient) -> None:
+        """Called after each accepted reply, in decode order (after it joined the side information)."""
+
+    def round_metrics(self, server_round: int) -> dict[str, int | float]:
+        """Extra entries for the round's train MetricRecord, once every reply was decoded."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -17,7 +17,8 @@ from fedquant.codecs import Codec, get_codec
 from fedquant.metrics.bandwidth import RoundTraffic, content_bytes, dense_float32_bytes, record_numel
 from fedquant.metrics.history import EVALUATE_PREFIX, TRAIN_PREFIX, HistoryRecorder
 from fedquant.rng import derive_seed
-from fedquant.strategies.decode_plan import ClientAssignment, DecodePlan
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan
+from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
     DEFAULT_MIN_NUMEL,
@@ -86,7 +87,10 @@ class QuantizedStrategy(Strategy):
         that arrived (the slowest sampled client).
     decode_plan : DecodePlan, optional
         Per-client codec assignment, decode order and side information (see
-        :mod:`fedquant.strategies.decode_plan`); the default gives every client ``codec``.
+        :mod:`fedquant.strategies.decode_plan`); the default gives every client ``codec``,
+        except for an ``ndqsg`` codec, which gets NDQSG's two-group scheme
+        :class:`~fedquant.strategies.nested.NestedDecodePlan` (``rho`` adapted each round unless
+        the spec string names it; a Codec instance fixes its own ``rho``; ``alpha`` from the spec).
     recorder : HistoryRecorder, optional
         Receives every round's train (``train/``) and evaluate (``evaluate/``) metrics.
     client_mse : bool
@@ -129,7 +133,9 @@ class QuantizedStrategy(Strategy):
         self.seed = seed
         self.min_numel = min_numel
         self.uplink_bandwidth = uplink_bandwidth
-        self.decode_plan = decode_plan if decode_plan is not None else DecodePlan()
+        if decode_plan is None:
+            decode_plan = _default_plan(codec, self.codec, seed)
+        self.decode_plan = decode_plan
         self.recorder = recorder
         self.client_mse = bool(client_mse)
         self.cumulative_uplink_bytes = 0
@@ -202,7 +208,7 @@ class QuantizedStrategy(Strategy):
         self.cumulative_uplink_bytes += plan.traffic.uplink_bytes
         own = plan.traffic.metrics(self.cumulative_uplink_bytes, self.uplink_bandwidth is not None)
         metrics = MetricRecord() if metrics is None else metrics
-        for key, value in own.items():
+        for key, value in {**own, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
         if self.recorder is not None:
             self.recorder.record(server_round, metrics, prefix=TRAIN_PREFIX)
@@ -212,6 +218,7 @@ class QuantizedStrategy(Strategy):
         """Decode every content reply in the plan's order; return the ids of accepted replies."""
         traffic = plan.traffic
         by_node: dict[int, Message] = {}
+        bytes_of: dict[int, int] = {}
         arrival: list[int] = []
         for reply in replies:
             if reply.has_error():
@@ -232,6 +239,7 @@ class QuantizedStrategy(Strategy):
                 self._reject(server_round, node_id, "a second reply from the same node", traffic)
             else:
                 by_node[node_id] = reply
+                bytes_of[node_id] = reply_bytes
                 arrival.append(node_id)
 
         accepted: set[int] = set()
@@ -240,11 +248,16 @@ class QuantizedStrategy(Strategy):
         start = time.perf_counter()
         for node_id in self.decode_plan.decode_order(arrival, plan.assignments):
             reply = by_node[node_id]
+            assignment = plan.assignments[node_id]
+            reason = self.decode_plan.admit(server_round, node_id, assignment, side)
+            if reason is not None:
+                self._reject(server_round, node_id, reason, traffic)
+                continue
             try:
                 decoded = decode_reply(
                     reply.content,
                     plan.received(node_id),
-                    plan.assignments[node_id].codec,
+                    assignment.codec,
                     plan.seeds[node_id],
                     self.min_numel,
                     side,
@@ -254,6 +267,10 @@ class QuantizedStrategy(Strategy):
                 continue
             if needs_side:
                 side.add(decoded.updates)
+            sent_numel = record_numel(plan.sent[node_id])
+            self.decode_plan.accepted(
+                server_round, DecodedClient(node_id, assignment, decoded.updates, bytes_of[node_id], sent_numel)
+            )
             reply.content[decoded.record_name] = decoded.arrays
             _take_client_metrics(reply.content, traffic)
             accepted.add(id(reply))
@@ -278,6 +295,13 @@ class QuantizedStrategy(Strategy):
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
+
+
+def _default_plan(requested: str | Codec, codec: Codec, seed: int) -> DecodePlan:
+    """The plan used without ``decode_plan``: NDQSG's two groups for ``ndqsg``, else the default."""
+    if codec.name != "ndqsg":
+        return DecodePlan()
+    return NestedDecodePlan.from_spec(requested if isinstance(requested, str) else codec.spec, seed=seed)
 
 
 def _with_config_entries(content: RecordDict, entries: dict) -> RecordDict:
