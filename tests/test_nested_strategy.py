@@ -155,9 +155,9 @@ def test_each_client_gets_its_role_codec_and_seed():
         if node in p1:
             assert config[KEY_ROLE] == "p1" and config[KEY_CODEC] == get_codec("dqsg:levels=3").spec
         else:
-            # round 1 has no spread estimate: the initial rho 2M+1 = 7
+            # round 1 has no spread estimate: the initial rho 2M+1 = 7 saves nothing, so P2 sends DQSG
             assert node in p2 and config[KEY_ROLE] == "p2"
-            assert config[KEY_CODEC] == get_codec("ndqsg:levels=3,rho=7,alpha=1.0").spec
+            assert config[KEY_CODEC] == get_codec("dqsg:levels=3").spec
         assert isinstance(config[KEY_SEED], int)
 
 
@@ -182,6 +182,7 @@ def test_p2_decoded_against_p1_mean_reproduces_updates_within_the_quantization_e
     assert (m1[METRIC_RHO], m1[METRIC_RHO_RULE]) == (7, RULE_INITIAL)
     # round 2: rho from round 1's P1 spread (~0.1 fine steps): the authors' rho = 3
     assert (m2[METRIC_RHO], m2[METRIC_RHO_RULE]) == (3, RULE_ESTIMATED)
+    assert m2["ndqsg-p2-nested"] == 1  # round 2's P2 replies were nested, decoded against the mean
     assert 0.03 < m1[METRIC_SPREAD] < 0.3
 
 
@@ -195,10 +196,11 @@ def test_round_metrics_and_group_bits():
         # every reply carries the same parameters: the overall rate is the mean of the groups'
         assert m["bits-per-param"] == pytest.approx((m[METRIC_BITS_P1] + m[METRIC_BITS_P2]) / 2)
     m1, m2 = result.train_metrics_clientapp[1], result.train_metrics_clientapp[2]
-    # Round 1: rho = 7, 3-bit indices like DQSG's; the payloads differ only by the spec string in
-    # their envelopes. Round 2: rho = 3, 2 bits per index against 3: the P2 payload shrinks by
-    # 16384 bits = 2048 bytes per reply (16400 parameters).
-    assert m1[METRIC_BITS_P2] - m1[METRIC_BITS_P1] == pytest.approx(8 * _spec_overhead(7) / 16400)
+    # Round 1: rho = 2M+1 = 7 saves nothing, so P2 sends DQSG like P1: the same bits. Round 2:
+    # rho = 3, 2 bits per index against 3: the P2 payload shrinks by 16384 bits = 2048 bytes per
+    # reply (16400 parameters), less the longer spec string in its envelope.
+    assert m1["ndqsg-p2-nested"] == 0 and m2["ndqsg-p2-nested"] == 1
+    assert m1[METRIC_BITS_P2] == m1[METRIC_BITS_P1]
     assert m2[METRIC_BITS_P1] - m2[METRIC_BITS_P2] == pytest.approx(8 * (2048 - _spec_overhead(3)) / 16400)
 
 
@@ -220,8 +222,9 @@ def test_ndqsg_sends_fewer_bytes_than_dqsg_at_equal_error():
     # would move the MSE (~1e-6) by more than 4 %.
     assert errors["ndqsg:levels=3"] == pytest.approx(errors["dqsg:levels=3"], rel=0.01)
     assert 0 < errors["dqsg:levels=3"] < (SCALE_Y * 3.5 / 3) ** 2 / 12  # the mean of 8 clients' errors, 2 rounds
-    # round 1: rho = 7, same index width; round 2: 4 P2 clients, 1 bit less per index (less the longer spec)
-    assert uplink["ndqsg:levels=3"][0] - uplink["dqsg:levels=3"][0] == 4 * _spec_overhead(7)
+    # round 1: rho = 2M+1 = 7 saves nothing, P2 sends DQSG: the same bytes; round 2: 4 P2 clients,
+    # 1 bit less per index (less the longer spec)
+    assert uplink["ndqsg:levels=3"][0] == uplink["dqsg:levels=3"][0]
     assert uplink["dqsg:levels=3"][1] - uplink["ndqsg:levels=3"][1] == 4 * (2048 - _spec_overhead(3))
 
 
@@ -247,12 +250,18 @@ def test_rho_follows_the_spread_of_the_previous_rounds_p1(sigma):
     assert metrics[METRIC_SPREAD] == pytest.approx(expected) and expected > narrow
     assignments = plan.assign(2, list(range(8)), codec)
     p2 = next(a.codec for a in assignments.values() if a.config[KEY_ROLE] == "p2")
+    round2 = plan.round_metrics(2)
+    rho = round2[METRIC_RHO]
     gaussian = choose_rho_for_variance(SPREAD_MARGIN * expected, 1.0, 1.0, 0.01)
-    assert p2.rho == max(gaussian, empirical_rho(plan.tail, SPREAD_MARGIN * expected, 1.0, 0.01))
+    assert rho == max(gaussian, empirical_rho(plan.tail, SPREAD_MARGIN * expected, 1.0, 0.01))
     # Gaussian spread: the empirical tail rule agrees with the Gaussian one or asks one odd step more
     # (the leave-one-out differences it reads include the P1 client's own quantization noise)
-    assert p2.rho in (gaussian, gaussian + 2)
-    assert plan.round_metrics(2)[METRIC_RHO_RULE] == RULE_ESTIMATED
+    assert rho in (gaussian, gaussian + 2)
+    assert round2[METRIC_RHO_RULE] == RULE_ESTIMATED
+    # P2 nests only where it saves bits (rho < 2M + 1 = 7), and sends DQSG otherwise
+    assert (p2.name, round2["ndqsg-p2-nested"]) == (("ndqsg", 1) if rho < 7 else ("dqsg", 0))
+    if rho < 7:
+        assert p2.rho == rho
 
 
 def _student_t3(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -315,7 +324,7 @@ def _truncated(reply: Message) -> Message:
 
 
 def test_all_p1_failing_drops_p2_and_keeps_the_model(flwr_log):
-    strategy = _strategy()
+    strategy = _strategy("ndqsg:levels=3,rho=3")  # a fixed rho: P2 sends nested indices in round 1
     p1, p2 = strategy.decode_plan.groups(1, list(range(101, 101 + NUM_NODES)))
     grid = InProcessGrid(make_app(), NUM_NODES, tamper={n: _truncated for n in p1})
     replies = grid.send_and_receive(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
@@ -330,7 +339,7 @@ def test_all_p1_failing_drops_p2_and_keeps_the_model(flwr_log):
 
 
 def test_some_p1_failing_still_decodes_p2_against_the_rest():
-    plan = Recording()
+    plan = Recording(rho=3)  # a fixed rho: P2 sends nested indices in round 1
     strategy = _strategy(decode_plan=plan)
     p1, _ = plan.groups(1, list(range(101, 101 + NUM_NODES)))
     grid = InProcessGrid(make_app(), NUM_NODES, tamper={p1[0]: _truncated})
@@ -353,3 +362,19 @@ def test_ndqsg_trains_the_fake_task_without_extra_arguments():
         m = result.train_metrics_clientapp[server_round]
         assert m["rejected-replies"] == 0 and m[METRIC_P1_DECODED] == 2 and m[METRIC_P2_DROPPED] == 0
     assert fakes.global_loss(result.arrays, 4) < 0.95 * fakes.global_loss(fakes.initial_arrays(), 4)
+
+
+def test_p2_sends_dqsg_when_the_adaptive_rho_saves_nothing():
+    plan = NestedDecodePlan(seed=3)
+    codec = get_codec("ndqsg:levels=3")
+    wide = plan.assign(1, list(range(1, 9)), codec)  # no estimate yet: rho = 2M + 1 = 7
+    assert {a.codec.name for a in wide.values()} == {"dqsg"}
+    assert plan.round_metrics(1)["ndqsg-p2-nested"] == 0
+    plan.spread, plan.tail = 0.01, None  # a tiny spread: rho = 3, nesting pays
+    narrow = plan.assign(2, list(range(1, 9)), codec)
+    assert {a.codec.spec for a in narrow.values() if a.config[KEY_ROLE] == "p2"} == {
+        get_codec("ndqsg:levels=3,rho=3,alpha=1.0").spec
+    }
+    assert plan.round_metrics(2)["ndqsg-p2-nested"] == 1
+    fixed = NestedDecodePlan(rho=7).assign(1, list(range(1, 9)), codec)  # a user's rho is obeyed
+    assert {a.codec.name for a in fixed.values() if a.config[KEY_ROLE] == "p2"} == {"ndqsg"}

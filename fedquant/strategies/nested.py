@@ -50,6 +50,8 @@ Metrics added to each round's train MetricRecord (all numbers):
 ``ndqsg-p1-decoded``       P1 replies decoded
 ``ndqsg-p1-failed``        1 when P1 clients were sampled but none was decoded, else 0
 ``ndqsg-p2-dropped``       P2 replies dropped because nothing had been decoded before them
+``ndqsg-p2-nested``        1 when P2 sent nested indices, 0 when the adaptive ``rho`` reached
+                           ``2M + 1`` and P2 sent DQSG instead (nesting would save nothing)
 ``bits-per-param-p1``      ``8 * bytes / parameters`` over the accepted replies of P1
 ``bits-per-param-p2``      the same for P2 (0.0 for a group without accepted replies)
 =========================  ============================================================
@@ -95,6 +97,7 @@ METRIC_SPREAD = "ndqsg-spread"
 METRIC_P1_DECODED = "ndqsg-p1-decoded"
 METRIC_P1_FAILED = "ndqsg-p1-failed"
 METRIC_P2_DROPPED = "ndqsg-p2-dropped"
+METRIC_P2_NESTED = "ndqsg-p2-nested"
 METRIC_BITS_P1 = "bits-per-param-p1"
 METRIC_BITS_P2 = "bits-per-param-p2"
 
@@ -123,6 +126,7 @@ class _RoundState:
     p1_updates: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     p1_decoded: int = 0
     p2_dropped: int = 0
+    p2_nested: bool = True
     group_bytes: dict[str, int] = field(default_factory=lambda: {ROLE_P1: 0, ROLE_P2: 0})
     group_params: dict[str, int] = field(default_factory=lambda: {ROLE_P1: 0, ROLE_P2: 0})
 
@@ -261,15 +265,23 @@ class NestedDecodePlan(DecodePlan):
         return self.spread
 
     def assign(self, server_round: int, node_ids: Sequence[int], codec: Codec) -> dict[int, ClientAssignment]:
-        """P1 gets ``dqsg`` (rank 0, role ``p1``), P2 ``ndqsg`` with the round's ``rho``/``alpha`` (rank 1, ``p2``)."""
+        """P1 gets ``dqsg`` (rank 0, role ``p1``), P2 ``ndqsg`` with the round's ``rho``/``alpha`` (rank 1, ``p2``).
+
+        When ``rho`` is not fixed by the user and comes out at ``2M + 1`` or more, nesting cannot
+        save anything: the coset index needs at least DQSG's index width (for ``|q1| <= M`` it *is*
+        the DQSG index) and only adds wrap-around risk. P2 then sends DQSG too (decoded without side
+        information) and ``ndqsg-p2-nested`` is 0 for the round.
+        """
         if codec.name != "ndqsg":
             raise ValueError(f"{LOG_PREFIX} needs the strategy's codec to be ndqsg, got {codec.spec!r}")
         p1, p2 = self.groups(server_round, node_ids)
         rho, alpha, rule = self.parameters(codec.levels)
         shared = {"levels": codec.levels, "bucket_size": codec.bucket_size, "coding": codec.coding}
         dqsg = get_codec("dqsg", **shared)
-        ndqsg = get_codec("ndqsg", rho=rho, alpha=alpha, **shared)
-        self._rounds[server_round] = _RoundState(rho, alpha, rule, len(p1), codec.levels, codec.bucket_size)
+        nested = rule == RULE_FIXED or rho < 2 * codec.levels + 1
+        ndqsg = get_codec("ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
+        state = _RoundState(rho, alpha, rule, len(p1), codec.levels, codec.bucket_size, p2_nested=nested)
+        self._rounds[server_round] = state
         spread = "none yet" if self.spread is None else f"{self.spread:.3g} (x{SPREAD_MARGIN} margin)"
         log(
             INFO,
@@ -320,6 +332,7 @@ class NestedDecodePlan(DecodePlan):
             METRIC_P1_DECODED: state.p1_decoded,
             METRIC_P1_FAILED: int(state.p1_nodes > 0 and state.p1_decoded == 0),
             METRIC_P2_DROPPED: state.p2_dropped,
+            METRIC_P2_NESTED: int(state.p2_nested),
         }
         for role, key in ((ROLE_P1, METRIC_BITS_P1), (ROLE_P2, METRIC_BITS_P2)):
             params = state.group_params[role]
