@@ -177,3 +177,24 @@ def test_paths_agree_on_inputs_at_rounding_ties(spec, levels, alpha, top):
     assert ties > 1000  # the input does probe the float32 rounding
     side = x + 0.01 if spec.startswith("ndqsg") else None
     _check_same(spec, x, seed=5, side_info=side)
+
+
+@pytest.mark.parametrize("n", [5, PARALLEL_MIN + 3])
+def test_side_info_finiteness_check(n):
+    from fedquant.codecs import dither_kernels
+
+    y = np.full(n, np.finfo(np.float32).max, np.float32)
+    y[0] = -np.finfo(np.float32).max
+    y[1] = np.float32(1e-45)  # subnormal
+    assert dither_kernels.all_finite(y)
+    for bad in (np.nan, np.inf, -np.inf):
+        for pos in (0, n // 2, n - 1):
+            z = y.copy()
+            z[pos] = bad
+            assert not dither_kernels.all_finite(z)
+    codec = get_codec("ndqsg")
+    payload = codec.encode(torch.ones(n), seed=0)
+    side = torch.zeros(n)
+    side[n - 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.decode(payload, seed=0, side_info=side)

@@ -341,15 +341,17 @@ class NDQSGCodec(Codec):
                 "ndqsg: decoding needs side_info, the server's estimate of this tensor (e.g. the mean of the "
                 "updates already decoded this round); nested indices alone do not determine the values"
             )
-        if not bool(torch.isfinite(side_info).all()):
-            raise ValueError("ndqsg: side_info contains NaN or Inf")
         if _uses_kernels(self):
             y = side_info.detach().to("cpu", torch.float32).contiguous().numpy()
+            if not dither_kernels.all_finite(y):
+                raise ValueError("ndqsg: side_info contains NaN or Inf")
             half = self.rho // 2
             nested = self._nested()
             return _kernel_decode(
                 body, self.name, numel, seed, self.bucket_size, self.levels, half, self.coding, side_info=y, **nested
             )
+        if not bool(torch.isfinite(side_info).all()):
+            raise ValueError("ndqsg: side_info contains NaN or Inf")
         d = _bucket(numel, self.bucket_size)
         step1, sym = _read(body, self.name, numel, d, self.rho // 2, self.coding)
         u = dither(seed, sym.numel()).view_as(sym)
