@@ -198,3 +198,13 @@ def test_side_info_finiteness_check(n):
     side[n - 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         codec.decode(payload, seed=0, side_info=side)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["dqsg:levels=3", "dqsg:levels=7,bucket_size=0", "ndqsg:levels=5,rho=7,alpha=0.7"])
+def test_cuda_torch_path_writes_the_cpu_kernel_bytes(spec):
+    # levels that are not powers of two: the step is a true division on both devices
+    x = _input(PARALLEL_MIN + 77, seed=6)
+    codec = get_codec(spec)
+    assert codec.encode(x.cuda(), seed=3) == codec.encode(x, seed=3)

@@ -28,6 +28,12 @@ payload (32 bits per bucket). The price is that ``Delta1`` (hence the wrap-aroun
 from a spread ``sigma_z`` must compare it with the clients' typical ``kappa / M1`` per bucket
 (see :mod:`fedquant.codecs.nested_params`).
 
+On CPU tensors both codecs run the numba kernels of :mod:`fedquant.codecs.dither_kernels`
+(dither drawn inline, quantization fused with bit packing, unpacking fused with reconstruction;
+no full-size temporaries); the torch functions below are the path for other devices (CUDA) and,
+with ``force_torch = True`` on a codec instance, the reference the kernels are tested against
+byte for byte and value for value.
+
 Wire, per tensor: one float32 step per bucket, then the indices packed at ``ceil(log2(2M+1))``
 (``dqsg``) or ``ceil(log2(rho))`` (``ndqsg``) bits each, or with ``coding="entropy"`` the bytes of
 :func:`fedquant.wire.entropy.entropy_encode` to the end of the body.
@@ -66,7 +72,10 @@ def bucket_steps(buckets: torch.Tensor, levels: int) -> torch.Tensor:
     """Step ``max|v| / levels`` of each row of a ``(buckets, d)`` tensor, shape ``(buckets, 1)``."""
     if buckets.shape[0] == 0:
         return buckets.new_zeros((0, 1))
-    return buckets.abs().amax(dim=1, keepdim=True) / levels
+    # A true division on every device: CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, which can move the step by one ulp.
+    divisor = torch.tensor(float(levels), dtype=buckets.dtype, device=buckets.device)
+    return buckets.abs().amax(dim=1, keepdim=True) / divisor
 
 
 def _safe(step: torch.Tensor) -> torch.Tensor:
