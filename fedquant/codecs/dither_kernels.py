@@ -354,7 +354,7 @@ def encode_symbols(
     return out
 
 
-def _side(y: np.ndarray | None, n: int) -> np.ndarray:
+def _side(y: np.ndarray | None) -> np.ndarray:
     return np.zeros(0, np.float32) if y is None else np.ascontiguousarray(y, dtype=np.float32)
 
 
@@ -383,7 +383,7 @@ def decode_packed(
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty(n, np.float32)
     run = _unpack_par if n >= PARALLEL_MIN else _unpack_seq
-    top = run(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info, n), width, out)
+    top = run(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
     return out, int(top)
 
 
@@ -404,5 +404,5 @@ def decode_symbols(
     codes = np.ascontiguousarray(codes, dtype=np.uint16)
     out = np.empty(codes.size, np.float32)
     run = _values_par if codes.size >= PARALLEL_MIN else _values_seq
-    top = run(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info, codes.size), out)
+    top = run(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
     return out, int(top)
