@@ -28,6 +28,12 @@ payload (32 bits per bucket). The price is that ``Delta1`` (hence the wrap-aroun
 from a spread ``sigma_z`` must compare it with the clients' typical ``kappa / M1`` per bucket
 (see :mod:`fedquant.codecs.nested_params`).
 
+On CPU tensors both codecs run the numba kernels of :mod:`fedquant.codecs.dither_kernels`
+(dither drawn inline, quantization fused with bit packing, unpacking fused with reconstruction;
+no full-size temporaries); the torch functions below are the path for other devices (CUDA) and,
+with ``force_torch = True`` on a codec instance, the reference the kernels are tested against
+byte for byte and value for value.
+
 Wire, per tensor: one float32 step per bucket, then the indices packed at ``ceil(log2(2M+1))``
 (``dqsg``) or ``ceil(log2(rho))`` (``ndqsg``) bits each, or with ``coding="entropy"`` the bytes of
 :func:`fedquant.wire.entropy.entropy_encode` to the end of the body.
@@ -38,12 +44,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedquant.codecs import dither_kernels
 from fedquant.codecs.base import Codec
 from fedquant.codecs.buckets import num_buckets, to_buckets
 from fedquant.codecs.index_coding import coder_available, decode_symbols, encode_symbols
 from fedquant.codecs.params import Param
 from fedquant.errors import PayloadError
-from fedquant.rng import uniform
+from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader, BodyWriter
 
@@ -65,7 +72,10 @@ def bucket_steps(buckets: torch.Tensor, levels: int) -> torch.Tensor:
     """Step ``max|v| / levels`` of each row of a ``(buckets, d)`` tensor, shape ``(buckets, 1)``."""
     if buckets.shape[0] == 0:
         return buckets.new_zeros((0, 1))
-    return buckets.abs().amax(dim=1, keepdim=True) / levels
+    # A true division on every device: CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, which can move the step by one ulp.
+    divisor = torch.tensor(float(levels), dtype=buckets.dtype, device=buckets.device)
+    return buckets.abs().amax(dim=1, keepdim=True) / divisor
 
 
 def _safe(step: torch.Tensor) -> torch.Tensor:
@@ -128,27 +138,79 @@ def _write(out: BodyWriter, steps: torch.Tensor, symbols: torch.Tensor, numel: i
         encode_symbols(out, sym.astype(np.uint16), half, coding)
 
 
+def _read_steps(body: BodyReader, name: str, numel: int, bucket_size: int) -> np.ndarray:
+    """The float32 bucket steps of a body, checked finite and non-negative."""
+    steps = body.take_array("<f4", num_buckets(numel, bucket_size), "bucket steps")
+    if not np.isfinite(steps).all() or (steps < 0).any():
+        raise PayloadError(f"{name} payload holds a negative or non-finite bucket step")
+    return steps.astype(np.float32)
+
+
+def _check_top(name: str, top: int, num_symbols: int) -> None:
+    if top >= num_symbols:
+        raise PayloadError(f"{name} payload holds an index {top} outside 0..{num_symbols - 1}")
+
+
 def _read(body: BodyReader, name: str, numel: int, bucket_size: int, half: int, coding: str):
     """Steps ``(buckets, 1)`` and symbols (float32, padded to whole buckets) of a body, all checked."""
     nb = num_buckets(numel, bucket_size)
     num_symbols = 2 * half + 1
-    steps = body.take_array("<f4", nb, "bucket steps")
-    if not np.isfinite(steps).all() or (steps < 0).any():
-        raise PayloadError(f"{name} payload holds a negative or non-finite bucket step")
+    steps = _read_steps(body, name, numel, bucket_size)
     if coding == "fixed":
         width = bit_width(num_symbols)
         sym = unpack_bits(body.take(packed_size(numel, width), "packed indices"), width, numel)
     else:
         sym = decode_symbols(body, numel, half, coding, name)
-    if sym.size and int(sym.max()) >= num_symbols:
-        raise PayloadError(f"{name} payload holds an index {int(sym.max())} outside 0..{num_symbols - 1}")
+    if sym.size:
+        _check_top(name, int(sym.max()), num_symbols)
     padded = torch.zeros(nb * bucket_size, dtype=torch.float32)
     padded[:numel] = torch.from_numpy(sym.astype(np.float32))
-    return torch.from_numpy(steps.astype(np.float32)).reshape(nb, 1), padded.view(nb, bucket_size)
+    return torch.from_numpy(steps).reshape(nb, 1), padded.view(nb, bucket_size)
+
+
+def _kernel_encode(
+    flat: torch.Tensor, seed: int, bucket_size: int, levels: int, half: int, coding: str, **nested
+) -> BodyWriter:
+    """Body of a CPU tensor through :mod:`fedquant.codecs.dither_kernels` (same bytes as torch)."""
+    x = flat.numpy()
+    d = _bucket(x.size, bucket_size)
+    steps = dither_kernels.bucket_steps(x, d, levels)
+    key = np.uint64(stream_key(seed))
+    out = BodyWriter()
+    out.add_array(steps, "<f4")
+    if coding == "fixed":
+        out.add(dither_kernels.encode_packed(x, d, steps, key, bit_width(2 * half + 1), levels=levels, **nested))
+    else:
+        encode_symbols(out, dither_kernels.encode_symbols(x, d, steps, key, levels=levels, **nested), half, coding)
+    return out
+
+
+def _kernel_decode(
+    body: BodyReader, name: str, numel: int, seed: int, bucket_size: int, levels: int, half: int, coding: str, **nested
+) -> torch.Tensor:
+    """Values of a body through :mod:`fedquant.codecs.dither_kernels` (same values as torch)."""
+    d = _bucket(numel, bucket_size)
+    steps = _read_steps(body, name, numel, d)
+    key = np.uint64(stream_key(seed))
+    num_symbols = 2 * half + 1
+    if coding == "fixed":
+        width = bit_width(num_symbols)
+        data = np.frombuffer(body.take(packed_size(numel, width), "packed indices"), np.uint8)
+        values, top = dither_kernels.decode_packed(data, numel, d, steps, key, width, levels=levels, **nested)
+    else:
+        codes = decode_symbols(body, numel, half, coding, name)
+        values, top = dither_kernels.decode_symbols(codes, d, steps, key, levels=levels, **nested)
+    _check_top(name, top, num_symbols)
+    return torch.from_numpy(values)
 
 
 _BUCKET = Param(int, 512, "elements per bucket, each with its own step; 0 = one step per tensor", minimum=0)
 _CODING = Param(str, "fixed", "index stream: fixed-width packing or entropy coded", choices=("fixed", "entropy"))
+
+
+def _uses_kernels(codec: Codec, flat: torch.Tensor | None = None) -> bool:
+    """Whether to run the numba kernels: CPU data and no ``force_torch`` (tests of path equality)."""
+    return not codec.force_torch and (flat is None or flat.device.type == "cpu")
 
 
 def _check_coding(name: str, coding: str) -> None:
@@ -188,6 +250,9 @@ class DQSGCodec(Codec):
     paper = "Abdi & Fekri 2019 (DQSG)"
     wire = "float32 step per bucket + indices at ceil(log2(2M+1)) bits or entropy coded; no dither bits"
 
+    #: Set to True to run the torch implementation (the CUDA path) on CPU tensors too.
+    force_torch: bool = False
+
     def _validate(self) -> None:
         _check_coding(self.name, self.coding)
 
@@ -196,6 +261,8 @@ class DQSGCodec(Codec):
         return 2 * self.levels + 1
 
     def _encode(self, flat: torch.Tensor, seed: int) -> BodyWriter:
+        if _uses_kernels(self, flat):
+            return _kernel_encode(flat, seed, self.bucket_size, self.levels, self.levels, self.coding)
         v = to_buckets(flat, _bucket(flat.numel(), self.bucket_size))
         step = bucket_steps(v, self.levels)
         u = dither(seed, v.numel(), flat.device).view_as(v)
@@ -205,6 +272,8 @@ class DQSGCodec(Codec):
         return out
 
     def _decode(self, body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None) -> torch.Tensor:
+        if _uses_kernels(self):
+            return _kernel_decode(body, self.name, numel, seed, self.bucket_size, self.levels, self.levels, self.coding)
         step, sym = _read(body, self.name, numel, _bucket(numel, self.bucket_size), self.levels, self.coding)
         u = dither(seed, sym.numel()).view_as(sym)
         return dithered_reconstruct(sym - self.levels, step, u).reshape(-1)[:numel]
@@ -250,6 +319,9 @@ class NDQSGCodec(Codec):
     paper = "Abdi & Fekri 2019 (NDQSG)"
     wire = "float32 fine step per bucket + coset indices at ceil(log2(rho)) bits or entropy coded; side info"
 
+    #: Set to True to run the torch implementation (the CUDA path) on CPU tensors too.
+    force_torch: bool = False
+
     def _validate(self) -> None:
         _check_coding(self.name, self.coding)
         if self.rho % 2 == 0:
@@ -257,7 +329,13 @@ class NDQSGCodec(Codec):
         if not self.alpha > 0:
             raise ValueError(f"ndqsg: parameter 'alpha' must be in (0, 1], got {self.alpha}")
 
+    def _nested(self) -> dict:
+        return {"nested": True, "rho": self.rho, "alpha": self.alpha}
+
     def _encode(self, flat: torch.Tensor, seed: int) -> BodyWriter:
+        if _uses_kernels(self, flat):
+            half = self.rho // 2
+            return _kernel_encode(flat, seed, self.bucket_size, self.levels, half, self.coding, **self._nested())
         v = to_buckets(flat, _bucket(flat.numel(), self.bucket_size))
         step1 = bucket_steps(v, self.levels)
         u = dither(seed, v.numel(), flat.device).view_as(v)
@@ -271,6 +349,15 @@ class NDQSGCodec(Codec):
             raise ValueError(
                 "ndqsg: decoding needs side_info, the server's estimate of this tensor (e.g. the mean of the "
                 "updates already decoded this round); nested indices alone do not determine the values"
+            )
+        if _uses_kernels(self):
+            y = side_info.detach().to("cpu", torch.float32).contiguous().numpy()
+            if not dither_kernels.all_finite(y):
+                raise ValueError("ndqsg: side_info contains NaN or Inf")
+            half = self.rho // 2
+            nested = self._nested()
+            return _kernel_decode(
+                body, self.name, numel, seed, self.bucket_size, self.levels, half, self.coding, side_info=y, **nested
             )
         if not bool(torch.isfinite(side_info).all()):
             raise ValueError("ndqsg: side_info contains NaN or Inf")

@@ -1,0 +1,408 @@
+"""Numba kernels for the CPU path of the dithered codecs (DQSG and NDQSG).
+
+Each kernel performs, element by element, exactly the operations of the torch functions in
+:mod:`fedquant.codecs.dithered` (which remain the CUDA path), in the same dtypes and order, so
+both paths write the same bytes and decode to the same values:
+
+* the dither ``u = uniform - 1/2`` of element ``i`` is drawn inline with
+  :func:`fedquant.codecs.kernels.uniform24` (bit for bit :func:`fedquant.rng.uniform`);
+* encoding is float32 throughout: ``round(v / step + u)`` (DQSG, clamped to ``[-M, M]``) or
+  ``q1 = round((alpha v) / step + u)``, ``s = q1 - rho round(q1 / rho)`` (NDQSG), with
+  ``alpha`` rounded to float32 as torch does for a Python scalar, true division (no reciprocal)
+  and ``np.rint`` (round half to even, as ``torch.round``);
+* DQSG decoding is float32 ``step * ((code - M) - u)``; NDQSG decoding is float64 per element,
+  like the torch code: ``r = (s - u) step1 - alpha y``, ``r -= step2 round(r / step2)``,
+  ``y + alpha r`` rounded to float32, and 0 in buckets whose step is 0.
+
+A zero step (all-zero bucket) divides by 1 instead, as ``dithered._safe`` does. The loops run
+over chunks of ``kernels.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of
+the packed stream); tensors below ``PARALLEL_MIN`` elements use the serial loops, whose bodies
+are the same functions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from fedquant.codecs.cpu_kernels import PARALLEL_MIN
+from fedquant.codecs.kernels import CHUNK, _pack_into, _unpack_from, uniform24
+
+_HALF = np.float32(0.5)
+_ONE32 = np.float32(1.0)
+_ZERO32 = np.float32(0.0)
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+
+
+# ---------------------------------------------------------------- per-bucket steps
+@njit(cache=True)
+def _steps_range(x, d, levels, b0, b1, steps):
+    """``max|x| / levels`` (float32) of buckets ``b0 .. b1`` (bit patterns: exact, finite input)."""
+    bits = x.view(np.uint32)
+    n = x.size
+    lv = np.float32(levels)
+    for b in range(b0, b1):
+        lo = b * d
+        hi = min(lo + d, n)
+        m = np.uint32(0)
+        seg = bits[lo:hi]
+        for i in range(hi - lo):
+            m = max(m, seg[i] & _ABS_MASK)
+        steps[b] = np.array([m], np.uint32).view(np.float32)[0] / lv
+
+
+_STEP_BLOCK = 64
+
+
+@njit(cache=True, parallel=True)
+def _steps_par(x, d, levels, steps):
+    nb = steps.size
+    for blk in prange((nb + _STEP_BLOCK - 1) // _STEP_BLOCK):
+        b0 = blk * _STEP_BLOCK
+        _steps_range(x, d, levels, b0, min(b0 + _STEP_BLOCK, nb), steps)
+
+
+@njit(cache=True)
+def _steps_seq(x, d, levels, steps):
+    _steps_range(x, d, levels, 0, steps.size, steps)
+
+
+# ---------------------------------------------------------------- encoding
+@njit(cache=True)
+def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes):
+    """Symbols of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
+
+    DQSG (``nested`` False): ``clamp(round(v / step + u), -M, M) + M``. NDQSG: ``s + rho // 2``.
+    ``alpha`` is float32.
+    """
+    lv = np.float32(levels)
+    rf = np.float32(rho)
+    half = rho // 2
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        step = steps[b]
+        safe = step if step > _ZERO32 else _ONE32
+        xs = x[i:hi]
+        cs = codes[i - c0 : hi - c0]
+        if nested:
+            for k in range(hi - i):
+                u = uniform24(key, i + k) - _HALF
+                q1 = np.rint((alpha * xs[k]) / safe + u)
+                cs[k] = np.int64(q1 - rf * np.rint(q1 / rf)) + half
+        else:
+            for k in range(hi - i):
+                u = uniform24(key, i + k) - _HALF
+                q = min(max(np.rint(xs[k] / safe + u), -lv), lv)
+                cs[k] = np.int64(q) + levels
+        i = hi
+
+
+@njit(cache=True)
+def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
+    n = x.size
+    c0 = c * CHUNK
+    c1 = min(c0 + CHUNK, n)
+    if width <= 8:
+        small = np.empty(CHUNK, np.uint8)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small)
+        _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+    else:
+        wide = np.empty(CHUNK, np.uint16)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide)
+        _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+
+
+@njit(cache=True, parallel=True)
+def _pack_par(x, d, steps, nested, levels, rho, alpha, key, width, out):
+    for c in prange((x.size + CHUNK - 1) // CHUNK):
+        _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
+
+
+@njit(cache=True)
+def _pack_seq(x, d, steps, nested, levels, rho, alpha, key, width, out):
+    for c in range((x.size + CHUNK - 1) // CHUNK):
+        _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
+
+
+@njit(cache=True, parallel=True)
+def _codes_par(x, d, steps, nested, levels, rho, alpha, key, out):
+    n = x.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
+
+
+@njit(cache=True)
+def _codes_seq(x, d, steps, nested, levels, rho, alpha, key, out):
+    n = x.size
+    for c in range((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
+
+
+# ---------------------------------------------------------------- decoding
+@njit(cache=True)
+def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out):
+    """Values of elements ``c0 .. c1`` from their symbols ``codes[0 : c1 - c0]``.
+
+    Returns the largest symbol seen (the caller rejects symbols beyond the alphabet); ``alpha``
+    is float64 and ``y`` the float32 side information (NDQSG only).
+    """
+    top = 0
+    i = c0
+    if nested:
+        half = rho // 2
+        while i < c1:
+            b = i // d
+            hi = min((b + 1) * d, c1)
+            step = steps[b]
+            cs = codes[i - c0 : hi - c0]
+            ys = out[i:hi]
+            if step > _ZERO32:
+                st1 = np.float64(step)
+                st2 = np.float64(rho) * st1
+                side = y[i:hi]
+                for k in range(hi - i):
+                    c = np.int64(cs[k])
+                    top = max(top, c)
+                    u = np.float64(uniform24(key, i + k) - _HALF)
+                    yv = np.float64(side[k])
+                    r = (np.float64(c - half) - u) * st1 - alpha * yv
+                    r = r - st2 * np.rint(r / st2)
+                    ys[k] = np.float32(yv + alpha * r)
+            else:
+                for k in range(hi - i):
+                    top = max(top, np.int64(cs[k]))
+                    ys[k] = _ZERO32
+            i = hi
+    else:
+        while i < c1:
+            b = i // d
+            hi = min((b + 1) * d, c1)
+            step = steps[b]
+            cs = codes[i - c0 : hi - c0]
+            ys = out[i:hi]
+            for k in range(hi - i):
+                c = np.int64(cs[k])
+                top = max(top, c)
+                u = uniform24(key, i + k) - _HALF
+                ys[k] = step * (np.float32(c - levels) - u)
+            i = hi
+    return top
+
+
+@njit(cache=True)
+def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out):
+    n = out.size
+    c0 = c * CHUNK
+    c1 = min(c0 + CHUNK, n)
+    if width <= 8:
+        small = np.empty(CHUNK, np.uint8)
+        _unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+    wide = np.empty(CHUNK, np.uint16)
+    _unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+
+
+@njit(cache=True, parallel=True)
+def _unpack_par(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
+    nchunks = (out.size + CHUNK - 1) // CHUNK
+    tops = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out)
+    return tops.max() if nchunks else 0
+
+
+@njit(cache=True)
+def _unpack_seq(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
+    top = 0
+    for c in range((out.size + CHUNK - 1) // CHUNK):
+        top = max(top, _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out))
+    return top
+
+
+@njit(cache=True, parallel=True)
+def _values_par(codes, d, steps, nested, levels, rho, alpha, key, y, out):
+    n = out.size
+    nchunks = (n + CHUNK - 1) // CHUNK
+    tops = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+    return tops.max() if nchunks else 0
+
+
+@njit(cache=True)
+def _values_seq(codes, d, steps, nested, levels, rho, alpha, key, y, out):
+    n = out.size
+    top = 0
+    for c in range((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        top = max(top, _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out))
+    return top
+
+
+# ---------------------------------------------------------------- side information check
+_EXP_MASK = np.uint32(0x7F800000)
+
+
+@njit(cache=True)
+def _count_nonfinite(bits, lo, hi):
+    bad = 0
+    seg = bits[lo:hi]
+    for i in range(hi - lo):
+        bad += (seg[i] & _EXP_MASK) == _EXP_MASK
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _nonfinite_par(bits):
+    n = bits.size
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        bad[c] = _count_nonfinite(bits, c * CHUNK, min(c * CHUNK + CHUNK, n))
+    return bad.sum()
+
+
+@njit(cache=True)
+def _nonfinite_seq(bits):
+    return _count_nonfinite(bits, 0, bits.size)
+
+
+# ---------------------------------------------------------------- public entry points
+def all_finite(y: np.ndarray) -> bool:
+    """Whether every element of the contiguous float32 array ``y`` is finite (no NaN, no Inf).
+
+    Reads the exponent bits: one pass without the boolean temporary of ``torch.isfinite``.
+    """
+    bits = y.view(np.uint32)
+    return (_nonfinite_par if bits.size >= PARALLEL_MIN else _nonfinite_seq)(bits) == 0
+
+
+def bucket_steps(x: np.ndarray, d: int, levels: int) -> np.ndarray:
+    """``max|x| / levels`` of each bucket of ``d`` elements of float32 ``x`` (float32 array)."""
+    steps = np.empty(-(-x.size // d), np.float32)
+    (_steps_par if x.size >= PARALLEL_MIN else _steps_seq)(x, d, levels, steps)
+    return steps
+
+
+def _args(nested: bool, levels: int, rho: int) -> tuple[bool, int, int]:
+    # NDQSG ignores levels in the symbol loops, DQSG ignores rho: both get valid integers.
+    return bool(nested), int(levels), int(rho) if nested else 1
+
+
+def encode_packed(
+    x: np.ndarray,
+    d: int,
+    steps: np.ndarray,
+    key: np.uint64,
+    width: int,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+) -> np.ndarray:
+    """Dither, quantize and pack every element of float32 ``x`` at ``width`` bits (uint8 array).
+
+    Parameters
+    ----------
+    x : np.ndarray
+        float32, contiguous, the flat tensor.
+    d : int
+        Bucket size (the last bucket may be short).
+    steps : np.ndarray
+        float32 step of each bucket (:func:`bucket_steps`).
+    key : np.uint64
+        ``fedquant.rng.stream_key(seed)``.
+    width : int
+        Bits per symbol, at most 16.
+    levels, nested, rho, alpha
+        DQSG (``nested=False``: symbols ``q + levels``) or NDQSG (symbols ``s + rho // 2``).
+    """
+    nested, levels, rho = _args(nested, levels, rho)
+    out = np.empty((x.size * width + 7) // 8, np.uint8)
+    run = _pack_par if x.size >= PARALLEL_MIN else _pack_seq
+    run(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
+    return out
+
+
+def encode_symbols(
+    x: np.ndarray,
+    d: int,
+    steps: np.ndarray,
+    key: np.uint64,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+) -> np.ndarray:
+    """Like :func:`encode_packed` but returns the unpacked symbols (uint16), for entropy coding."""
+    nested, levels, rho = _args(nested, levels, rho)
+    out = np.empty(x.size, np.uint16)
+    run = _codes_par if x.size >= PARALLEL_MIN else _codes_seq
+    run(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out)
+    return out
+
+
+def _side(y: np.ndarray | None) -> np.ndarray:
+    return np.zeros(0, np.float32) if y is None else np.ascontiguousarray(y, dtype=np.float32)
+
+
+def decode_packed(
+    data: np.ndarray,
+    n: int,
+    d: int,
+    steps: np.ndarray,
+    key: np.uint64,
+    width: int,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+    side_info: np.ndarray | None = None,
+) -> tuple[np.ndarray, int]:
+    """Unpack ``n`` symbols from ``data`` (exactly the packed size) and reconstruct the values.
+
+    Returns
+    -------
+    (np.ndarray, int)
+        float32 values and the largest symbol found (the caller rejects it when beyond the
+        alphabet). NDQSG needs ``side_info`` (float32, ``n`` values).
+    """
+    nested, levels, rho = _args(nested, levels, rho)
+    out = np.empty(n, np.float32)
+    run = _unpack_par if n >= PARALLEL_MIN else _unpack_seq
+    top = run(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
+    return out, int(top)
+
+
+def decode_symbols(
+    codes: np.ndarray,
+    d: int,
+    steps: np.ndarray,
+    key: np.uint64,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+    side_info: np.ndarray | None = None,
+) -> tuple[np.ndarray, int]:
+    """Like :func:`decode_packed` from unpacked symbols (as an entropy decoder returns them)."""
+    nested, levels, rho = _args(nested, levels, rho)
+    codes = np.ascontiguousarray(codes, dtype=np.uint16)
+    out = np.empty(codes.size, np.float32)
+    run = _values_par if codes.size >= PARALLEL_MIN else _values_seq
+    top = run(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
+    return out, int(top)
