@@ -36,7 +36,7 @@ REPRESENTATIVE: dict[str, list[str]] = {
 }
 
 #: Settings that the throughput target (>= 1/15 of an in-place copy) applies to.
-FAST_PATHS = ("qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=7", "terngrad", "signsgd")
+FAST_PATHS = ("qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=7", "terngrad", "signsgd", "dqsg", "ndqsg")
 
 
 @dataclass
