@@ -11,8 +11,8 @@ MB/s of float32 input; ``x copy`` is the codec's time as a multiple of the copy'
 ``peak MiB``: extra resident memory at the peak of encode or decode.
 
 Target: the fixed-width ``qsgd``, ``terngrad``, ``signsgd``, ``dqsg`` and ``ndqsg`` settings
-(``FAST_PATHS``) encode and decode each within 15x the time of the in-place copy. The script exits with status 1 when
-a target is missed.
+(``FAST_PATHS``) encode and decode each within 15x the time of the in-place copy. The script
+exits with status 1 when a target is missed.
 
 Usage::
 
