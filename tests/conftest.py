@@ -1,5 +1,7 @@
 """Shared test fixtures."""
 
+import logging
+
 import pytest
 
 from fedquant.codecs import available_codecs, get_codec
@@ -9,3 +11,19 @@ from fedquant.codecs import available_codecs, get_codec
 def any_codec(request):
     """Every registered codec with its default parameters."""
     return get_codec(request.param)
+
+
+@pytest.fixture
+def flwr_log():
+    """Records of the ``flwr`` logger (Flower's ``log`` does not propagate to the root logger)."""
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = _Keep(level=logging.DEBUG)
+    logger = logging.getLogger("flwr")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)

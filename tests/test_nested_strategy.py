@@ -8,8 +8,6 @@ send.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -99,21 +97,6 @@ def _fine_steps(x: torch.Tensor, levels: int = 3, bucket_size: int = 512) -> tor
     """Per element, the fine step ``max|bucket| / levels`` the client's codec used."""
     v = x.reshape(-1, bucket_size)
     return (v.abs().amax(1, keepdim=True) / levels).expand_as(v).reshape(x.shape)
-
-
-@pytest.fixture
-def flwr_log():
-    records: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = _Keep(level=logging.DEBUG)
-    logger = logging.getLogger("flwr")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
 
 
 # ---------------------------------------------------------------------------- groups and config

@@ -8,7 +8,6 @@ and ``aggregate_train``.
 from __future__ import annotations
 
 import csv
-import logging
 import math
 
 import numpy as np
@@ -71,22 +70,6 @@ def _arrays_close(a: ArrayRecord, b: ArrayRecord, atol: float) -> bool:
     return list(a.keys()) == list(b.keys()) and all(
         np.allclose(a[k].numpy(), b[k].numpy(), rtol=0, atol=atol) for k in a.keys()
     )
-
-
-@pytest.fixture
-def flwr_log():
-    """Records of the ``flwr`` logger (Flower's ``log`` does not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = _Keep(level=logging.DEBUG)
-    logger = logging.getLogger("flwr")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
 
 
 # ---------------------------------------------------------------------------- construction

@@ -169,6 +169,22 @@ def spread_in_steps(
     m = len(updates)
     if m < 2:
         raise ValueError(f"estimating the spread needs at least 2 updates, got {m}")
+    ratios = leave_one_out_steps(updates, levels, bucket_size)
+    if not ratios.numel():
+        return 0.0
+    total = float((ratios**2).mean()) * (m - 1) / m  # s2 + qv
+    qv = (levels / dqsg_levels) ** 2 / 12 if dqsg_levels else 0.0
+    return math.sqrt(max(total - qv, 0.0) + total / m)
+
+
+def leave_one_out_steps(updates: Sequence[torch.Tensor], levels: int, bucket_size: int) -> torch.Tensor:
+    """``(g_p - mean of the other updates) / Delta1`` of every coordinate, flat, float64.
+
+    ``Delta1 = max|g_p| / levels`` per bucket of ``g_p`` (an NDQSG client's fine step with these
+    ``levels`` and ``bucket_size``); coordinates of buckets whose step is 0 are left out. Used by
+    :func:`spread_in_steps` and by the NDQSG server plan's wrap-around tail estimate.
+    """
+    m = len(updates)
     stacked = torch.stack([u.detach().reshape(-1).to("cpu", torch.float64) for u in updates])
     n = stacked.shape[1]
     z = stacked - (stacked.sum(0, keepdim=True) - stacked) / (m - 1)
@@ -177,14 +193,8 @@ def spread_in_steps(
     z = torch.nn.functional.pad(z, (0, pad)).view(m, -1, bucket_size)
     step = g.abs().amax(dim=2, keepdim=True) / levels
     real = (torch.arange(g.shape[1] * bucket_size) < n).view(1, -1, bucket_size)
-    keep = (step > 0) & real
-    ratio = z / torch.where(step > 0, step, torch.ones_like(step))
-    count = int(keep.sum())
-    if not count:
-        return 0.0
-    total = float((ratio[keep] ** 2).sum()) / count * (m - 1) / m  # s2 + qv
-    qv = (levels / dqsg_levels) ** 2 / 12 if dqsg_levels else 0.0
-    return math.sqrt(max(total - qv, 0.0) + total / m)
+    keep = ((step > 0) & real).expand_as(z)
+    return (z / torch.where(step > 0, step, torch.ones_like(step)))[keep]
 
 
 class RunningMean:

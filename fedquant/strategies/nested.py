@@ -81,7 +81,12 @@ from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.dithered import MAX_RHO
-from fedquant.codecs.nested_params import choose_rho_for_variance, optimal_alpha, spread_in_steps
+from fedquant.codecs.nested_params import (
+    choose_rho_for_variance,
+    leave_one_out_steps,
+    optimal_alpha,
+    spread_in_steps,
+)
 from fedquant.codecs.params import parse_spec
 from fedquant.rng import derive_seed
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
@@ -350,22 +355,8 @@ class NestedDecodePlan(DecodePlan):
 
 
 def _loo_ratios(updates: Sequence[torch.Tensor], levels: int, bucket_size: int) -> np.ndarray:
-    """``|g_p - mean of the others| / Delta1`` per coordinate (as ``spread_in_steps`` forms them), flat.
-
-    ``Delta1 = max|g_p| / levels`` per bucket of ``g_p``; buckets whose step is 0 are left out.
-    """
-    m = len(updates)
-    stacked = torch.stack([u.detach().reshape(-1).to("cpu", torch.float64) for u in updates])
-    n = stacked.shape[1]
-    z = stacked - (stacked.sum(0, keepdim=True) - stacked) / (m - 1)
-    pad = (-n) % bucket_size
-    g = torch.nn.functional.pad(stacked, (0, pad)).view(m, -1, bucket_size)
-    z = torch.nn.functional.pad(z, (0, pad)).view(m, -1, bucket_size)
-    step = g.abs().amax(dim=2, keepdim=True) / levels
-    real = (torch.arange(g.shape[1] * bucket_size) < n).view(1, -1, bucket_size)
-    keep = ((step > 0) & real).expand_as(z)
-    ratio = (z / torch.where(step > 0, step, torch.ones_like(step))).abs()
-    return ratio[keep].numpy()
+    """``|g_p - mean of the others| / Delta1`` per coordinate (as ``spread_in_steps`` forms them), flat."""
+    return leave_one_out_steps(updates, levels, bucket_size).abs().numpy()
 
 
 def empirical_rho(
