@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedquant.codecs.threads import set_kernel_threads
 from simulations.data import TensorData
 
 
@@ -21,12 +22,7 @@ def limit_threads(default: int = 1) -> int:
     n = max(1, int(float(os.environ.get("OMP_NUM_THREADS") or default)))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    try:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # per calling thread
-    except ImportError:  # pragma: no cover - numba is a dependency
-        pass
+    set_kernel_threads(n)  # per calling thread
     return n
 
 

@@ -15,6 +15,7 @@ from flwr.supercore import log
 
 from fedquant.clients.state import load_residual, store_residuals
 from fedquant.codecs import Codec, get_codec
+from fedquant.codecs.threads import kernel_threads
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
     KEY_CLIENT_MSE,
@@ -112,31 +113,32 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     out: dict[str, Array] = {}
     residuals: dict[str, torch.Tensor] = {}
     sq_error, encoded_numel = 0.0, 0
-    for name, sent in received.items():
-        numel = int(np.prod(sent.shape, dtype=np.int64))
-        if not is_encoded(sent.dtype, numel, min_numel):
-            out[name] = trained[name]
-            continue
-        new = trained[name].numpy()
-        old = sent.numpy()
-        if new.shape != old.shape:
-            return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
-        update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
-        seed = tensor_seed(client_seed, name)
-        if hasattr(codec, "encode_with_feedback"):
-            residual = load_residual(ctxt.state, name, old.shape)
-            residual = residual.to(device) if residual is not None else None
-            payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
-            if measure_mse:  # the new residual is exactly the codec's error on what it encoded
-                sq_error += float(torch.sum(residuals[name].double() ** 2))
+    with kernel_threads():  # as many kernel threads as this client's torch uses
+        for name, sent in received.items():
+            numel = int(np.prod(sent.shape, dtype=np.int64))
+            if not is_encoded(sent.dtype, numel, min_numel):
+                out[name] = trained[name]
+                continue
+            new = trained[name].numpy()
+            old = sent.numpy()
+            if new.shape != old.shape:
+                return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
+            update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
+            seed = tensor_seed(client_seed, name)
+            if hasattr(codec, "encode_with_feedback"):
+                residual = load_residual(ctxt.state, name, old.shape)
+                residual = residual.to(device) if residual is not None else None
+                payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
+                if measure_mse:  # the new residual is exactly the codec's error on what it encoded
+                    sq_error += float(torch.sum(residuals[name].double() ** 2))
+                    encoded_numel += numel
+            else:
+                payload = codec.encode(update, seed)
+            if measure_mse and not codec.needs_side_info and name not in residuals:
+                decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
+                sq_error += float(torch.sum((decoded - update).double() ** 2))
                 encoded_numel += numel
-        else:
-            payload = codec.encode(update, seed)
-        if measure_mse and not codec.needs_side_info and name not in residuals:
-            decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
-            sq_error += float(torch.sum((decoded - update).double() ** 2))
-            encoded_numel += numel
-        out[name] = Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
+            out[name] = Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
     store_residuals(ctxt.state, residuals)
     reply.content[record_name] = ArrayRecord(out)
 
