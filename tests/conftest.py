@@ -27,3 +27,10 @@ def flwr_log():
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give every test that skips without CUDA the ``cuda`` marker, so ``pytest -m cuda`` runs them all."""
+    for item in items:
+        if any("CUDA" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
