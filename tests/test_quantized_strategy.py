@@ -352,6 +352,8 @@ def test_unexpected_decoder_error_rejects_the_reply_not_the_round(monkeypatch):
 
 
 def test_duplicate_and_unknown_replies_are_dropped():
+    """Every copy of a duplicated node is dropped (the first may be the forged one), and strangers."""
+
     def tamper(replies):
         first = replies[0]
         duplicate = Message(first.content, reply_to=_fake_request(first.metadata.src_node_id))
@@ -359,8 +361,9 @@ def test_duplicate_and_unknown_replies_are_dropped():
         return [*replies, duplicate, stranger]
 
     arrays, metrics = _round(_wrap(), tamper)
-    assert metrics["rejected-replies"] == 2
-    reference, _ = _round(_wrap())
+    assert metrics["rejected-replies"] == 3
+    assert metrics["rejected-duplicate-node"] == 2 and metrics["rejected-unexpected-node"] == 1
+    reference, _ = _round(_wrap(), lambda replies: replies[1:])
     assert _arrays_close(arrays, reference, atol=1e-7)
 
 

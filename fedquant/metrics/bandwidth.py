@@ -21,6 +21,8 @@ MetricRecord:
 ``quantization-mse``         mean over accepted replies of the clients' own MSE measurement
                              (absent when no client measured it)
 ``rejected-replies``         replies dropped from the aggregate
+``rejected-<reason>``        of those, the ones dropped for each reason of
+                             :mod:`fedquant.strategies.admission` (every reason, 0 when none)
 ``simulated-upload-seconds`` only with ``uplink_bandwidth``: max over replies of bytes / bandwidth
 ``encode-seconds``           mean client encode time (mod), ``decode-seconds`` server decode time
 """
@@ -48,6 +50,11 @@ REJECTED_REPLIES = "rejected-replies"
 SIMULATED_UPLOAD_SECONDS = "simulated-upload-seconds"
 ENCODE_SECONDS = "encode-seconds"
 DECODE_SECONDS = "decode-seconds"
+
+
+def rejected_reason_key(reason: str) -> str:
+    """The per-round metric that counts the replies dropped for ``reason``."""
+    return f"rejected-{reason}"
 
 
 def content_bytes(content: RecordDict) -> int:
@@ -104,8 +111,8 @@ class RoundTraffic:
         The same replies as float32 ArrayRecords.
     params : int
         Parameters in those replies (one model per reply).
-    rejected : int
-        Replies dropped from the aggregate.
+    rejected_reasons : list of str
+        One reason (see :mod:`fedquant.strategies.admission`) per reply dropped from the aggregate.
     client_mse, client_encode_seconds : list of float
         What accepted replies reported.
     upload_seconds : list of float
@@ -116,7 +123,7 @@ class RoundTraffic:
     uplink_bytes: int = 0
     dense_bytes: int = 0
     params: int = 0
-    rejected: int = 0
+    rejected_reasons: list[str] = field(default_factory=list)
     decode_seconds: float = 0.0
     client_mse: list[float] = field(default_factory=list)
     client_encode_seconds: list[float] = field(default_factory=list)
@@ -128,8 +135,10 @@ class RoundTraffic:
         self.dense_bytes += dense_bytes
         self.params += params
 
-    def metrics(self, cumulative_uplink_bytes: int, with_upload_seconds: bool) -> dict[str, int | float]:
-        """The round's metrics under their exact keys.
+    def metrics(
+        self, cumulative_uplink_bytes: int, with_upload_seconds: bool, reasons: Iterable[str] = ()
+    ) -> dict[str, int | float]:
+        """The round's metrics under their exact keys; ``rejected-<reason>`` for each of ``reasons``.
 
         ``compression-ratio`` and ``bits-per-param`` are 0.0 in a round without replies;
         ``quantization-mse`` and ``encode-seconds`` are left out when no accepted reply reported
@@ -142,7 +151,8 @@ class RoundTraffic:
             BITS_PER_PARAM: 8.0 * self.uplink_bytes / self.params if self.params else 0.0,
             DOWNLINK_BYTES: self.downlink_bytes,
             CUMULATIVE_UPLINK_BYTES: cumulative_uplink_bytes,
-            REJECTED_REPLIES: self.rejected,
+            REJECTED_REPLIES: len(self.rejected_reasons),
+            **{rejected_reason_key(reason): self.rejected_reasons.count(reason) for reason in reasons},
             DECODE_SECONDS: self.decode_seconds,
         }
         if self.client_mse:

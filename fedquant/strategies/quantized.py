@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -14,10 +15,26 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.metrics.bandwidth import RoundTraffic, content_bytes, dense_float32_bytes, record_numel
+from fedquant.metrics.bandwidth import (
+    REJECTED_REPLIES,
+    RoundTraffic,
+    content_bytes,
+    dense_float32_bytes,
+    record_numel,
+)
 from fedquant.metrics.history import EVALUATE_PREFIX, TRAIN_PREFIX, HistoryRecorder
 from fedquant.rng import derive_seed
-from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan
+from fedquant.strategies.admission import (
+    REASON_DUPLICATE,
+    REASON_NORM,
+    REASON_PAYLOAD,
+    REASON_PLAN,
+    REASON_UNEXPECTED,
+    REASONS,
+    AdmissionRules,
+    weight_key_of,
+)
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
 from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
@@ -29,7 +46,7 @@ from fedquant.strategies.protocol import (
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
 )
-from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply
 
 LOG_PREFIX = "QuantizedStrategy"
 
@@ -96,6 +113,12 @@ class QuantizedStrategy(Strategy):
     client_mse : bool
         Whether clients measure ``quantization-mse`` (default True). Measuring decodes every
         payload once more on the client, which costs about one decode per tensor per round.
+    admission : AdmissionRules, optional
+        Which replies (train and evaluate) reach the wrapped strategy: finite positive
+        ``num-examples`` under a cap, consistent and finite metrics, update L2 norm within
+        10 x the round's median, no duplicate nodes (see
+        :mod:`fedquant.strategies.admission`). Default ``AdmissionRules()``: every rule on;
+        ``AdmissionRules.off()`` keeps only the payload checks.
 
     Examples
     --------
@@ -118,6 +141,7 @@ class QuantizedStrategy(Strategy):
         decode_plan: DecodePlan | None = None,
         recorder: HistoryRecorder | None = None,
         client_mse: bool = True,
+        admission: AdmissionRules | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -126,6 +150,8 @@ class QuantizedStrategy(Strategy):
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
             raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
+        if admission is not None and not isinstance(admission, AdmissionRules):
+            raise ValueError(f"admission must be an AdmissionRules, got {type(admission).__name__}")
         if uplink_bandwidth is not None and not callable(uplink_bandwidth):
             raise ValueError("uplink_bandwidth must be a callable node_id -> bytes per second")
         self.strategy = strategy
@@ -138,8 +164,10 @@ class QuantizedStrategy(Strategy):
         self.decode_plan = decode_plan
         self.recorder = recorder
         self.client_mse = bool(client_mse)
+        self.admission = AdmissionRules() if admission is None else admission
         self.cumulative_uplink_bytes = 0
         self._rounds: dict[int, _RoundPlan] = {}
+        self._evaluated: dict[int, set[int]] = {}
 
     def __repr__(self) -> str:
         """Compute a string representation of the strategy."""
@@ -153,6 +181,7 @@ class QuantizedStrategy(Strategy):
         log(INFO, "\t│\t├── Min. elements to encode: %s", self.min_numel)
         log(INFO, "\t│\t├── Client-side MSE: %s", "yes" if self.client_mse else "no")
         log(INFO, "\t│\t├── Decode plan: %r", self.decode_plan)
+        log(INFO, "\t│\t├── Admission: %r", self.admission)
         log(INFO, "\t│\t└── Simulated uplink bandwidth: %s", "yes" if self.uplink_bandwidth else "no")
         self.strategy.summary()
 
@@ -206,7 +235,7 @@ class QuantizedStrategy(Strategy):
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
             arrays, metrics = None, None
         self.cumulative_uplink_bytes += plan.traffic.uplink_bytes
-        own = plan.traffic.metrics(self.cumulative_uplink_bytes, self.uplink_bandwidth is not None)
+        own = plan.traffic.metrics(self.cumulative_uplink_bytes, self.uplink_bandwidth is not None, REASONS)
         metrics = MetricRecord() if metrics is None else metrics
         for key, value in {**own, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
@@ -215,14 +244,28 @@ class QuantizedStrategy(Strategy):
         return arrays, metrics
 
     def _decode_replies(self, server_round: int, replies: list[Message], plan: _RoundPlan) -> set[int]:
-        """Decode every content reply in the plan's order; return the ids of accepted replies."""
+        """Admit, decode and check every content reply; return the ids of the accepted replies.
+
+        Replies go through :class:`~fedquant.strategies.admission.AdmissionRules` in three
+        steps: who sent it (unexpected and duplicate nodes), its metrics, then, after decoding,
+        its update norm. Decoding follows the plan's order in groups of equal ``rank``: the first
+        group's norms are checked against its own median once it is decoded, before any of it
+        becomes side information; later groups are checked one by one against the median of the
+        replies admitted before them, so an outlier never reaches the side information.
+        """
         traffic = plan.traffic
+        rules = self.admission
+        weight_key = weight_key_of(self.strategy)
+        content_replies = [r for r in replies if not r.has_error()]
+        copies = Counter(r.metadata.src_node_id for r in content_replies)
+        client_metrics = {id(r): _pop_client_metrics(r.content) for r in content_replies}
+        consensus = rules.consensus_keys(
+            [r.content for r in content_replies if r.metadata.src_node_id in plan.sent], weight_key
+        )
         by_node: dict[int, Message] = {}
         bytes_of: dict[int, int] = {}
         arrival: list[int] = []
-        for reply in replies:
-            if reply.has_error():
-                continue
+        for reply in content_replies:
             node_id = reply.metadata.src_node_id
             reply_bytes = content_bytes(reply.content)
             sent = plan.sent.get(node_id)
@@ -234,64 +277,139 @@ class QuantizedStrategy(Strategy):
             if self.uplink_bandwidth is not None and sent is not None:
                 traffic.upload_seconds.append(reply_bytes / float(self.uplink_bandwidth(node_id)))
             if sent is None:
-                self._reject(server_round, node_id, "the node was not sent a train message this round", traffic)
-            elif node_id in by_node:
-                self._reject(server_round, node_id, "a second reply from the same node", traffic)
+                problem = (REASON_UNEXPECTED, "the node was not sent a train message this round")
+            elif node_id in by_node or (rules.reject_duplicates and copies[node_id] > 1):
+                problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} replies this round")
             else:
-                by_node[node_id] = reply
-                bytes_of[node_id] = reply_bytes
-                arrival.append(node_id)
+                problem = rules.check_metrics(reply.content, weight_key, consensus)
+            if problem is not None:
+                self._reject(server_round, node_id, problem, traffic)
+                continue
+            by_node[node_id] = reply
+            bytes_of[node_id] = reply_bytes
+            arrival.append(node_id)
 
         accepted: set[int] = set()
         side = self.decode_plan.side_information()
         needs_side = any(a.codec.needs_side_info for a in plan.assignments.values())
-        start = time.perf_counter()
-        for node_id in self.decode_plan.decode_order(arrival, plan.assignments):
+        admitted_norms: list[float] = []
+
+        def accept(node_id: int, decoded: DecodedReply) -> None:
             reply = by_node[node_id]
-            assignment = plan.assignments[node_id]
-            reason = self.decode_plan.admit(server_round, node_id, assignment, side)
-            if reason is not None:
-                self._reject(server_round, node_id, reason, traffic)
-                continue
-            try:
-                decoded = decode_reply(
-                    reply.content,
-                    plan.received(node_id),
-                    assignment.codec,
-                    plan.seeds[node_id],
-                    self.min_numel,
-                    side,
-                )
-            except RejectedReply as err:
-                self._reject(server_round, node_id, str(err), traffic)
-                continue
             if needs_side:
                 side.add(decoded.updates)
-            sent_numel = record_numel(plan.sent[node_id])
-            self.decode_plan.accepted(
-                server_round, DecodedClient(node_id, assignment, decoded.updates, bytes_of[node_id], sent_numel)
+            admitted_norms.append(decoded.update_norm)
+            client = DecodedClient(
+                node_id, plan.assignments[node_id], decoded.updates, bytes_of[node_id], record_numel(plan.sent[node_id])
             )
+            self.decode_plan.accepted(server_round, client)
             reply.content[decoded.record_name] = decoded.arrays
-            _take_client_metrics(reply.content, traffic)
+            _add_client_metrics(client_metrics[id(reply)], traffic)
             accepted.add(id(reply))
+
+        start = time.perf_counter()
+        order = self.decode_plan.decode_order(arrival, plan.assignments)
+        for group in _rank_groups(order, plan.assignments):
+            reference = rules.norm_reference(admitted_norms)
+            pending: list[tuple[int, DecodedReply]] = []
+            for node_id in group:
+                decoded = self._decode_one(server_round, node_id, by_node[node_id], plan, side)
+                if decoded is None:
+                    continue
+                if reference is None:
+                    pending.append((node_id, decoded))
+                elif not self._norm_rejected(server_round, node_id, decoded, reference, traffic):
+                    accept(node_id, decoded)
+            group_reference = rules.norm_reference([d.update_norm for _, d in pending])
+            for node_id, decoded in pending:
+                if not self._norm_rejected(server_round, node_id, decoded, group_reference, traffic):
+                    accept(node_id, decoded)
         traffic.decode_seconds = time.perf_counter() - start
         return accepted
 
+    def _decode_one(
+        self, server_round: int, node_id: int, reply: Message, plan: _RoundPlan, side: SideInformation
+    ) -> DecodedReply | None:
+        """Decode one admitted reply, or reject it (plan refusal, bad payload) and return None."""
+        assignment = plan.assignments[node_id]
+        reason = self.decode_plan.admit(server_round, node_id, assignment, side)
+        if reason is not None:
+            self._reject(server_round, node_id, (REASON_PLAN, reason), plan.traffic)
+            return None
+        try:
+            return decode_reply(
+                reply.content, plan.received(node_id), assignment.codec, plan.seeds[node_id], self.min_numel, side
+            )
+        except RejectedReply as err:
+            self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
+            return None
+
+    def _norm_rejected(
+        self, server_round: int, node_id: int, decoded: DecodedReply, reference: float | None, traffic: RoundTraffic
+    ) -> bool:
+        problem = self.admission.check_norm(decoded.update_norm, reference)
+        if problem is not None:
+            self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
+        return problem is not None
+
     @staticmethod
-    def _reject(server_round: int, node_id: int, reason: str, traffic: RoundTraffic) -> None:
-        traffic.rejected += 1
-        log(WARNING, "%s: round %s: dropped the reply of node %s: %s", LOG_PREFIX, server_round, node_id, reason)
+    def _reject(server_round: int, node_id: int, problem: tuple[str, str], traffic: RoundTraffic | None) -> None:
+        reason, sentence = problem
+        if traffic is not None:
+            traffic.rejected_reasons.append(reason)
+        log(
+            WARNING,
+            "%s: round %s: dropped the reply of node %s (%s): %s",
+            LOG_PREFIX,
+            server_round,
+            node_id,
+            reason,
+            sentence,
+        )
 
     # ------------------------------------------------------------------ evaluate
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Configure the next round of evaluation (passed through)."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        """Configure the next round of evaluation (the inner strategy's messages, unchanged)."""
+        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        self._evaluated[server_round] = {m.metadata.dst_node_id for m in messages}
+        return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Aggregate evaluation metrics (passed through; recorded when a recorder is set)."""
-        metrics = self.strategy.aggregate_evaluate(server_round, replies)
+        """Aggregate evaluation metrics of the replies that pass the admission rules (recorded with a recorder).
+
+        Evaluate replies are as untrusted as train replies: one without ``num-examples``, with
+        other metric keys than its peers, NaN/Inf metrics, or from an unexpected or duplicated
+        node is dropped alone (logged) instead of aborting the round in the inner strategy.
+        """
+        replies = list(replies)
+        asked = self._evaluated.pop(server_round, None)
+        rules, weight_key = self.admission, weight_key_of(self.strategy)
+        content_replies = [r for r in replies if not r.has_error()]
+        copies = Counter(r.metadata.src_node_id for r in content_replies)
+        consensus = rules.consensus_keys([r.content for r in content_replies], weight_key)
+        survivors, seen, dropped = [r for r in replies if r.has_error()], set(), 0
+        for reply in content_replies:
+            node_id = reply.metadata.src_node_id
+            if asked is not None and node_id not in asked:
+                problem = (REASON_UNEXPECTED, "the node was not sent an evaluate message this round")
+            elif node_id in seen or (rules.reject_duplicates and copies[node_id] > 1):
+                problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} evaluate replies this round")
+            else:
+                problem = rules.check_metrics(reply.content, weight_key, consensus)
+            seen.add(node_id)
+            if problem is None:
+                survivors.append(reply)
+            else:
+                dropped += 1
+                self._reject(server_round, node_id, problem, None)
+        metrics = None
+        if any(not r.has_error() for r in survivors):
+            metrics = self.strategy.aggregate_evaluate(server_round, survivors)
+        if dropped:
+            metrics = MetricRecord() if metrics is None else metrics
+            metrics[REJECTED_REPLIES] = dropped
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
@@ -320,15 +438,44 @@ def _with_config_entries(content: RecordDict, entries: dict) -> RecordDict:
     return RecordDict(records)
 
 
-def _take_client_metrics(content: RecordDict, traffic: RoundTraffic) -> None:
-    """Move the mod's own entries out of the reply's MetricRecords into ``traffic``."""
+def _rank_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> list[list[int]]:
+    """Split a decode order into runs of equal ``rank`` (the plan's groups, e.g. NDQSG's P1 and P2)."""
+    groups: list[list[int]] = []
+    for node_id in order:
+        if groups and assignments[groups[-1][-1]].rank == assignments[node_id].rank:
+            groups[-1].append(node_id)
+        else:
+            groups.append([node_id])
+    return groups
+
+
+def _pop_client_metrics(content: RecordDict) -> tuple[float | None, float | None]:
+    """Take the mod's own entries out of the reply's MetricRecords: ``(mse, encode seconds)``.
+
+    Done before the admission rules look at the metrics, so the inner strategy's metric keys are
+    compared, not fedquant's. The values count only if the reply is accepted.
+    """
+    mse = seconds = None
     for name in list(content.metric_records.keys()):
         record = content.metric_records[name]
-        mse = record.pop(METRIC_CLIENT_MSE, None)
-        seconds = record.pop(METRIC_CLIENT_ENCODE_SECONDS, None)
-        if isinstance(mse, (int, float)) and not isinstance(mse, bool) and np.isfinite(mse):
-            traffic.client_mse.append(float(mse))
-        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and np.isfinite(seconds):
-            traffic.client_encode_seconds.append(float(seconds))
+        if METRIC_CLIENT_MSE in record:
+            mse = _finite_number(record.pop(METRIC_CLIENT_MSE))
+        if METRIC_CLIENT_ENCODE_SECONDS in record:
+            seconds = _finite_number(record.pop(METRIC_CLIENT_ENCODE_SECONDS))
         if name == CLIENT_METRICRECORD_NAME and len(record) == 0:
             del content[name]
+    return mse, seconds
+
+
+def _add_client_metrics(values: tuple[float | None, float | None], traffic: RoundTraffic) -> None:
+    mse, seconds = values
+    if mse is not None:
+        traffic.client_mse.append(mse)
+    if seconds is not None:
+        traffic.client_encode_seconds.append(seconds)
+
+
+def _finite_number(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value):
+        return float(value)
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,11 +37,15 @@ class DecodedReply:
         the others.
     updates : dict of str to torch.Tensor
         The decoded updates of the encoded entries (float32), for side information.
+    update_norm : float
+        L2 norm of the whole update over every float entry (decoded updates of the encoded
+        entries, ``trained - received`` of the others), computed in float64.
     """
 
     record_name: str
     arrays: ArrayRecord
     updates: dict[str, torch.Tensor]
+    update_norm: float
 
 
 def _single_array_record(content: RecordDict) -> tuple[str, ArrayRecord]:
@@ -131,12 +136,16 @@ def decode_reply(
         raise RejectedReply(f"ArrayRecord keys {list(record.keys())} differ from those sent {list(received.keys())}")
     dense: dict[str, Array] = {}
     updates: dict[str, torch.Tensor] = {}
+    squared_norm = 0.0
     for name, sent in received.items():
         array = record[name]
         if is_encoded(sent.dtype, sent.size, min_numel):
             value, updates[name] = _decode_entry(name, array, sent, codec, tensor_seed(client_seed, name), side)
             dense[name] = Array(np.ascontiguousarray(value))
+            squared_norm += float(torch.linalg.vector_norm(updates[name], dtype=torch.float64)) ** 2
         else:
-            _check_plain_entry(name, array, sent)
+            value = _check_plain_entry(name, array, sent)
             dense[name] = array
-    return DecodedReply(record_name, ArrayRecord(dense), updates)
+            if value.dtype.kind == "f":
+                squared_norm += float(np.sum((value.astype(np.float64) - sent.astype(np.float64)) ** 2))
+    return DecodedReply(record_name, ArrayRecord(dense), updates, math.sqrt(squared_norm))
