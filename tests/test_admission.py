@@ -247,9 +247,7 @@ def _dense_replies_range(num_nodes: int):
     grid = InProcessGrid(make_client_app([]), num_nodes)
     strategy = FedAvg(min_available_nodes=num_nodes)
     replies = grid.send_and_receive(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
-    honest = np.stack(
-        [r.content["arrays"]["fc.weight"].numpy() for r in replies if r.metadata.src_node_id != ATTACKER]
-    )
+    honest = np.stack([r.content["arrays"]["fc.weight"].numpy() for r in replies if r.metadata.src_node_id != ATTACKER])
     return honest.min(axis=0), honest.max(axis=0), honest
 
 
