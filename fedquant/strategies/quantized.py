@@ -80,10 +80,13 @@ class QuantizedStrategy(Strategy):
     wrapped strategy and adds the round's bandwidth metrics to its MetricRecord. Evaluation
     passes through unchanged.
 
-    Replies that cannot be decoded (malformed, another codec or shape, NaN/Inf, wrong keys) are
-    dropped with a logged reason naming the node and counted in ``rejected-replies``; replies
-    that carry an error go to the wrapped strategy as they are (Flower's handling). If no reply
-    survives, the round returns no arrays and the current model is kept.
+    Every reply is untrusted. Replies that cannot be decoded (malformed, another codec or shape,
+    NaN/Inf, wrong keys) or that fail the admission rules (bad ``num-examples``, inconsistent or
+    non-finite metrics, an update norm far above the round's median, a node that replied twice;
+    see :class:`~fedquant.strategies.admission.AdmissionRules`) are dropped alone, with a logged
+    reason naming the node, and counted in ``rejected-replies`` and ``rejected-<reason>``;
+    replies that carry an error go to the wrapped strategy as they are (Flower's handling). If
+    no reply survives, the round returns no arrays and the current model is kept.
 
     Parameters
     ----------
