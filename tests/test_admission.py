@@ -282,3 +282,23 @@ def test_dp_fixed_clipping_bounds_the_attackers_contribution():
     start = initial_arrays()
     moved = math.sqrt(sum(float(np.sum((arrays[k].numpy() - start[k].numpy()) ** 2)) for k in start.keys()))
     assert 0 < moved <= clip * (1 + 1e-5)  # the mean of updates clipped to `clip` has norm <= clip
+
+
+def test_round_reports_the_update_norms_it_admitted():
+    """``update-norm-median`` / ``-max-ratio`` are those of the honest fp32 updates, not the attacker's."""
+    _, metrics = _round(_wrap(), _poisoned("fp32"))
+    start = initial_arrays()["fc.weight"].numpy().astype(np.float64)
+    # fp32 replies are exact: recompute the honest updates of both tensors (fc.bias starts at 0).
+    grid = InProcessGrid(make_client_app([]), NUM_NODES)
+    replies = grid.send_and_receive(FedAvg().configure_train(1, initial_arrays(), ConfigRecord(), grid))
+    norms = sorted(
+        math.sqrt(
+            float(np.sum((r.content["arrays"]["fc.weight"].numpy() - start) ** 2))
+            + float(np.sum(r.content["arrays"]["fc.bias"].numpy().astype(np.float64) ** 2))
+        )
+        for r in replies
+        if r.metadata.src_node_id != ATTACKER
+    )
+    assert len(norms) == NUM_NODES - 1
+    assert metrics["update-norm-median"] == pytest.approx(norms[1], rel=1e-5)
+    assert metrics["update-norm-max-ratio"] == pytest.approx(norms[-1] / norms[1], rel=1e-5)

@@ -23,6 +23,9 @@ MetricRecord:
 ``rejected-replies``         replies dropped from the aggregate
 ``rejected-<reason>``        of those, the ones dropped for each reason of
                              :mod:`fedquant.strategies.admission` (every reason, 0 when none)
+``update-norm-median``       median L2 norm of the accepted decoded updates, and
+``update-norm-max-ratio``    the largest of them over that median: the headroom under the
+                             admission rule's ``norm_factor`` (absent without accepted replies)
 ``simulated-upload-seconds`` only with ``uplink_bandwidth``: max over replies of bytes / bandwidth
 ``encode-seconds``           mean client encode time (mod), ``decode-seconds`` server decode time
 """
@@ -50,6 +53,8 @@ REJECTED_REPLIES = "rejected-replies"
 SIMULATED_UPLOAD_SECONDS = "simulated-upload-seconds"
 ENCODE_SECONDS = "encode-seconds"
 DECODE_SECONDS = "decode-seconds"
+UPDATE_NORM_MEDIAN = "update-norm-median"
+UPDATE_NORM_MAX_RATIO = "update-norm-max-ratio"
 
 
 def rejected_reason_key(reason: str) -> str:
@@ -115,6 +120,8 @@ class RoundTraffic:
         One reason (see :mod:`fedquant.strategies.admission`) per reply dropped from the aggregate.
     client_mse, client_encode_seconds : list of float
         What accepted replies reported.
+    update_norms : list of float
+        L2 norms of the accepted decoded updates.
     upload_seconds : list of float
         Per reply, bytes / the client's uplink bandwidth (only when bandwidths are given).
     """
@@ -128,6 +135,7 @@ class RoundTraffic:
     client_mse: list[float] = field(default_factory=list)
     client_encode_seconds: list[float] = field(default_factory=list)
     upload_seconds: list[float] = field(default_factory=list)
+    update_norms: list[float] = field(default_factory=list)
 
     def add_reply(self, reply_bytes: int, dense_bytes: int, params: int) -> None:
         """Count one reply that carried content."""
@@ -159,6 +167,10 @@ class RoundTraffic:
             out[QUANTIZATION_MSE] = float(np.mean(self.client_mse))
         if self.client_encode_seconds:
             out[ENCODE_SECONDS] = float(np.mean(self.client_encode_seconds))
+        if self.update_norms:
+            median = float(np.median(self.update_norms))
+            out[UPDATE_NORM_MEDIAN] = median
+            out[UPDATE_NORM_MAX_RATIO] = max(self.update_norms) / median if median > 0 else 0.0
         if with_upload_seconds:
             out[SIMULATED_UPLOAD_SECONDS] = max(self.upload_seconds, default=0.0)
         return out

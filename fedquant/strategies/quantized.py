@@ -295,13 +295,12 @@ class QuantizedStrategy(Strategy):
         accepted: set[int] = set()
         side = self.decode_plan.side_information()
         needs_side = any(a.codec.needs_side_info for a in plan.assignments.values())
-        admitted_norms: list[float] = []
 
         def accept(node_id: int, decoded: DecodedReply) -> None:
             reply = by_node[node_id]
             if needs_side:
                 side.add(decoded.updates)
-            admitted_norms.append(decoded.update_norm)
+            traffic.update_norms.append(decoded.update_norm)
             client = DecodedClient(
                 node_id, plan.assignments[node_id], decoded.updates, bytes_of[node_id], record_numel(plan.sent[node_id])
             )
@@ -313,7 +312,7 @@ class QuantizedStrategy(Strategy):
         start = time.perf_counter()
         order = self.decode_plan.decode_order(arrival, plan.assignments)
         for group in _rank_groups(order, plan.assignments):
-            reference = rules.norm_reference(admitted_norms)
+            reference = rules.norm_reference(traffic.update_norms)
             pending: list[tuple[int, DecodedReply]] = []
             for node_id in group:
                 decoded = self._decode_one(server_round, node_id, by_node[node_id], plan, side)
