@@ -354,16 +354,18 @@ def test_unexpected_decoder_error_rejects_the_reply_not_the_round(monkeypatch):
 def test_duplicate_and_unknown_replies_are_dropped():
     """Every copy of a duplicated node is dropped (the first may be the forged one), and strangers."""
 
+    duplicated = 102
+
     def tamper(replies):
-        first = replies[0]
-        duplicate = Message(first.content, reply_to=_fake_request(first.metadata.src_node_id))
+        first = next(r for r in replies if r.metadata.src_node_id == duplicated)
+        duplicate = Message(first.content, reply_to=_fake_request(duplicated))
         stranger = Message(first.content, reply_to=_fake_request(999))
         return [*replies, duplicate, stranger]
 
     arrays, metrics = _round(_wrap(), tamper)
     assert metrics["rejected-replies"] == 3
     assert metrics["rejected-duplicate-node"] == 2 and metrics["rejected-unexpected-node"] == 1
-    reference, _ = _round(_wrap(), lambda replies: replies[1:])
+    reference, _ = _round(_wrap(), drop=(duplicated,))
     assert _arrays_close(arrays, reference, atol=1e-7)
 
 
