@@ -123,6 +123,7 @@ class UploadBudget:
         self.window = window
         self.chosen: dict[int, dict[int, str]] = {}  # round -> node id -> codec spec
         self._predicted: dict[int, dict[int, float]] = {}  # round -> node id -> predicted bytes
+        self._coarsest: dict[int, dict[int, bool]] = {}  # round -> node id -> at its ladder's end
 
     def __repr__(self) -> str:
         return f"UploadBudget(deadline_seconds={self.deadline_seconds}, bytes_budget={self.bytes_budget})"
@@ -162,6 +163,7 @@ class UploadBudget:
         out = {n: dataclasses.replace(a, codec=ladders[n][index[n]]) for n, a in assignments.items()}
         self.chosen[server_round] = {n: a.codec.spec for n, a in out.items()}
         self._predicted[server_round] = {n: sizes[n][index[n]] / self._correction(out[n].codec) for n in out}
+        self._coarsest[server_round] = {n: index[n] == len(ladders[n]) - 1 for n in out}
         return out
 
     def _correction(self, codec: Codec | ErrorFeedback) -> float:
@@ -180,23 +182,19 @@ class UploadBudget:
         """
         chosen = self.chosen.pop(server_round, {})
         predicted = self._predicted.pop(server_round, {})
+        coarsest = self._coarsest.pop(server_round, {})
         for node_id, spec in chosen.items():
             if node_id in reply_bytes and predicted.get(node_id):
                 ratios = self._ratios.setdefault(spec, deque(maxlen=self.window))
                 ratios.append(reply_bytes[node_id] / predicted[node_id])
         values = [setting_value(self._ladder_codec(spec)) for spec in chosen.values()]
-        ladders = [self._ladders.get(s) for s in chosen.values()]
         metrics: dict[str, float] = {}
         if values:
             metrics[CHOSEN_SETTING_MIN] = min(values)
             metrics[CHOSEN_SETTING_MEAN] = float(np.mean(values))
             metrics[CHOSEN_SETTING_MAX] = max(values)
         metrics[PREDICTED_UPLINK_BYTES] = float(sum(predicted.values()))
-        metrics[COARSEST_FRACTION] = (
-            float(np.mean([spec == lad[-1].spec for spec, lad in zip(chosen.values(), ladders) if lad]))
-            if chosen
-            else 0.0
-        )
+        metrics[COARSEST_FRACTION] = float(np.mean(list(coarsest.values()))) if coarsest else 0.0
         answered = {n: b for n, b in reply_bytes.items() if n in chosen}
         if self.deadline_seconds is not None and answered:
             met = [b / float(self.bandwidth(n)) <= self.deadline_seconds for n, b in answered.items()]
