@@ -47,7 +47,7 @@ from fedquant.strategies.downlink_wire import (
 from fedquant.strategies.protocol import is_encoded, tensor_seed
 
 DEFAULT_FULL_CODEC = "fp16"
-DEFAULT_REFERENCES = 4
+DEFAULT_REFERENCES = 8
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ class QuantizedStrategy(Strategy):
     downlink_full_codec : str or Codec
         Codec of full-model sends (``fp32`` for lossless ones).
     downlink_references : int
-        Reference models the server keeps for clients that skip rounds (default 4).
+        Reference models the server keeps for clients that skip rounds (default 8; each is one model copy).
     downlink_bandwidth : callable, optional
         ``node_id -> bytes per second`` of the download links. Adds ``simulated-download-seconds``
         (slowest sampled client) and ``simulated-round-seconds`` (max over replies of download +
