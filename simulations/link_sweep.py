@@ -2,7 +2,7 @@
 
     python -m simulations.link_sweep                      # fixed QSGD levels against the upload deadline
     python -m simulations.link_sweep --variant 'codec=qsgd:levels=4' --variant 'codec=qsgd:levels=16
-        upload-deadline-seconds=0.5' --set uplink=lognormal:median=2,sigma=1 --set rounds=10
+        upload-deadline-seconds=0.5' --variant 'codec=fp32 downlink-codec=none' --set uplink=fixed:mbps=2
 
 A variant is a space-separated list of run-config ``key=value`` overrides (its label). Every variant
 runs in ONE simulation (same clients, partitions, client samples and link speeds) with the shared
@@ -28,6 +28,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from fedquant.metrics.links import SIMULATED_ROUND_SECONDS
 from simulations.server_app import run_server
@@ -39,14 +40,14 @@ DEFAULT_SETTINGS = {
     "uplink": "lognormal:median=1,sigma=1",
     "downlink": "lognormal:median=8,sigma=1",
     "downlink-codec": "qsgd:levels=16",
-    "rounds": "15",
+    "rounds": "10",
 }
 DEFAULT_VARIANTS = [
     "codec=qsgd:levels=16",
     "codec=qsgd:levels=4",
     "codec=qsgd:levels=1",
-    "codec=qsgd:levels=16 upload-deadline-seconds=0.1",
-    "codec=qsgd:levels=16 downlink-codec=",
+    "codec=qsgd:levels=16 upload-deadline-seconds=0.3",
+    "codec=qsgd:levels=16 downlink-codec=none",
 ]
 TARGET_ACCURACY = 0.9
 COLUMNS = ["variant", "final accuracy", "uplink MB", "downlink MB", "simulated s", f"s to {TARGET_ACCURACY:.0%}"]
@@ -79,7 +80,7 @@ class LinkRow:
 
 
 def parse_variant(text: str) -> dict[str, str]:
-    """``"codec=qsgd:levels=4 downlink-codec="`` -> ``{"codec": "qsgd:levels=4", "downlink-codec": ""}``."""
+    """``"codec=qsgd:levels=4 downlink-codec=none"`` -> ``{"codec": "qsgd:levels=4", "downlink-codec": "none"}``."""
     out = {}
     for item in text.split():
         key, sep, value = item.partition("=")
@@ -128,6 +129,7 @@ def plot_links(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path
         ax1.plot([b / 1e6 for b in both], accuracy, marker="o", ms=2, label=label)
         ax2.plot(cumulative(rows, SIMULATED_ROUND_SECONDS), accuracy, marker="o", ms=2, label=label)
     ax1.set_xscale("log")
+    ax1.xaxis.set_minor_formatter(NullFormatter())
     ax1.set_xlabel("cumulative MB, uplink + downlink (log scale)")
     ax2.set_xlabel("simulated wall-clock seconds (download + upload of the slowest client, summed)")
     for ax in (ax1, ax2):

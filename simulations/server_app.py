@@ -146,7 +146,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
         history=history,
         uplink=uplink,
         downlink=downlink,
-        downlink_codec=settings.downlink_codec or None,
+        downlink_codec=None if settings.downlink_codec.strip().lower() in ("", "none") else settings.downlink_codec,
         upload_deadline_seconds=settings.upload_deadline_seconds or None,
         uplink_bytes_budget=settings.uplink_bytes_budget or None,
     )

@@ -35,7 +35,7 @@ class SimSettings:
     min_numel: int = 1
     uplink: str = "none"
     downlink: str = "none"
-    downlink_codec: str = ""
+    downlink_codec: str = "none"
     upload_deadline_seconds: float = 0.0
     uplink_bytes_budget: int = 0
     out_dir: str = "results"

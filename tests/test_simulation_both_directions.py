@@ -150,7 +150,7 @@ def _make_server_app(out_dir: str) -> ServerApp:
         )
         RESULTS["skips"] = strategy
         common = {"rounds": 5, "fraction-train": 1.0, "local-epochs": 3}
-        for name, downlink in (("dense", ""), ("qsgd", CODEC)):
+        for name, downlink in (("dense", "none"), ("qsgd", CODEC)):
             config = settings.replace(run_name=name).as_config()
             RESULTS[name] = run_server(grid, {**config, **common, "downlink-codec": downlink})
         config = settings.replace(run_name="deadline").as_config()
