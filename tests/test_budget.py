@@ -26,6 +26,7 @@ def test_rate_ladders():
     assert _levels(rate_ladder(get_codec("orq:levels=9"))) == [9, 8, 7, 4, 3]  # ORQ needs >= 3 levels
     assert [c.spec for c in rate_ladder(get_codec("fp32"))] == ["fp32", "fp16"]
     assert [c.spec for c in rate_ladder(get_codec("signsgd"))] == [get_codec("signsgd").spec]
+    assert [c.spec for c in rate_ladder(get_codec("ndqsg"))] == [get_codec("ndqsg").spec]  # its plan tunes it
     ef = rate_ladder(get_codec("ef+qsgd:levels=4"))
     assert [c.spec for c in ef] == [f"ef+{get_codec('qsgd', levels=v).spec}" for v in (4, 3, 2, 1)]
     # The rest of the spec is kept.

@@ -299,3 +299,15 @@ def test_without_a_downlink_codec_nothing_changes():
     assert m["downlink-bytes"] == m["downlink-bytes-dense"] == NUM_NODES * raw_array_bytes_dense()
     assert m["downlink-compression-ratio"] == 1.0 and m["downlink-mse"] == 0.0
     assert all(KEY_DOWNLINK_CODEC not in cfg for _, cfg in recorder.configs)
+
+
+def test_different_models_in_one_round_get_their_own_references():
+    """A strategy that sends personalised models: clients holding no reference get different models."""
+    compressor = DownlinkCompressor("qsgd:levels=8", min_numel=MIN_NUMEL)
+    model = initial_arrays()
+    other = ArrayRecord({k: Array(a.numpy() + 1.0) for k, a in model.items()})
+    a, b = compressor.send(1, 1, model), compressor.send(1, 2, other)
+    assert a.reference != b.reference and a.config["fedquant.downlink-seed"] != b.config["fedquant.downlink-seed"]
+    for sent, want in ((a, model), (b, other)):
+        kept = compressor._models[sent.reference]  # noqa: SLF001 - the server's copy
+        np.testing.assert_allclose(kept["fc.weight"].numpy(), want["fc.weight"].numpy(), rtol=2.0**-10)

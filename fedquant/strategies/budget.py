@@ -9,7 +9,8 @@ A user with slow, heterogeneous links states what an upload may cost instead of 
 
 Both may be given. The family of a codec is its ``levels`` ladder (``qsgd``, ``dqsg``, ``orq``,
 ``linear``: the codec's own ``levels`` and the powers of two and their predecessors below it),
-``fp32 -> fp16`` for the float baseline, and the codec alone otherwise (nothing to choose).
+``fp32 -> fp16`` for the float baseline, and the codec alone otherwise (nothing to choose; also for
+codecs that need side information, whose parameters NDQSG's decode plan sets).
 
 Size model: the reply a setting produces for the current model, measured once per setting by
 encoding a seeded Gaussian update of the model's shapes (exact for fixed-width coding: payload
@@ -47,6 +48,8 @@ def rate_ladder(codec: Codec | ErrorFeedback) -> list[Codec | ErrorFeedback]:
     """The settings of ``codec``'s family the controller may choose, finest (``codec``) first."""
     if isinstance(codec, ErrorFeedback):
         return [ErrorFeedback(c) for c in rate_ladder(codec.inner)]
+    if codec.needs_side_info:  # a decode plan (NDQSG's groups) tunes these codecs itself
+        return [codec]
     if "levels" in codec.config:
         top = int(codec.config["levels"])
         low = int(codec.params["levels"].minimum or 1)

@@ -9,7 +9,7 @@ Scheme (built for clients that skip rounds, as in cross-device FL):
   holds none (first round, a long absence, an evicted or unknown reference) gets the model itself,
   encoded with ``full_codec`` (default ``fp16``, a weight-suited codec).
 * Clients with the same reference in the same round get the same bytes (one seed per
-  ``(round, reference)``), so they all rebuild the same model and the server keeps one copy per
+  round and group), so they all rebuild the same model and the server keeps one copy per
   group, not per client.
 * A client reports in its reply the id of the model it rebuilt. The server believes the claim only
   when it equals the id it sent that node this round; otherwise (error reply, no reply, a forged or
@@ -108,8 +108,9 @@ class DownlinkCompressor:
         Codec of the model itself, for clients that hold no usable reference (default ``fp16``;
         ``fp32`` is lossless).
     seed : int
-        Base seed; the message of round ``r`` against reference ``b`` uses
-        ``derive_seed(seed, "downlink", r, b)``, each tensor ``tensor_seed`` of that.
+        Base seed; the ``g``-th group of round ``r`` (clients sent the same model and holding the same
+        reference, numbered in message order) uses ``derive_seed(seed, "downlink", r, g)``, each
+        tensor ``tensor_seed`` of that.
     min_numel : int
         Float tensors with fewer elements travel as they are (the uplink's rule).
     references : int
@@ -150,16 +151,19 @@ class DownlinkCompressor:
         key = (server_round, id(arrays), base_id)
         if key not in self._cache:
             self._cache = {k: v for k, v in self._cache.items() if k[0] == server_round}
-            self._cache[key] = self._encode(server_round, arrays, base_id, base)
+            self._cache[key] = self._encode(server_round, len(self._cache), arrays, base_id, base)
         sent = self._cache[key]
         self._pending.setdefault(server_round, {})[node_id] = sent.reference
         self._models[sent.reference] = sent.model
         self._created[sent.reference] = server_round
         return sent
 
-    def _encode(self, server_round: int, arrays: ArrayRecord, base_id: int, base: ArrayRecord | None) -> DownlinkSend:
+    def _encode(
+        self, server_round: int, group: int, arrays: ArrayRecord, base_id: int, base: ArrayRecord | None
+    ) -> DownlinkSend:
         codec = self.full_codec if base is None else self.codec
-        seed = derive_seed(self.seed, "downlink", server_round, base_id)
+        # One seed (and reference id) per group of the round: (model sent, reference held).
+        seed = derive_seed(self.seed, "downlink", server_round, group)
         reference = derive_seed(seed, "reference") >> (63 - REFERENCE_ID_BITS)
         wire, encoded = {}, []
         for name, array in arrays.items():
