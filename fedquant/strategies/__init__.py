@@ -4,7 +4,9 @@
 >>> strategy = QuantizedStrategy(FedAvg(), codec="qsgd:levels=16", seed=0)
 """
 
+from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
+from fedquant.strategies.downlink import DownlinkCompressor
 from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.protocol import DEFAULT_MIN_NUMEL
 from fedquant.strategies.quantized import QuantizedStrategy
@@ -14,7 +16,9 @@ __all__ = [
     "ClientAssignment",
     "DecodePlan",
     "DecodedClient",
+    "DownlinkCompressor",
     "NestedDecodePlan",
     "QuantizedStrategy",
     "SideInformation",
+    "UploadBudget",
 ]
