@@ -240,8 +240,8 @@ class QuantizedStrategy(Strategy):
             }
             # Inner strategies share one RecordDict among all messages: give each its own.
             message.content = _with_config_entries(message.content, entries, {record_name: wire})
-            plan.traffic.downlink_bytes += content_bytes(message.content)
             plan.traffic.downlink_bytes_of[node_id] = content_bytes(message.content)
+            plan.traffic.downlink_bytes += plan.traffic.downlink_bytes_of[node_id]
         self._rounds[server_round] = plan
         return messages
 
