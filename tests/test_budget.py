@@ -132,3 +132,20 @@ def test_observed_bytes_refine_the_size_model():
 def test_bad_budget_options_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         QuantizedStrategy(FedAvg(), "qsgd", **kwargs)
+
+
+def test_a_dead_or_unknown_link_gets_the_coarsest_setting_and_misses_the_deadline():
+    # Not 0.0: simulated-upload-seconds (computed in _decode_replies) divides by the speed.
+    bandwidth = {101: 1e-3, 102: 1e9, 103: float("nan"), 104: 1e9}
+    log = CodecLog()
+    strategy = QuantizedStrategy(
+        FedAvg(min_available_nodes=NUM_NODES),
+        "qsgd:levels=16",
+        seed=1,
+        min_numel=MIN_NUMEL,
+        uplink_bandwidth=bandwidth.__getitem__,
+        upload_deadline_seconds=DEADLINE,
+    )
+    m = strategy.start(_grid(log), initial_arrays(), num_rounds=1).train_metrics_clientapp[1]
+    assert {n: get_codec(s).config["levels"] for n, s in log.specs[0].items()} == {101: 1, 102: 16, 103: 1, 104: 16}
+    assert m["deadline-met-fraction"] == 0.5 and m["rejected-replies"] == 0

@@ -51,3 +51,8 @@ def test_link_metrics_are_the_slowest_clients():
     assert metrics["simulated-download-seconds"] == 10.0  # node 2: 1000 B at 100 B/s
     assert metrics["simulated-round-seconds"] == 11.0  # node 2: 10 s down + 1 s up
     assert link_metrics(down, up, speeds.__getitem__, None)["simulated-round-seconds"] == 10.0
+
+
+def test_a_dead_link_takes_forever_instead_of_crashing():
+    metrics = link_metrics({1: 10}, {1: 10}, lambda n: 0.0, lambda n: float("nan"))
+    assert metrics["simulated-download-seconds"] == math.inf and metrics["simulated-round-seconds"] == math.inf

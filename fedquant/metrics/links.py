@@ -9,10 +9,17 @@ Per-round metrics (when the strategy has a ``downlink_bandwidth``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 SIMULATED_DOWNLOAD_SECONDS = "simulated-download-seconds"
 SIMULATED_ROUND_SECONDS = "simulated-round-seconds"
+
+
+def transfer_seconds(num_bytes: int, bytes_per_second: float) -> float:
+    """Seconds to move ``num_bytes`` at ``bytes_per_second``; infinite on a dead link (speed <= 0 or NaN)."""
+    speed = float(bytes_per_second)
+    return num_bytes / speed if speed > 0 else math.inf
 
 
 def link_metrics(
@@ -32,9 +39,9 @@ def link_metrics(
     downlink_bandwidth, uplink_bandwidth : callable
         ``node_id -> bytes per second``.
     """
-    down = {n: b / float(downlink_bandwidth(n)) for n, b in downlink_bytes.items()}
+    down = {n: transfer_seconds(b, downlink_bandwidth(n)) for n, b in downlink_bytes.items()}
     rounds = [
-        down.get(n, 0.0) + (b / float(uplink_bandwidth(n)) if uplink_bandwidth is not None else 0.0)
+        down.get(n, 0.0) + (transfer_seconds(b, uplink_bandwidth(n)) if uplink_bandwidth is not None else 0.0)
         for n, b in uplink_bytes.items()
     ]
     return {

@@ -32,6 +32,7 @@ from flwr.app import ArrayRecord
 
 from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.error_feedback import ErrorFeedback
+from fedquant.metrics.links import transfer_seconds
 from fedquant.strategies.decode_plan import ClientAssignment
 from fedquant.strategies.protocol import is_encoded
 
@@ -200,7 +201,7 @@ class UploadBudget:
         metrics[COARSEST_FRACTION] = float(np.mean(list(coarsest.values()))) if coarsest else 0.0
         answered = {n: b for n, b in reply_bytes.items() if n in chosen}
         if self.deadline_seconds is not None and answered:
-            met = [b / float(self.bandwidth(n)) <= self.deadline_seconds for n, b in answered.items()]
+            met = [transfer_seconds(b, self.bandwidth(n)) <= self.deadline_seconds for n, b in answered.items()]
             metrics[DEADLINE_MET_FRACTION] = float(np.mean(met))
         if self.bytes_budget is not None:
             metrics[UPLINK_BUDGET_MET] = float(sum(answered.values()) <= self.bytes_budget)
