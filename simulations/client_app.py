@@ -86,6 +86,13 @@ def train_fn(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+@app.query()
+def query_fn(msg: Message, context: Context) -> Message:
+    """Tell the server this node's partition id (it keys the node's simulated link speeds)."""
+    info = ConfigRecord({"partition-id": int(context.node_config["partition-id"])})
+    return Message(content=RecordDict({CLIENT_INFO_KEY: info}), reply_to=msg)
+
+
 @app.evaluate()
 def evaluate_fn(msg: Message, context: Context) -> Message:
     """Score the received model on this node's partition (used when fraction-evaluate > 0)."""

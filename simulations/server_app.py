@@ -61,10 +61,18 @@ class RecordingStrategy(QuantizedStrategy):
     history, and tells the uplink profile which partition each node holds.
     """
 
-    def __init__(self, *args: Any, history: RunHistory, uplink: UplinkProfile | None, **kwargs: Any) -> None:
-        super().__init__(*args, uplink_bandwidth=uplink, **kwargs)
+    def __init__(
+        self,
+        *args: Any,
+        history: RunHistory,
+        uplink: UplinkProfile | None,
+        downlink: UplinkProfile | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, uplink_bandwidth=uplink, downlink_bandwidth=downlink, **kwargs)
         self.history = history
         self.uplink = uplink
+        self.links = [p for p in (uplink, downlink) if p is not None]
         self.last_train_metrics: dict[int, dict[str, Any]] = {}
 
     def aggregate_train(self, server_round: int, replies: Any) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -78,8 +86,9 @@ class RecordingStrategy(QuantizedStrategy):
             info = dict(msg.content.config_records[CLIENT_INFO_KEY])
             info["node-id"] = msg.metadata.src_node_id
             infos.append(info)
-            if self.uplink is not None and "partition-id" in info:
-                self.uplink.client_keys[int(info["node-id"])] = int(info["partition-id"])
+            if "partition-id" in info:
+                for profile in self.links:
+                    profile.client_keys[int(info["node-id"])] = int(info["partition-id"])
         self.history.add_clients(server_round, infos)
         arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}
@@ -94,6 +103,26 @@ def _partition_of(msg: Message) -> tuple[int, int]:
     return (1, msg.metadata.src_node_id)
 
 
+def learn_partitions(grid: Grid, profiles: list[UplinkProfile]) -> None:
+    """Ask every node for its partition id (a query message) so link speeds are known from round 1.
+
+    A simulated node's speed is keyed by its partition (node ids change between runs); without this,
+    round 1 would be planned (e.g. by the upload deadline) with other speeds than it is measured with.
+    """
+    node_ids = sorted(grid.get_node_ids())
+    queries = [
+        Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node_id, message_type=MessageType.QUERY)
+        for node_id in node_ids
+    ]
+    for reply in grid.send_and_receive(queries):
+        if reply.has_error() or CLIENT_INFO_KEY not in reply.content.config_records:
+            continue
+        info = reply.content.config_records[CLIENT_INFO_KEY]
+        if "partition-id" in info:
+            for profile in profiles:
+                profile.client_keys[reply.metadata.src_node_id] = int(info["partition-id"])
+
+
 def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunHistory:
     """Run the whole federation as the run config says; returns the history it wrote.
 
@@ -104,6 +133,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
     model = build_model(settings.model, test.input_shape, test.num_classes, seed=settings.seed)
     history = RunHistory(settings)
     uplink = parse_uplink(settings.uplink, settings.seed)
+    downlink = parse_uplink(settings.downlink, derive_seed(settings.seed, "downlink"))
+    if uplink is not None or downlink is not None:
+        learn_partitions(grid, [p for p in (uplink, downlink) if p is not None])
     strategy = RecordingStrategy(
         SeededFedAvg(
             fraction_train=settings.fraction_train, fraction_evaluate=0.0, min_train_nodes=1, seed=settings.seed
@@ -113,6 +145,10 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
         min_numel=settings.min_numel,
         history=history,
         uplink=uplink,
+        downlink=downlink,
+        downlink_codec=None if settings.downlink_codec.strip().lower() in ("", "none") else settings.downlink_codec,
+        upload_deadline_seconds=settings.upload_deadline_seconds or None,
+        uplink_bytes_budget=settings.uplink_bytes_budget or None,
     )
     t0 = time.perf_counter()
 
@@ -160,6 +196,10 @@ def _round_line(row: dict[str, Any], rounds: int) -> str:
         )
     if "simulated-upload-seconds" in row:
         text += f", upload {row['simulated-upload-seconds']:.2f} s"
+    if "downlink-compression-ratio" in row and row["downlink-compression-ratio"] != 1.0:
+        text += f" | downlink x{row['downlink-compression-ratio']:.1f}"
+    if "deadline-met-fraction" in row:
+        text += f", deadline met {row['deadline-met-fraction']:.0%}"
     return text
 
 

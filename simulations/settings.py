@@ -34,6 +34,10 @@ class SimSettings:
     seed: int = 0
     min_numel: int = 1
     uplink: str = "none"
+    downlink: str = "none"
+    downlink_codec: str = "none"
+    upload_deadline_seconds: float = 0.0
+    uplink_bytes_budget: int = 0
     out_dir: str = "results"
     run_name: str = ""
 
@@ -51,6 +55,12 @@ class SimSettings:
             raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
         if self.min_numel < 1:
             raise ValueError(f"min-numel must be >= 1, got {self.min_numel}")
+        if not self.upload_deadline_seconds >= 0 or self.uplink_bytes_budget < 0:
+            raise ValueError("upload-deadline-seconds and uplink-bytes-budget must be >= 0 (0: off)")
+        if self.upload_deadline_seconds > 0 and self.uplink.strip().lower() in ("", "none"):
+            raise ValueError(
+                'upload-deadline-seconds needs an uplink profile (e.g. uplink="lognormal:median=2,sigma=1")'
+            )
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any], **overrides: Any) -> SimSettings:

@@ -13,9 +13,11 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 from flwr.supercore import log
 
+from fedquant.clients.downlink import decode_train_message
 from fedquant.clients.state import load_residual, store_residuals
 from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.threads import kernel_threads
+from fedquant.strategies.downlink_wire import METRIC_DOWNLINK_REFERENCE, DownlinkError
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
     KEY_CLIENT_MSE,
@@ -74,6 +76,11 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     (the new residual), not against the update alone. Updates are encoded on the client's GPU
     when it has one (:func:`encode_device`).
 
+    When the server compresses the model it sends (``QuantizedStrategy(downlink_codec=...)``),
+    the mod first rebuilds the dense model (:mod:`fedquant.clients.downlink`), so the ClientApp
+    trains on float arrays and the update is computed against that model; the reply reports the
+    id of the model the client now holds (``fedquant.downlink-reference``).
+
     Notes
     -----
     Put it last among mods that change the trained arrays (e.g. after a clipping mod), since it
@@ -95,6 +102,10 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         measure_mse = bool(config.get(KEY_CLIENT_MSE, True))
     except (KeyError, ValueError, TypeError) as err:
         return _error(msg, f"{MOD_NAME}: bad fedquant config: {err}")
+    try:  # a compressed model (server's downlink_codec) becomes float arrays before training
+        held_reference = decode_train_message(msg, config, ctxt.state)
+    except DownlinkError as err:
+        return _error(msg, f"{MOD_NAME}: {err}")
     # Array objects are immutable in practice (their data is bytes): keep references, not copies.
     received = dict(next(iter(msg.content.array_records.values())).items())
 
@@ -149,6 +160,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     if encoded_numel:
         metrics[METRIC_CLIENT_MSE] = sq_error / encoded_numel
     metrics[METRIC_CLIENT_ENCODE_SECONDS] = time.perf_counter() - start
+    if held_reference is not None:
+        metrics[METRIC_DOWNLINK_REFERENCE] = held_reference
     return reply
 
 

@@ -5,6 +5,9 @@ from fedquant.metrics.bandwidth import (
     COMPRESSION_RATIO,
     CUMULATIVE_UPLINK_BYTES,
     DOWNLINK_BYTES,
+    DOWNLINK_BYTES_DENSE,
+    DOWNLINK_COMPRESSION_RATIO,
+    DOWNLINK_MSE,
     QUANTIZATION_MSE,
     REJECTED_REPLIES,
     SIMULATED_UPLOAD_SECONDS,
@@ -15,14 +18,20 @@ from fedquant.metrics.bandwidth import (
     message_bytes,
 )
 from fedquant.metrics.history import HistoryRecorder, result_rows
+from fedquant.metrics.links import SIMULATED_DOWNLOAD_SECONDS, SIMULATED_ROUND_SECONDS
 
 __all__ = [
     "BITS_PER_PARAM",
     "COMPRESSION_RATIO",
     "CUMULATIVE_UPLINK_BYTES",
     "DOWNLINK_BYTES",
+    "DOWNLINK_BYTES_DENSE",
+    "DOWNLINK_COMPRESSION_RATIO",
+    "DOWNLINK_MSE",
     "QUANTIZATION_MSE",
     "REJECTED_REPLIES",
+    "SIMULATED_DOWNLOAD_SECONDS",
+    "SIMULATED_ROUND_SECONDS",
     "SIMULATED_UPLOAD_SECONDS",
     "UPLINK_BYTES",
     "UPLINK_BYTES_DENSE",

@@ -17,6 +17,10 @@ MetricRecord:
 ``bits-per-param``           ``8 * uplink-bytes / (replies * parameters)``, all overheads included
                              (codec envelope, unencoded small tensors, keys)
 ``downlink-bytes``           bytes of the ArrayRecords of the train messages sent
+``downlink-bytes-dense``     the same messages' models as float32 ArrayRecords
+``downlink-compression-ratio`` ``downlink-bytes-dense / downlink-bytes`` (1.0 without a downlink codec)
+``downlink-mse``             mean over messages of the mean squared error of the model a client
+                             rebuilds against the server's model (0.0 without a downlink codec)
 ``cumulative-uplink-bytes``  running sum of ``uplink-bytes`` over this strategy's rounds
 ``quantization-mse``         mean over accepted replies of the clients' own MSE measurement
                              (absent when no client measured it)
@@ -47,6 +51,9 @@ UPLINK_BYTES_DENSE = "uplink-bytes-dense"
 COMPRESSION_RATIO = "compression-ratio"
 BITS_PER_PARAM = "bits-per-param"
 DOWNLINK_BYTES = "downlink-bytes"
+DOWNLINK_BYTES_DENSE = "downlink-bytes-dense"
+DOWNLINK_COMPRESSION_RATIO = "downlink-compression-ratio"
+DOWNLINK_MSE = "downlink-mse"
 CUMULATIVE_UPLINK_BYTES = "cumulative-uplink-bytes"
 QUANTIZATION_MSE = "quantization-mse"
 REJECTED_REPLIES = "rejected-replies"
@@ -110,6 +117,12 @@ class RoundTraffic:
     ----------
     downlink_bytes : int
         Bytes of the train messages sent (all their ArrayRecords).
+    downlink_dense_bytes : int
+        Their models as float32 ArrayRecords.
+    downlink_mse : list of float
+        Per message, the mean squared error of the model the client rebuilds (0.0 when dense).
+    downlink_bytes_of : dict of int to int
+        Per node, the bytes of its train message.
     uplink_bytes : int
         Bytes of every reply that carried content (accepted or rejected).
     dense_bytes : int
@@ -127,6 +140,9 @@ class RoundTraffic:
     """
 
     downlink_bytes: int = 0
+    downlink_dense_bytes: int = 0
+    downlink_mse: list[float] = field(default_factory=list)
+    downlink_bytes_of: dict[int, int] = field(default_factory=dict)
     uplink_bytes: int = 0
     dense_bytes: int = 0
     params: int = 0
@@ -158,6 +174,11 @@ class RoundTraffic:
             COMPRESSION_RATIO: self.dense_bytes / self.uplink_bytes if self.uplink_bytes else 0.0,
             BITS_PER_PARAM: 8.0 * self.uplink_bytes / self.params if self.params else 0.0,
             DOWNLINK_BYTES: self.downlink_bytes,
+            DOWNLINK_BYTES_DENSE: self.downlink_dense_bytes,
+            DOWNLINK_COMPRESSION_RATIO: (
+                self.downlink_dense_bytes / self.downlink_bytes if self.downlink_bytes else 0.0
+            ),
+            DOWNLINK_MSE: float(np.mean(self.downlink_mse)) if self.downlink_mse else 0.0,
             CUMULATIVE_UPLINK_BYTES: cumulative_uplink_bytes,
             REJECTED_REPLIES: len(self.rejected_reasons),
             **{rejected_reason_key(reason): self.rejected_reasons.count(reason) for reason in reasons},

@@ -5,7 +5,9 @@
 """
 
 from fedquant.strategies.admission import AdmissionRules
+from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
+from fedquant.strategies.downlink import DownlinkCompressor
 from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.protocol import DEFAULT_MIN_NUMEL
 from fedquant.strategies.quantized import QuantizedStrategy
@@ -16,7 +18,9 @@ __all__ = [
     "ClientAssignment",
     "DecodePlan",
     "DecodedClient",
+    "DownlinkCompressor",
     "NestedDecodePlan",
     "QuantizedStrategy",
     "SideInformation",
+    "UploadBudget",
 ]

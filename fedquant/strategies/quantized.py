@@ -23,6 +23,7 @@ from fedquant.metrics.bandwidth import (
     record_numel,
 )
 from fedquant.metrics.history import EVALUATE_PREFIX, TRAIN_PREFIX, HistoryRecorder
+from fedquant.metrics.links import link_metrics, transfer_seconds
 from fedquant.rng import derive_seed
 from fedquant.strategies.admission import (
     REASON_DUPLICATE,
@@ -34,7 +35,9 @@ from fedquant.strategies.admission import (
     AdmissionRules,
     weight_key_of,
 )
+from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
+from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
 from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.protocol import (
     CLIENT_METRICRECORD_NAME,
@@ -122,6 +125,27 @@ class QuantizedStrategy(Strategy):
         10 x the round's median, no duplicate nodes (see
         :mod:`fedquant.strategies.admission`). Default ``AdmissionRules()``: every rule on;
         ``AdmissionRules.off()`` keeps only the payload checks.
+    downlink_codec : str or Codec, optional
+        Compress the model sent to clients too (default None: dense float arrays). A client that
+        holds one of the last ``downlink_references`` models the server sent gets the difference
+        to it encoded with this codec; others get the model encoded with ``downlink_full_codec``
+        (default ``fp16``). See :mod:`fedquant.strategies.downlink`. Replies are decoded against
+        the model the client rebuilt, so both sides see the same model.
+    downlink_full_codec : str or Codec
+        Codec of full-model sends (``fp32`` for lossless ones).
+    downlink_references : int
+        Reference models the server keeps for clients that skip rounds (default 8; each is one model copy).
+    downlink_bandwidth : callable, optional
+        ``node_id -> bytes per second`` of the download links. Adds ``simulated-download-seconds``
+        (slowest sampled client) and ``simulated-round-seconds`` (max over replies of download +
+        upload time; upload counts only with ``uplink_bandwidth``).
+    upload_deadline_seconds : float, optional
+        Before each round, choose each sampled client's setting of ``codec``'s family (levels,
+        or fp32/fp16) so its predicted reply fits ``uplink_bandwidth(node) x T`` (needs
+        ``uplink_bandwidth``); reports ``deadline-met-fraction`` and the chosen settings. See
+        :mod:`fedquant.strategies.budget`.
+    uplink_bytes_budget : int, optional
+        Largest predicted total of a round's replies in bytes (alone or with the deadline).
 
     Examples
     --------
@@ -145,6 +169,12 @@ class QuantizedStrategy(Strategy):
         recorder: HistoryRecorder | None = None,
         client_mse: bool = True,
         admission: AdmissionRules | None = None,
+        downlink_codec: str | Codec | None = None,
+        downlink_full_codec: str | Codec = DEFAULT_FULL_CODEC,
+        downlink_references: int = DEFAULT_REFERENCES,
+        downlink_bandwidth: Callable[[int], float] | None = None,
+        upload_deadline_seconds: float | None = None,
+        uplink_bytes_budget: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -157,6 +187,8 @@ class QuantizedStrategy(Strategy):
             raise ValueError(f"admission must be an AdmissionRules, got {type(admission).__name__}")
         if uplink_bandwidth is not None and not callable(uplink_bandwidth):
             raise ValueError("uplink_bandwidth must be a callable node_id -> bytes per second")
+        if downlink_bandwidth is not None and not callable(downlink_bandwidth):
+            raise ValueError("downlink_bandwidth must be a callable node_id -> bytes per second")
         self.strategy = strategy
         self.codec = get_codec(codec)
         self.seed = seed
@@ -171,6 +203,23 @@ class QuantizedStrategy(Strategy):
         self.cumulative_uplink_bytes = 0
         self._rounds: dict[int, _RoundPlan] = {}
         self._evaluated: dict[int, set[int]] = {}
+        # Both-direction options (issue 12): downlink compression and the upload budget.
+        self.downlink = (
+            None
+            if downlink_codec is None
+            else DownlinkCompressor(downlink_codec, downlink_full_codec, seed, min_numel, downlink_references)
+        )
+        self.downlink_bandwidth = downlink_bandwidth
+        self.budget = (
+            None
+            if upload_deadline_seconds is None and uplink_bytes_budget is None
+            else UploadBudget(
+                deadline_seconds=upload_deadline_seconds,
+                bandwidth=uplink_bandwidth,
+                bytes_budget=uplink_bytes_budget,
+                min_numel=min_numel,
+            )
+        )
 
     def __repr__(self) -> str:
         """Compute a string representation of the strategy."""
@@ -185,6 +234,8 @@ class QuantizedStrategy(Strategy):
         log(INFO, "\t│\t├── Client-side MSE: %s", "yes" if self.client_mse else "no")
         log(INFO, "\t│\t├── Decode plan: %r", self.decode_plan)
         log(INFO, "\t│\t├── Admission: %r", self.admission)
+        log(INFO, "\t│\t├── Downlink: %s", repr(self.downlink) if self.downlink else "dense")
+        log(INFO, "\t│\t├── Upload budget: %s", repr(self.budget) if self.budget else "no")
         log(INFO, "\t│\t└── Simulated uplink bandwidth: %s", "yes" if self.uplink_bandwidth else "no")
         self.strategy.summary()
 
@@ -196,6 +247,8 @@ class QuantizedStrategy(Strategy):
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         node_ids = [m.metadata.dst_node_id for m in messages]
         assignments = self.decode_plan.assign(server_round, node_ids, self.codec)
+        if self.budget is not None:
+            assignments = self.budget.choose(server_round, assignments, arrays)
         plan = _RoundPlan(assignments=assignments, seeds={}, sent={}, traffic=RoundTraffic())
         for message in messages:
             node_id = message.metadata.dst_node_id
@@ -207,17 +260,20 @@ class QuantizedStrategy(Strategy):
                 )
             assignment = assignments[node_id]
             plan.seeds[node_id] = derive_seed(self.seed, server_round, node_id)
-            plan.sent[node_id] = next(iter(records.values()))
+            record_name, record = next(iter(records.items()))
+            plan.sent[node_id], wire, downlink_entries = self._send_model(server_round, node_id, record, plan.traffic)
             entries = {
                 KEY_CODEC: assignment.codec.spec,
                 KEY_SEED: plan.seeds[node_id],
                 KEY_MIN_NUMEL: self.min_numel,
                 KEY_CLIENT_MSE: self.client_mse,
                 **assignment.config,
+                **downlink_entries,
             }
             # Inner strategies share one RecordDict among all messages: give each its own.
-            message.content = _with_config_entries(message.content, entries)
-            plan.traffic.downlink_bytes += content_bytes(message.content)
+            message.content = _with_config_entries(message.content, entries, {record_name: wire})
+            plan.traffic.downlink_bytes_of[node_id] = content_bytes(message.content)
+            plan.traffic.downlink_bytes += plan.traffic.downlink_bytes_of[node_id]
         self._rounds[server_round] = plan
         return messages
 
@@ -226,10 +282,13 @@ class QuantizedStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and check the replies, aggregate the survivors with the inner strategy, add metrics."""
         replies = list(replies)
+        if self.downlink is not None:  # reads (and removes) the replies' reference claims
+            self.downlink.confirm(server_round, replies)
         plan = self._rounds.pop(server_round, None)
         if plan is None:
             log(WARNING, "%s: round %s was not configured here; replies pass through", LOG_PREFIX, server_round)
             return self.strategy.aggregate_train(server_round, replies)
+        both_ways = self._link_metrics(server_round, replies, plan)
         accepted = self._decode_replies(server_round, replies, plan)
         survivors = [r for r in replies if r.has_error() or id(r) in accepted]
         if any(not r.has_error() for r in survivors):
@@ -240,7 +299,7 @@ class QuantizedStrategy(Strategy):
         self.cumulative_uplink_bytes += plan.traffic.uplink_bytes
         own = plan.traffic.metrics(self.cumulative_uplink_bytes, self.uplink_bandwidth is not None, REASONS)
         metrics = MetricRecord() if metrics is None else metrics
-        for key, value in {**own, **self.decode_plan.round_metrics(server_round)}.items():
+        for key, value in {**own, **both_ways, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
         if self.recorder is not None:
             self.recorder.record(server_round, metrics, prefix=TRAIN_PREFIX)
@@ -278,7 +337,7 @@ class QuantizedStrategy(Strategy):
                 record_numel(sent) if sent is not None else 0,
             )
             if self.uplink_bandwidth is not None and sent is not None:
-                traffic.upload_seconds.append(reply_bytes / float(self.uplink_bandwidth(node_id)))
+                traffic.upload_seconds.append(transfer_seconds(reply_bytes, self.uplink_bandwidth(node_id)))
             if sent is None:
                 problem = (REASON_UNEXPECTED, "the node was not sent a train message this round")
             elif node_id in by_node or (rules.reject_duplicates and copies[node_id] > 1):
@@ -353,6 +412,30 @@ class QuantizedStrategy(Strategy):
         if problem is not None:
             self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
         return problem is not None
+    def _send_model(
+        self, server_round: int, node_id: int, record: ArrayRecord, traffic: RoundTraffic
+    ) -> tuple[ArrayRecord, ArrayRecord, dict]:
+        """What node ``node_id`` rebuilds, what its message carries, and the downlink config entries."""
+        traffic.downlink_dense_bytes += dense_float32_bytes(record)
+        if self.downlink is None:
+            traffic.downlink_mse.append(0.0)
+            return record, record, {}
+        sent = self.downlink.send(server_round, node_id, record)
+        traffic.downlink_mse.append(sent.mse)
+        return sent.model, sent.wire, sent.config
+
+    def _link_metrics(self, server_round: int, replies: list[Message], plan: _RoundPlan) -> dict[str, float]:
+        """The upload budget's metrics (learning from the reply sizes) and the simulated link times."""
+        reply_bytes = {
+            r.metadata.src_node_id: content_bytes(r.content)
+            for r in replies
+            if not r.has_error() and r.metadata.src_node_id in plan.sent
+        }
+        metrics = self.budget.observe(server_round, reply_bytes) if self.budget is not None else {}
+        if self.downlink_bandwidth is not None:
+            down = plan.traffic.downlink_bytes_of
+            metrics.update(link_metrics(down, reply_bytes, self.downlink_bandwidth, self.uplink_bandwidth))
+        return metrics
 
     @staticmethod
     def _reject(server_round: int, node_id: int, problem: tuple[str, str], traffic: RoundTraffic | None) -> None:
@@ -424,13 +507,17 @@ def _default_plan(requested: str | Codec, codec: Codec, seed: int) -> DecodePlan
     return NestedDecodePlan.from_spec(requested if isinstance(requested, str) else codec.spec, seed=seed)
 
 
-def _with_config_entries(content: RecordDict, entries: dict) -> RecordDict:
+def _with_config_entries(
+    content: RecordDict, entries: dict, arrays: dict[str, ArrayRecord] | None = None
+) -> RecordDict:
     """A new RecordDict sharing ``content``'s records, with ``entries`` added to a copy of its ConfigRecord.
+
+    ``arrays`` replaces ArrayRecords by name (the encoded model of a downlink codec).
 
     The first ConfigRecord gets the entries (Flower's strategies send exactly one); a message
     without one gets a ConfigRecord named ``"config"``.
     """
-    records = dict(content.items())
+    records = {**dict(content.items()), **(arrays or {})}
     config_names = list(content.config_records.keys())
     name = config_names[0] if config_names else "config"
     config = ConfigRecord(dict(content.config_records[name])) if config_names else ConfigRecord()

@@ -1,0 +1,215 @@
+"""Upload deadline and byte budget: choose each sampled client's codec setting before a round.
+
+A user with slow, heterogeneous links states what an upload may cost instead of picking levels:
+
+* ``deadline_seconds=T`` with ``bandwidth(node) -> bytes/s``: each client gets the finest setting
+  of its codec's family whose predicted reply fits ``bandwidth x T`` (the coarsest when none does);
+* ``bytes_budget=B``: the round's predicted replies must sum to at most ``B``; the largest predicted
+  reply is coarsened one step at a time until they fit (or every client is at the coarsest).
+
+Both may be given. The family of a codec is its ``levels`` ladder (``qsgd``, ``dqsg``, ``orq``,
+``linear``: the codec's own ``levels`` and the powers of two and their predecessors below it),
+``fp32 -> fp16`` for the float baseline, and the codec alone otherwise (nothing to choose; also for
+codecs that need side information, whose parameters NDQSG's decode plan sets).
+
+Size model: the reply a setting produces for the current model, measured once per setting by
+encoding a seeded Gaussian update of the model's shapes (exact for fixed-width coding: payload
+sizes do not depend on the values), times a correction learned from the replies observed in the
+last ``window`` rounds (the largest observed/predicted ratio, so entropy-coded sizes are not
+under-estimated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+
+from fedquant.codecs import Codec, get_codec
+from fedquant.codecs.error_feedback import ErrorFeedback
+from fedquant.metrics.links import transfer_seconds
+from fedquant.strategies.decode_plan import ClientAssignment
+from fedquant.strategies.protocol import is_encoded
+
+DEADLINE_MET_FRACTION = "deadline-met-fraction"
+UPLINK_BUDGET_MET = "uplink-budget-met"
+PREDICTED_UPLINK_BYTES = "predicted-uplink-bytes"
+CHOSEN_SETTING_MIN = "chosen-setting-min"
+CHOSEN_SETTING_MEAN = "chosen-setting-mean"
+CHOSEN_SETTING_MAX = "chosen-setting-max"
+COARSEST_FRACTION = "chosen-coarsest-fraction"
+
+
+def rate_ladder(codec: Codec | ErrorFeedback) -> list[Codec | ErrorFeedback]:
+    """The settings of ``codec``'s family the controller may choose, finest (``codec``) first."""
+    if isinstance(codec, ErrorFeedback):
+        return [ErrorFeedback(c) for c in rate_ladder(codec.inner)]
+    if codec.needs_side_info:  # a decode plan (NDQSG's groups) tunes these codecs itself
+        return [codec]
+    if "levels" in codec.config:
+        top = int(codec.config["levels"])
+        low = int(codec.params["levels"].minimum or 1)
+        below = {v for k in range(1, top.bit_length() + 1) for v in (2**k, 2**k - 1) if low <= v < top}
+        return [codec] + [get_codec(codec.spec, levels=v) for v in sorted(below, reverse=True)]
+    if codec.name == "fp32":
+        return [codec, get_codec("fp16")]
+    return [codec]
+
+
+def setting_value(codec: Codec | ErrorFeedback) -> float:
+    """The number that names a setting in the metrics: ``levels``, or bits for the float codecs."""
+    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
+    if "levels" in inner.config:
+        return float(inner.config["levels"])
+    return {"fp32": 32.0, "fp16": 16.0}.get(inner.name, 0.0)
+
+
+def probe_reply_bytes(codec: Codec | ErrorFeedback, model: ArrayRecord, min_numel: int) -> int:
+    """Bytes of the reply ``quantize_mod`` would send for ``model`` with ``codec`` (a seeded Gaussian update)."""
+    generator = torch.Generator().manual_seed(0)
+    total = 0
+    for name, array in model.items():
+        shape = tuple(int(s) for s in array.shape)
+        if is_encoded(array.dtype, math.prod(shape), min_numel):
+            total += len(codec.encode(torch.randn(shape, generator=generator), seed=1)) + len(name)
+        else:
+            total += len(array.data) + len(name)  # travels as the trained value, same dtype and shape
+    return total
+
+
+class UploadBudget:
+    """Chooses per-client codec settings so uploads meet a deadline and/or a per-round byte budget.
+
+    Parameters
+    ----------
+    deadline_seconds : float, optional
+        Every sampled client's upload should finish within this time.
+    bandwidth : callable, optional
+        ``node_id -> bytes per second``; required with ``deadline_seconds``.
+    bytes_budget : int, optional
+        Largest total of the round's replies, in bytes.
+    min_numel : int
+        The strategy's encoding threshold (to predict which tensors travel encoded).
+    window : int
+        Rounds of observed reply sizes that refine the size model.
+    """
+
+    def __init__(
+        self,
+        *,
+        deadline_seconds: float | None = None,
+        bandwidth: Callable[[int], float] | None = None,
+        bytes_budget: int | None = None,
+        min_numel: int = 1,
+        window: int = 3,
+    ) -> None:
+        if deadline_seconds is not None:
+            if isinstance(deadline_seconds, bool) or not 0 < float(deadline_seconds) < math.inf:
+                raise ValueError(f"upload_deadline_seconds must be a positive number, got {deadline_seconds!r}")
+            if bandwidth is None:
+                raise ValueError("upload_deadline_seconds needs uplink_bandwidth (node_id -> bytes per second)")
+        if bytes_budget is not None and (isinstance(bytes_budget, bool) or not bytes_budget > 0):
+            raise ValueError(f"uplink_bytes_budget must be a positive number of bytes, got {bytes_budget!r}")
+        if deadline_seconds is None and bytes_budget is None:
+            raise ValueError("UploadBudget needs upload_deadline_seconds or uplink_bytes_budget")
+        self.deadline_seconds = None if deadline_seconds is None else float(deadline_seconds)
+        self.bandwidth = bandwidth
+        self.bytes_budget = bytes_budget
+        self.min_numel = min_numel
+        self._ladders: dict[str, list[Codec | ErrorFeedback]] = {}
+        self._prior: dict[tuple[str, tuple], int] = {}
+        self._ratios: dict[str, deque[float]] = {}
+        self.window = window
+        self.chosen: dict[int, dict[int, str]] = {}  # round -> node id -> codec spec
+        self._predicted: dict[int, dict[int, float]] = {}  # round -> node id -> predicted bytes
+        self._coarsest: dict[int, dict[int, bool]] = {}  # round -> node id -> at its ladder's end
+
+    def __repr__(self) -> str:
+        return f"UploadBudget(deadline_seconds={self.deadline_seconds}, bytes_budget={self.bytes_budget})"
+
+    def predict(self, codec: Codec | ErrorFeedback, model: ArrayRecord) -> float:
+        """Predicted reply bytes of ``codec`` for ``model``: the probe size times the learned correction."""
+        layout = tuple((k, a.dtype, tuple(a.shape)) for k, a in model.items())
+        key = (codec.spec, layout)
+        if key not in self._prior:
+            self._prior[key] = probe_reply_bytes(codec, model, self.min_numel)
+        ratios = self._ratios.get(codec.spec)
+        return self._prior[key] * (max(ratios) if ratios else 1.0)
+
+    def choose(
+        self, server_round: int, assignments: Mapping[int, ClientAssignment], model: ArrayRecord
+    ) -> dict[int, ClientAssignment]:
+        """Each node's assignment with the setting of its codec's family that fits the constraints."""
+        ladders, sizes, index = {}, {}, {}
+        for node_id, assignment in assignments.items():
+            spec = assignment.codec.spec
+            if spec not in self._ladders:
+                self._ladders[spec] = rate_ladder(assignment.codec)
+            ladders[node_id] = self._ladders[spec]
+            sizes[node_id] = [self.predict(c, model) for c in ladders[node_id]]
+            index[node_id] = 0
+            if self.deadline_seconds is not None:
+                allowed = float(self.bandwidth(node_id)) * self.deadline_seconds
+                fitting = [i for i, size in enumerate(sizes[node_id]) if size <= allowed]
+                index[node_id] = fitting[0] if fitting else len(sizes[node_id]) - 1
+        if self.bytes_budget is not None:
+            while sum(sizes[n][index[n]] for n in index) > self.bytes_budget:
+                coarsenable = [n for n in index if index[n] + 1 < len(sizes[n])]
+                if not coarsenable:
+                    break
+                largest = max(coarsenable, key=lambda n: (sizes[n][index[n]], -n))
+                index[largest] += 1
+        out = {n: dataclasses.replace(a, codec=ladders[n][index[n]]) for n, a in assignments.items()}
+        self.chosen[server_round] = {n: a.codec.spec for n, a in out.items()}
+        self._predicted[server_round] = {n: sizes[n][index[n]] / self._correction(out[n].codec) for n in out}
+        self._coarsest[server_round] = {n: index[n] == len(ladders[n]) - 1 for n in out}
+        return out
+
+    def _correction(self, codec: Codec | ErrorFeedback) -> float:
+        ratios = self._ratios.get(codec.spec)
+        return max(ratios) if ratios else 1.0
+
+    def observe(self, server_round: int, reply_bytes: Mapping[int, int]) -> dict[str, float]:
+        """Learn from the bytes of the replies that came back; the round's controller metrics.
+
+        Parameters
+        ----------
+        server_round : int
+            The round.
+        reply_bytes : mapping of int to int
+            Per replying node, the bytes its reply's ArrayRecords hold.
+        """
+        chosen = self.chosen.pop(server_round, {})
+        predicted = self._predicted.pop(server_round, {})
+        coarsest = self._coarsest.pop(server_round, {})
+        for node_id, spec in chosen.items():
+            if node_id in reply_bytes and predicted.get(node_id):
+                ratios = self._ratios.setdefault(spec, deque(maxlen=self.window))
+                ratios.append(reply_bytes[node_id] / predicted[node_id])
+        values = [setting_value(self._ladder_codec(spec)) for spec in chosen.values()]
+        metrics: dict[str, float] = {}
+        if values:
+            metrics[CHOSEN_SETTING_MIN] = min(values)
+            metrics[CHOSEN_SETTING_MEAN] = float(np.mean(values))
+            metrics[CHOSEN_SETTING_MAX] = max(values)
+        metrics[PREDICTED_UPLINK_BYTES] = float(sum(predicted.values()))
+        metrics[COARSEST_FRACTION] = float(np.mean(list(coarsest.values()))) if coarsest else 0.0
+        answered = {n: b for n, b in reply_bytes.items() if n in chosen}
+        if self.deadline_seconds is not None and answered:
+            met = [transfer_seconds(b, self.bandwidth(n)) <= self.deadline_seconds for n, b in answered.items()]
+            metrics[DEADLINE_MET_FRACTION] = float(np.mean(met))
+        if self.bytes_budget is not None:
+            metrics[UPLINK_BUDGET_MET] = float(sum(answered.values()) <= self.bytes_budget)
+        return metrics
+
+    def _ladder_codec(self, spec: str) -> Codec | ErrorFeedback:
+        for ladder in self._ladders.values():
+            for codec in ladder:
+                if codec.spec == spec:
+                    return codec
+        return get_codec(spec)
