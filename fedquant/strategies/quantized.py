@@ -412,6 +412,7 @@ class QuantizedStrategy(Strategy):
         if problem is not None:
             self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
         return problem is not None
+
     def _send_model(
         self, server_round: int, node_id: int, record: ArrayRecord, traffic: RoundTraffic
     ) -> tuple[ArrayRecord, ArrayRecord, dict]:
