@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -41,8 +42,20 @@ def train(
     seed: int,
     device: torch.device | str = "cpu",
     momentum: float = 0.9,
+    clip_norm: float = 0.0,
+    min_steps: int = 0,
 ) -> float:
-    """Local SGD (with momentum) for ``epochs`` passes; returns the mean training loss of the last pass.
+    """Local SGD (with momentum); returns the mean training loss of the last pass.
+
+    Parameters
+    ----------
+    epochs : int
+        Passes over ``data``; more when that is needed to take ``min_steps`` steps.
+    clip_norm : float
+        Clip each step's gradient to this global L2 norm (0: no clipping).
+    min_steps : int
+        At least this many SGD steps: a client holding one batch or less still trains (a
+        federation of many small clients otherwise barely moves in a round).
 
     The batch order comes from a generator seeded with ``seed`` (no global RNG).
     """
@@ -52,6 +65,8 @@ def train(
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     gen = torch.Generator().manual_seed(seed)
     n = len(data)
+    steps_per_epoch = max(1, math.ceil(n / batch_size))
+    epochs = max(epochs, math.ceil(min_steps / steps_per_epoch))
     total = torch.zeros((), device=device)
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(device)
@@ -61,6 +76,8 @@ def train(
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if clip_norm > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
             opt.step()
             total += loss.detach() * len(idx)
     return float(total) / max(n, 1)
