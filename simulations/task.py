@@ -21,9 +21,12 @@ def limit_threads(default: int = 1) -> int:
     parallel kernels ran ~50x slower with 2 threads than with 1 on a 14 k-parameter model.
     """
     n = max(1, int(float(os.environ.get("OMP_NUM_THREADS") or default)))
+    # numba first: starting its OpenMP layer resets the process's OpenMP thread count, torch's
+    # included, so the first training of a process ran on every core and its float sums came
+    # out differently from the next ones (a run did not repeat bit for bit).
+    set_kernel_threads(n)  # per calling thread
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    set_kernel_threads(n)  # per calling thread
     return n
 
 
