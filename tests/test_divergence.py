@@ -12,7 +12,7 @@ from simulations.divergence import DIVERGED_COLUMN, DivergenceMonitor
 
 def _feed(monitor: DivergenceMonitor, accuracies, losses=None) -> list[str | None]:
     losses = losses or [0.5] * len(accuracies)
-    return [monitor.check(r, a, l) for r, (a, l) in enumerate(zip(accuracies, losses), 1)]
+    return [monitor.check(r, acc, loss) for r, (acc, loss) in enumerate(zip(accuracies, losses), 1)]
 
 
 def test_the_collapse_of_the_issue_is_flagged_at_its_first_round():
