@@ -99,8 +99,10 @@ class RecordingStrategy(QuantizedStrategy):
             info = dict(msg.content.config_records[CLIENT_INFO_KEY])
             info["node-id"] = msg.metadata.src_node_id
             infos.append(info)
-            if self.uplink is not None and "partition-id" in info:
-                self.uplink.client_keys[int(info["node-id"])] = int(info["partition-id"])
+            if "partition-id" in info:
+                self.directory.confirm(int(info["node-id"]), int(info["partition-id"]))
+                if self.uplink is not None:
+                    self.uplink.client_keys[int(info["node-id"])] = int(info["partition-id"])
         self.history.add_clients(server_round, infos)
         arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}

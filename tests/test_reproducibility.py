@@ -8,8 +8,11 @@ partition ids; the app keys client sampling and seeds by partition id
 from __future__ import annotations
 
 import csv
+import logging
 import random
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from flwr.app import Context, Message, RecordDict
@@ -27,17 +30,30 @@ def history_rows(folder: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in csv.DictReader(fh)]
 
 
-def random_id_grid(num_nodes: int, seed: int) -> InProcessGrid:
-    """An in-process grid whose nodes have random 63-bit ids (as Flower's simulation draws them)."""
-    from simulations.client_app import app as client_app
+class RegisteringGrid(InProcessGrid):
+    """An in-process grid as Flower's simulation builds it: random 63-bit node ids, registered in partition order.
 
-    grid = InProcessGrid(client_app, num_nodes)
-    ids = random.Random(seed).sample(range(2, 1 << 63), num_nodes)
-    grid.contexts = {
-        nid: Context(run_id=1, node_id=nid, node_config=dict(ctx.node_config), state=RecordDict(), run_config={})
-        for nid, ctx in zip(ids, grid.contexts.values())
-    }
-    return grid
+    ``stamps`` overrides the registration times (microseconds) per partition.
+    """
+
+    def __init__(self, num_nodes: int, seed: int, stamps: list[int] | None = None) -> None:
+        from simulations.client_app import app as client_app
+
+        super().__init__(client_app, num_nodes)
+        ids = random.Random(seed).sample(range(2, 1 << 63), num_nodes)
+        self.contexts = {
+            nid: Context(run_id=1, node_id=nid, node_config=dict(ctx.node_config), state=RecordDict(), run_config={})
+            for nid, ctx in zip(ids, self.contexts.values())
+        }
+        start = datetime(2026, 1, 1, tzinfo=UTC)
+        micros = stamps if stamps is not None else list(range(num_nodes))
+        self.registered = {nid: (start + timedelta(microseconds=m)).isoformat() for nid, m in zip(ids, micros)}
+
+    def get_nodes(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(node_id=n, registered_at=self.registered[n]) for n in self.contexts]
+
+    def queries(self) -> int:
+        return sum(m.metadata.message_type == "query" for m in self.sent)
 
 
 def test_same_config_same_history_whatever_the_node_ids(tmp_path):
@@ -46,32 +62,49 @@ def test_same_config_same_history_whatever_the_node_ids(tmp_path):
     # 5 nodes, 2 sampled per round (which ones, and their QSGD seeds, used to follow the node ids).
     config = {"codec": "qsgd:levels=4", "rounds": 2, "fraction-train": 0.4, "local-epochs": 1, "min-local-steps": 0}
     for run, seed in (("a", 1), ("b", 2)):
-        run_server(random_id_grid(5, seed), config, out_dir=str(tmp_path), run_name=run)
+        run_server(RegisteringGrid(5, seed), config, out_dir=str(tmp_path), run_name=run)
     rows_a, rows_b = history_rows(tmp_path / "a"), history_rows(tmp_path / "b")
     assert len(rows_a) == 3 and float(rows_a[2]["quantization-mse"]) > 0
     assert rows_a == rows_b
 
 
-class _CountingGrid(InProcessGrid):
-    def queries(self) -> int:
-        return sum(m.metadata.message_type == "query" for m in self.sent)
+def test_nodes_are_placed_by_registration_order_without_a_message():
+    grid = RegisteringGrid(6, seed=3)
+    directory = PartitionDirectory()
+    order = directory.ordered_nodes(grid)
+    assert [grid.contexts[n].node_config["partition-id"] for n in order] == list(range(6))
+    assert [directory.partition_of[n] for n in order] == list(range(6))
+    assert directory.ordered_nodes(grid) == order and grid.queries() == 0
 
 
-def test_each_node_is_asked_for_its_partition_once():
+def test_nodes_registered_in_the_same_microsecond_are_asked():
+    grid = RegisteringGrid(4, seed=3, stamps=[0, 1, 1, 2])
+    directory = PartitionDirectory()
+    order = directory.ordered_nodes(grid)
+    assert [grid.contexts[n].node_config["partition-id"] for n in order] == list(range(4))
+    assert grid.queries() == 4
+
+
+def test_a_grid_without_node_infos_asks_each_node_once():
     from simulations.client_app import app as client_app
 
-    grid = _CountingGrid(client_app, 6)
+    grid = InProcessGrid(client_app, 6)  # no get_nodes()
     directory = PartitionDirectory()
     first = directory.ordered_nodes(grid)
     assert [directory.partition_of[n] for n in first] == list(range(6))
     for _ in range(3):
         assert directory.ordered_nodes(grid) == first
-    assert grid.queries() == 6
-    # A node that joins later is asked once, when it first appears.
-    late = 999
-    grid.contexts[late] = Context(run_id=1, node_id=late, node_config={"partition-id": 6, "num-partitions": 7},
-                                  state=RecordDict(), run_config={})  # fmt: skip
-    assert directory.ordered_nodes(grid) == [*first, late] and grid.queries() == 7
+    queries = sum(m.metadata.message_type == "query" for m in grid.sent)
+    assert queries == 6
+
+
+def test_a_reported_partition_that_contradicts_the_order_is_logged_once(flwr_log):
+    directory = PartitionDirectory()
+    directory.partition_of = {11: 0, 12: 1}
+    assert directory.confirm(11, 0) and directory.confirm(99, 5)  # unknown nodes: nothing to check
+    assert not directory.confirm(12, 0) and not directory.confirm(11, 1)
+    warnings = [r.getMessage() for r in flwr_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "did not register in partition order" in warnings[0]
 
 
 @pytest.mark.parametrize(
