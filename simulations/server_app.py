@@ -99,21 +99,28 @@ class RecordingStrategy(QuantizedStrategy):
             info = dict(msg.content.config_records[CLIENT_INFO_KEY])
             info["node-id"] = msg.metadata.src_node_id
             infos.append(info)
-            if "partition-id" in info:
-                self.directory.confirm(int(info["node-id"]), int(info["partition-id"]))
+            pid = _reported_partition(info)
+            if pid is not None:
+                self.directory.confirm(int(info["node-id"]), pid)
                 if self.uplink is not None:
-                    self.uplink.client_keys[int(info["node-id"])] = int(info["partition-id"])
+                    self.uplink.client_keys[int(info["node-id"])] = pid
         self.history.add_clients(server_round, infos)
         arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}
         return arrays, metrics
 
 
+def _reported_partition(info: Any) -> int | None:
+    """The partition id a client reported, if it is an int (client info is untrusted)."""
+    pid = info.get("partition-id")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 def _partition_of(msg: Message) -> tuple[int, int]:
     if not msg.has_error() and CLIENT_INFO_KEY in msg.content.config_records:
-        info = msg.content.config_records[CLIENT_INFO_KEY]
-        if "partition-id" in info:
-            return (0, int(info["partition-id"]))
+        pid = _reported_partition(msg.content.config_records[CLIENT_INFO_KEY])
+        if pid is not None:
+            return (0, pid)
     return (1, msg.metadata.src_node_id)
 
 

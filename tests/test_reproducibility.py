@@ -163,3 +163,18 @@ def test_two_simulations_with_the_default_config_agree_and_converge(tmp_path):
     # 359 test digits: the binomial sd of the accuracy at 0.95 is 0.012, so a model that stays
     # >= 0.9 from round 3 on and ends >= 0.95 has learned and kept it.
     assert min(accuracy[2:]) >= 0.9 and accuracy[-1] >= 0.95
+
+
+def test_a_client_info_with_a_bad_partition_id_does_not_stop_the_run(tmp_path):
+    from simulations.client_app import app as client_app
+    from simulations.server_app import run_server
+    from simulations.settings import CLIENT_INFO_KEY
+
+    def lie(reply):
+        reply.content.config_records[CLIENT_INFO_KEY]["partition-id"] = "zero"
+        return reply
+
+    grid = InProcessGrid(client_app, 2, tamper={101: lie, 102: lie})
+    config = {"rounds": 1, "fraction-train": 1.0, "local-epochs": 1, "min-local-steps": 0, "codec": "fp32"}
+    history = run_server(grid, config, out_dir=str(tmp_path), run_name="lie")
+    assert len(history.rounds) == 2 and history.rounds[1]["rejected-replies"] == 0
