@@ -18,6 +18,7 @@ from fedquant.rng import derive_seed
 from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
+from simulations.node_directory import is_partition_query, partition_answer
 from simulations.settings import CLIENT_INFO_KEY
 from simulations.task import evaluate, limit_threads, pick_device, train
 
@@ -64,6 +65,8 @@ def train_fn(msg: Message, context: Context) -> Message:
         lr=float(cfg["learning-rate"]),
         seed=derive_seed(int(cfg["seed"]), "batches", server_round, pid),
         device=device,
+        clip_norm=float(cfg["clip-norm"]),
+        min_steps=int(cfg["min-local-steps"]),
     )
     info = ConfigRecord(
         {
@@ -86,13 +89,6 @@ def train_fn(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-@app.query()
-def query_fn(msg: Message, context: Context) -> Message:
-    """Tell the server this node's partition id (it keys the node's simulated link speeds)."""
-    info = ConfigRecord({"partition-id": int(context.node_config["partition-id"])})
-    return Message(content=RecordDict({CLIENT_INFO_KEY: info}), reply_to=msg)
-
-
 @app.evaluate()
 def evaluate_fn(msg: Message, context: Context) -> Message:
     """Score the received model on this node's partition (used when fraction-evaluate > 0)."""
@@ -101,3 +97,11 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     loss, accuracy = evaluate(model, data, device=pick_device())
     metrics = MetricRecord({"eval-loss": loss, "eval-acc": accuracy, "num-examples": len(data)})
     return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@app.query()
+def query_fn(msg: Message, context: Context) -> Message:
+    """Answer the server's question for this node's partition id (see ``simulations.node_directory``)."""
+    if not is_partition_query(msg):
+        raise ValueError("unknown query: this ClientApp answers only the partition-id query")
+    return Message(content=partition_answer(dict(context.node_config)), reply_to=msg)

@@ -31,6 +31,7 @@ class RunHistory:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     clients: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
+    divergence: dict[str, Any] | None = None  # {"round": first diverged round, "reason": ...} or None
 
     def add_round(self, row: dict[str, Any]) -> None:
         self.rounds.append({k: json_safe(v) for k, v in row.items()})
@@ -48,6 +49,7 @@ class RunHistory:
         return {
             "settings": self.settings.as_config(),
             "wall-seconds": self.wall_seconds,
+            "divergence": self.divergence,
             "rounds": self.rounds,
             "clients": self.clients,
         }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,11 @@ from flwr.serverapp.strategy import FedAvg
 from fedquant.rng import derive_seed
 from fedquant.strategies import QuantizedStrategy
 from simulations.data import load_test_set
+from simulations.divergence import DIVERGED_COLUMN, DivergenceMonitor
 from simulations.history import RunHistory, run_dir_name
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
+from simulations.node_directory import PartitionDirectory
 from simulations.settings import CLIENT_INFO_KEY, SimSettings
 from simulations.task import evaluate, limit_threads
 
@@ -31,19 +33,22 @@ from simulations.task import evaluate, limit_threads
 class SeededFedAvg(FedAvg):
     """FedAvg whose client sampling comes from the run's seed instead of Python's global ``random``.
 
-    Runs with the same seed (e.g. the codecs of a sweep) then train the same clients each round.
+    The nodes are sorted by partition id (``directory``), not by their random node ids, so runs
+    with the same seed (the codecs of a sweep, or two ``flwr run``) train the same partitions
+    each round.
     """
 
-    def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, seed: int = 0, directory: PartitionDirectory | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.seed = seed
+        self.directory = directory if directory is not None else PartitionDirectory()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         if self.fraction_train == 0.0:
             return []
-        all_nodes = sorted(grid.get_node_ids())
+        all_nodes = self.directory.ordered_nodes(grid)
         sample_size = min(len(all_nodes), max(int(len(all_nodes) * self.fraction_train), self.min_train_nodes))
         rng = random.Random(derive_seed(self.seed, "sample-clients", server_round))
         node_ids = rng.sample(all_nodes, sample_size)
@@ -58,7 +63,8 @@ class RecordingStrategy(QuantizedStrategy):
 
     Before the wrapper decodes a round's replies, it reads each reply's ``client-info``
     ConfigRecord (partition id, dataset, partitioning, codec and device the client used) into the
-    history, and tells the uplink profile which partition each node holds.
+    history, and tells the uplink profile which partition each node holds. Codec seeds derive
+    from the partition id (``directory``), not from the random node id.
     """
 
     def __init__(
@@ -66,14 +72,21 @@ class RecordingStrategy(QuantizedStrategy):
         *args: Any,
         history: RunHistory,
         uplink: UplinkProfile | None,
+        directory: PartitionDirectory,
         downlink: UplinkProfile | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, uplink_bandwidth=uplink, downlink_bandwidth=downlink, **kwargs)
         self.history = history
-        self.uplink = uplink
-        self.links = [p for p in (uplink, downlink) if p is not None]
+        self.directory = directory
         self.last_train_metrics: dict[int, dict[str, Any]] = {}
+
+    def client_seed(self, server_round: int, node_id: int) -> int:
+        """Seed from the node's partition id when known (stable across runs), else from its node id."""
+        pid = self.directory.partition_of.get(node_id)
+        if pid is None:
+            return super().client_seed(server_round, node_id)
+        return derive_seed(self.seed, server_round, "partition", pid)
 
     def aggregate_train(self, server_round: int, replies: Any) -> tuple[ArrayRecord | None, MetricRecord | None]:
         # Aggregate in partition order, not arrival order: float sums then do not depend on
@@ -86,47 +99,37 @@ class RecordingStrategy(QuantizedStrategy):
             info = dict(msg.content.config_records[CLIENT_INFO_KEY])
             info["node-id"] = msg.metadata.src_node_id
             infos.append(info)
-            if "partition-id" in info:
-                for profile in self.links:
-                    profile.client_keys[int(info["node-id"])] = int(info["partition-id"])
+            pid = _reported_partition(info)
+            if pid is not None:
+                self.directory.confirm(int(info["node-id"]), pid)
         self.history.add_clients(server_round, infos)
         arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}
         return arrays, metrics
 
 
+def _reported_partition(info: Any) -> int | None:
+    """The partition id a client reported, if it is an int (client info is untrusted)."""
+    pid = info.get("partition-id")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 def _partition_of(msg: Message) -> tuple[int, int]:
     if not msg.has_error() and CLIENT_INFO_KEY in msg.content.config_records:
-        info = msg.content.config_records[CLIENT_INFO_KEY]
-        if "partition-id" in info:
-            return (0, int(info["partition-id"]))
+        pid = _reported_partition(msg.content.config_records[CLIENT_INFO_KEY])
+        if pid is not None:
+            return (0, pid)
     return (1, msg.metadata.src_node_id)
 
 
-def learn_partitions(grid: Grid, profiles: list[UplinkProfile]) -> None:
-    """Ask every node for its partition id (a query message) so link speeds are known from round 1.
-
-    A simulated node's speed is keyed by its partition (node ids change between runs); without this,
-    round 1 would be planned (e.g. by the upload deadline) with other speeds than it is measured with.
-    """
-    node_ids = sorted(grid.get_node_ids())
-    queries = [
-        Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node_id, message_type=MessageType.QUERY)
-        for node_id in node_ids
-    ]
-    for reply in grid.send_and_receive(queries):
-        if reply.has_error() or CLIENT_INFO_KEY not in reply.content.config_records:
-            continue
-        info = reply.content.config_records[CLIENT_INFO_KEY]
-        if "partition-id" in info:
-            for profile in profiles:
-                profile.client_keys[reply.metadata.src_node_id] = int(info["partition-id"])
-
-
-def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunHistory:
+def run_server(
+    grid: Grid, run_config: dict[str, Any], *, directory: PartitionDirectory | None = None, **overrides: Any
+) -> RunHistory:
     """Run the whole federation as the run config says; returns the history it wrote.
 
     ``overrides`` (snake_case keys) take precedence over the run config; the sweep uses them.
+    ``directory`` keeps what was learned about the nodes' partitions from an earlier run on the
+    same grid (the sweep passes one to all its runs).
     """
     settings = SimSettings.from_run_config(run_config, **overrides)
     test = load_test_set(settings.dataset)
@@ -134,11 +137,17 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
     history = RunHistory(settings)
     uplink = parse_uplink(settings.uplink, settings.seed)
     downlink = parse_uplink(settings.downlink, derive_seed(settings.seed, "downlink"))
-    if uplink is not None or downlink is not None:
-        learn_partitions(grid, [p for p in (uplink, downlink) if p is not None])
+    directory = directory if directory is not None else PartitionDirectory()
+    for profile in (uplink, downlink):
+        if profile is not None:  # speeds keyed by partition id, as the directory places the nodes
+            profile.client_keys = directory.partition_of
     strategy = RecordingStrategy(
         SeededFedAvg(
-            fraction_train=settings.fraction_train, fraction_evaluate=0.0, min_train_nodes=1, seed=settings.seed
+            fraction_train=settings.fraction_train,
+            fraction_evaluate=0.0,
+            min_train_nodes=1,
+            seed=settings.seed,
+            directory=directory,
         ),
         codec=settings.codec,
         seed=settings.seed,
@@ -149,7 +158,9 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
         downlink_codec=None if settings.downlink_codec.strip().lower() in ("", "none") else settings.downlink_codec,
         upload_deadline_seconds=settings.upload_deadline_seconds or None,
         uplink_bytes_budget=settings.uplink_bytes_budget or None,
+        directory=directory,
     )
+    monitor = DivergenceMonitor(test.num_classes)
     t0 = time.perf_counter()
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -157,6 +168,12 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
         loss, accuracy = evaluate(model, test)
         train_metrics = strategy.last_train_metrics.get(server_round, {})
         row = {"round": server_round, "accuracy": accuracy, "loss": loss, **train_metrics}
+        if server_round > 0:
+            already = monitor.diverged
+            why = monitor.check(server_round, accuracy, loss)
+            row[DIVERGED_COLUMN] = int(why is not None)
+            if why is not None and not already:
+                log(WARNING, "fedquant: the run DIVERGED at round %d: %s. %s", server_round, why, DIVERGENCE_ADVICE)
         row["elapsed-seconds"] = time.perf_counter() - t0
         history.add_round(row)
         log(INFO, "%s", _round_line(row, settings.rounds))
@@ -171,6 +188,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
         evaluate_fn=evaluate_fn,
     )
     history.wall_seconds = time.perf_counter() - t0
+    history.divergence = {"round": monitor.first_round, "reason": monitor.reason} if monitor.diverged else None
     folder = Path(settings.out_dir).expanduser().resolve() / run_dir_name(settings)
     history.write(folder)
     final = history.final
@@ -183,7 +201,13 @@ def run_server(grid: Grid, run_config: dict[str, Any], **overrides: Any) -> RunH
         (final.get("cumulative-uplink-bytes") or 0) / 1e6,
         folder,
     )
+    if monitor.diverged:
+        log(WARNING, "fedquant: this run DIVERGED (first at round %d: %s); its final accuracy is not meaningful. %s",
+            monitor.first_round, monitor.reason, DIVERGENCE_ADVICE)  # fmt: skip
     return history
+
+
+DIVERGENCE_ADVICE = "Lower learning-rate, or set clip-norm (run config) if it is 0."
 
 
 def _round_line(row: dict[str, Any], rounds: int) -> str:

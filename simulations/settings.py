@@ -31,6 +31,8 @@ class SimSettings:
     local_epochs: int = 3
     batch_size: int = 16
     learning_rate: float = 0.05
+    clip_norm: float = 1.0
+    min_local_steps: int = 30
     seed: int = 0
     min_numel: int = 1
     uplink: str = "none"
@@ -53,6 +55,10 @@ class SimSettings:
             raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
+        if not self.clip_norm >= 0:
+            raise ValueError(f"clip-norm must be >= 0 (0: no clipping), got {self.clip_norm}")
+        if self.min_local_steps < 0:
+            raise ValueError(f"min-local-steps must be >= 0, got {self.min_local_steps}")
         if self.min_numel < 1:
             raise ValueError(f"min-numel must be >= 1, got {self.min_numel}")
         if not self.upload_deadline_seconds >= 0 or self.uplink_bytes_budget < 0:

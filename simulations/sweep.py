@@ -27,6 +27,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedquant.codecs import available_codecs
 from simulations.history import run_dir_name
+from simulations.node_directory import PartitionDirectory
 from simulations.plots import plot_comparison
 from simulations.server_app import run_server
 from simulations.settings import SimSettings
@@ -138,11 +139,12 @@ def make_sweep_app(codecs: Sequence[str], out: Path, command: str = "", **overri
         rows: list[SweepRow] = []
         histories: dict[str, list[dict[str, Any]]] = {}
         base = SimSettings.from_run_config(dict(context.run_config), out_dir=str(out / "runs"), **overrides)
+        directory = PartitionDirectory()  # the nodes are asked for their partition once, not per codec
         for i, codec in enumerate(codecs, 1):
             log(INFO, "[sweep %d/%d] %s ...", i, len(codecs), codec)
             t0 = time.perf_counter()
             try:
-                history = run_server(grid, base.as_config(), codec=codec)
+                history = run_server(grid, base.as_config(), directory=directory, codec=codec)
             except Exception as err:  # noqa: BLE001 - one failing codec must not end the sweep
                 rows.append(SweepRow(codec, error=f"{type(err).__name__}: {err}"))
                 log(INFO, "[sweep %d/%d] %s failed: %s", i, len(codecs), codec, err)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -20,9 +21,12 @@ def limit_threads(default: int = 1) -> int:
     parallel kernels ran ~50x slower with 2 threads than with 1 on a 14 k-parameter model.
     """
     n = max(1, int(float(os.environ.get("OMP_NUM_THREADS") or default)))
+    # numba first: starting its OpenMP layer resets the process's OpenMP thread count, torch's
+    # included, so the first training of a process ran on every core and its float sums came
+    # out differently from the next ones (a run did not repeat bit for bit).
+    set_kernel_threads(n)  # per calling thread
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    set_kernel_threads(n)  # per calling thread
     return n
 
 
@@ -41,8 +45,20 @@ def train(
     seed: int,
     device: torch.device | str = "cpu",
     momentum: float = 0.9,
+    clip_norm: float = 0.0,
+    min_steps: int = 0,
 ) -> float:
-    """Local SGD (with momentum) for ``epochs`` passes; returns the mean training loss of the last pass.
+    """Local SGD (with momentum); returns the mean training loss of the last pass.
+
+    Parameters
+    ----------
+    epochs : int
+        Passes over ``data``; more when that is needed to take ``min_steps`` steps.
+    clip_norm : float
+        Clip each step's gradient to this global L2 norm (0: no clipping).
+    min_steps : int
+        At least this many SGD steps: a client holding one batch or less still trains (a
+        federation of many small clients otherwise barely moves in a round).
 
     The batch order comes from a generator seeded with ``seed`` (no global RNG).
     """
@@ -52,6 +68,8 @@ def train(
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     gen = torch.Generator().manual_seed(seed)
     n = len(data)
+    steps_per_epoch = max(1, math.ceil(n / batch_size))
+    epochs = max(epochs, math.ceil(min_steps / steps_per_epoch))
     total = torch.zeros((), device=device)
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(device)
@@ -61,6 +79,8 @@ def train(
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if clip_norm > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
             opt.step()
             total += loss.detach() * len(idx)
     return float(total) / max(n, 1)

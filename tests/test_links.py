@@ -69,6 +69,8 @@ def test_pyproject_run_config_matches_the_settings_defaults():
         ({"model": "vgg"}, "unknown model"),
         ({"dataset": "imagenet"}, "unknown dataset"),
         ({"rounds": "many"}, "not a int"),
+        ({"clip-norm": -1.0}, "clip-norm"),
+        ({"min-local-steps": -1}, "min-local-steps"),
     ],
 )
 def test_bad_settings(config, message):

@@ -240,6 +240,10 @@ class QuantizedStrategy(Strategy):
         self.strategy.summary()
 
     # ------------------------------------------------------------------ train
+    def client_seed(self, server_round: int, node_id: int) -> int:
+        """The codec seed of ``node_id`` in ``server_round``; override to key clients by something stabler."""
+        return derive_seed(self.seed, server_round, node_id)
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -259,7 +263,7 @@ class QuantizedStrategy(Strategy):
                     f"the message to node {node_id} has {len(records)}"
                 )
             assignment = assignments[node_id]
-            plan.seeds[node_id] = derive_seed(self.seed, server_round, node_id)
+            plan.seeds[node_id] = self.client_seed(server_round, node_id)
             record_name, record = next(iter(records.items()))
             plan.sent[node_id], wire, downlink_entries = self._send_model(server_round, node_id, record, plan.traffic)
             entries = {
