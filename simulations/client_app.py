@@ -19,6 +19,7 @@ from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 from simulations import vce_dispatch
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
+from simulations.placement import worker_identity
 from simulations.settings import CLIENT_INFO_KEY
 from simulations.task import evaluate, limit_threads, pick_device, train
 
@@ -78,6 +79,7 @@ def train_fn(msg: Message, context: Context) -> Message:
             "device": str(device),
             "encode-device": str(encode_device()),
             "distinct-labels": int(data.y.unique().numel()),
+            **worker_identity(),  # host, pid, Ray node: which machine ran this client
         }
     )
     content = RecordDict(
