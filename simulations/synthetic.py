@@ -13,7 +13,7 @@ passed to ``numpy``'s ``normal``. ``alpha`` controls how much the clients' teach
 through ``W_k ~ N(0, 1)``.
 
 Client sizes follow LEAF's ``get_num_samples``: ``min(floor(lognormal(3, 2)) + 5, 1000)``, a
-heavy (power-law-like) tail with median 25. Each client keeps the first 90 % (``int(0.9 n)``,
+heavy (power-law-like) tail, median about 25. Each client keeps the first 90 % (``int(0.9 n)``,
 as FedProx's generator) for training and holds out the rest.
 
 Scale: a client's data is drawn from a generator seeded with ``(seed, partition id)`` alone

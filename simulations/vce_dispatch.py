@@ -88,3 +88,10 @@ def install(force_import: bool = False) -> bool:
     if not getattr(module.add_messages_to_queue, "fedquant_dispatch", False):
         module.add_messages_to_queue = _make_loop(module.add_messages_to_queue)
     return True
+
+
+def uninstall() -> None:
+    """Put Flower's own dispatch loop back (for comparisons); a no-op when :func:`install` did nothing."""
+    module = sys.modules.get(_VCE_API)
+    if module is not None and getattr(module.add_messages_to_queue, "fedquant_dispatch", False):
+        module.add_messages_to_queue = module.add_messages_to_queue.flower_loop

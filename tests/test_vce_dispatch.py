@@ -112,11 +112,14 @@ def test_expired_messages_are_dropped_not_delivered(federation):
 
 
 def test_install_replaces_flowers_loop_once_and_only_where_the_engine_runs(monkeypatch):
-    original = vce_api.add_messages_to_queue
+    current = vce_api.add_messages_to_queue  # importing simulations.client_app may have installed it already
+    original = getattr(current, "flower_loop", current)
     monkeypatch.setattr(vce_api, "add_messages_to_queue", original)  # restored after the test
     assert vce_dispatch.install()
     patched = vce_api.add_messages_to_queue
     assert patched.fedquant_dispatch and patched.flower_loop is original
     assert vce_dispatch.install() and vce_api.add_messages_to_queue is patched
+    vce_dispatch.uninstall()
+    assert vce_api.add_messages_to_queue is original
     monkeypatch.delitem(__import__("sys").modules, vce_dispatch._VCE_API)
     assert not vce_dispatch.install()
