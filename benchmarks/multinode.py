@@ -20,7 +20,7 @@ Recipe (what it does, every server bound to 127.0.0.1, every process stopped by 
    ``client-resources-num-cpus`` of each node, and Ray places one actor on each node.
 3. ``flwr run . mn --federation-config "num-supernodes=N client-resources-num-cpus=1"`` with
    ``FLWR_HOME`` set to an own folder whose ``config.toml`` names that SuperLink, so no other
-   local SuperLink (Flower's fixed port 39091) is used.
+   local SuperLink (Flower's managed one listens on 127.0.0.1:39091 whatever ``FLWR_HOME`` is) is used.
 4. Every client reports ``ray-node-id`` (and host, pid) in its ``client-info``; the script reads
    them from the run's ``history.json`` and exits 1 unless clients ran on both nodes and the
    run finished.
