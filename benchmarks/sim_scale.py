@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -160,6 +161,7 @@ def main() -> int:
         run_simulation(server_app, client_app, num_supernodes=args.clients, backend_config=backend)
     total = time.perf_counter() - t0
     history = json.loads((out / "scale" / "history.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
     rounds = history["rounds"]  # row 0 is the initial evaluation
     elapsed = [r["elapsed-seconds"] for r in rounds]
     per_round = [b - a for a, b in zip(elapsed, elapsed[1:])]
