@@ -16,13 +16,18 @@ from fedquant.clients import quantize_mod
 from fedquant.clients.quantize_mod import encode_device
 from fedquant.rng import derive_seed
 from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
+from simulations import vce_dispatch
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
 from simulations.node_directory import is_partition_query, partition_answer
+from simulations.placement import worker_identity
 from simulations.settings import CLIENT_INFO_KEY
 from simulations.task import evaluate, limit_threads, pick_device, train
 
 app = ClientApp(mods=[quantize_mod])
+# In the simulation engine's process (loaded there before it dispatches): dispatch messages in time
+# independent of the number of registered nodes. A no-op in Ray workers and SuperNodes.
+vce_dispatch.install()
 
 
 def _partition(msg: Message, context: Context) -> tuple[int, TensorData, Any]:
@@ -77,6 +82,7 @@ def train_fn(msg: Message, context: Context) -> Message:
             "device": str(device),
             "encode-device": str(encode_device()),
             "distinct-labels": int(data.y.unique().numel()),
+            **worker_identity(),  # host, pid, Ray node: which machine ran this client
         }
     )
     content = RecordDict(

@@ -1,14 +1,20 @@
-"""Datasets for the simulations: the offline default (scikit-learn digits) and Hub datasets.
+"""Datasets for the simulations: the offline default (scikit-learn digits), Synthetic(alpha, beta), Hub datasets.
 
-Every dataset comes out as float32 images ``(N, C, H, W)`` and int64 labels, already normalised,
-as :class:`TensorData`. Clients load their partition with :func:`load_partition`; the server
-evaluates the global model on :func:`load_test_set`, a split no client trains on.
+Every dataset comes out as float32 inputs (images ``(N, C, H, W)``, or feature vectors ``(N, F)``
+for ``synthetic``) and int64 labels, already normalised, as :class:`TensorData`. Clients load
+their partition with :func:`load_partition`; the server evaluates the global model on
+:func:`load_test_set`, a split no client trains on.
 
 Names
 -----
 ``digits``
     scikit-learn's ``load_digits``: 1797 handwritten digits, 8x8 grey, 10 classes; ships with
     scikit-learn, so no download. 20 % (stratified, fixed) is the server's test set.
+``synthetic``, ``synthetic:alpha=A,beta=B,seed=S``
+    Synthetic(alpha, beta) of FedProx / LEAF (:mod:`simulations.synthetic`): 60 features, 10
+    classes, every client its own teacher and feature distribution, generated on the fly from
+    ``(S, partition id)``, for any number of clients (default alpha = beta = 1, S = 0). The
+    ``partitioning`` options do not apply: a client's data is its own by construction.
 ``mnist``, ``cifar10``, ``cifar100``, ``femnist``
     Hugging Face Hub datasets through flwr-datasets (``pip install -e ".[hub]"``, internet on the
     first use, then the local Hugging Face cache).
@@ -27,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from simulations import synthetic
 
 PARTITIONINGS = ("iid", "dirichlet")
 # Fixed, so that every seed and every partitioning is scored on the same test digits.
@@ -55,7 +63,7 @@ HF_PREFIX = "hf:"
 
 @dataclass
 class TensorData:
-    """Images ``x`` (float32, N x C x H x W) and labels ``y`` (int64, N), with the class count."""
+    """Inputs ``x`` (float32, N x C x H x W, or N x F) and labels ``y`` (int64, N), with the class count."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -65,20 +73,29 @@ class TensorData:
         return int(self.y.shape[0])
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        return tuple(self.x.shape[1:])  # type: ignore[return-value]
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
 
 
 def dataset_names() -> list[str]:
-    """Names accepted by ``dataset`` (besides ``hf:<path>``)."""
-    return ["digits", *HUB_DATASETS]
+    """Names accepted by ``dataset`` (besides ``synthetic:<options>`` and ``hf:<path>``)."""
+    return ["digits", synthetic.PREFIX, *HUB_DATASETS]
 
 
 def check_dataset_name(name: str) -> None:
-    """Raise ``ValueError`` with the accepted names when ``name`` is not a known dataset."""
+    """Raise ``ValueError`` with the accepted names when ``name`` is not a known dataset.
+
+    A ``synthetic:<options>`` name with a bad option raises with a sentence naming it.
+    """
+    if synthetic.is_synthetic(name):
+        synthetic.parse_spec(name)
+        return
     if name in dataset_names() or (name.startswith(HF_PREFIX) and len(name) > len(HF_PREFIX)):
         return
-    raise ValueError(f"unknown dataset {name!r}; use one of {', '.join(dataset_names())} or 'hf:<path or hub name>'")
+    raise ValueError(
+        f"unknown dataset {name!r}; use one of {', '.join(dataset_names())}, "
+        "'synthetic:alpha=..,beta=..' or 'hf:<path or hub name>'"
+    )
 
 
 def check_partitioning(partitioning: str, alpha: float) -> None:
@@ -106,12 +123,16 @@ def load_partition(
     alpha : float
         Dirichlet concentration.
     seed : int
-        Seed of the partitioning; the same seed gives every client the same examples.
+        Seed of the partitioning; the same seed gives every client the same examples. Not used by
+        ``synthetic``, whose population has its own seed (``synthetic:seed=S``).
     """
     check_dataset_name(dataset)
     check_partitioning(partitioning, alpha)
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    if synthetic.is_synthetic(dataset):
+        x, y = synthetic.train_split(synthetic.parse_spec(dataset), partition_id)
+        return TensorData(x, y, synthetic.NUM_CLASSES)
     if dataset == "digits":
         train = _digits_split()[0]
         parts = _partition_indices(tuple(train.y.tolist()), num_partitions, partitioning, alpha, seed)
@@ -122,8 +143,14 @@ def load_partition(
 
 
 def load_test_set(dataset: str) -> TensorData:
-    """The held-out set on which the server scores the global model."""
+    """The held-out set on which the server scores the global model.
+
+    ``synthetic``: the held-out 10 % of clients ``0 .. 99`` of the population, pooled.
+    """
     check_dataset_name(dataset)
+    if synthetic.is_synthetic(dataset):
+        x, y = synthetic.test_split(synthetic.parse_spec(dataset))
+        return TensorData(x, y, synthetic.NUM_CLASSES)
     if dataset == "digits":
         return _digits_split()[1]
     fds, spec = _federated_dataset(dataset, 1, "iid", 1.0, 0)

@@ -1,24 +1,39 @@
-"""Models for the simulations: an MLP, a LeNet-style CNN, and ResNet-20 for CIFAR.
+"""Models for the simulations: logistic regression, an MLP, a LeNet-style CNN, and ResNet-20 for CIFAR.
 
-Each takes the input shape ``(C, H, W)`` and the class count, so one name works on digits (8x8),
-MNIST/FEMNIST (28x28) and CIFAR (32x32).
+Each takes the input shape and the class count, so one name works on digits (8x8), MNIST/FEMNIST
+(28x28) and CIFAR (32x32). ``logreg`` and ``mlp`` take any input shape (they flatten it), so they
+also fit the feature vectors of ``synthetic``; ``cnn`` and ``resnet20`` need images ``(C, H, W)``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-MODEL_NAMES = ("mlp", "cnn", "resnet20")
+MODEL_NAMES = ("logreg", "mlp", "cnn", "resnet20")
+IMAGE_MODELS = ("cnn", "resnet20")
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: one linear layer on the flattened input (FedProx's Synthetic model)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 class MLP(nn.Module):
     """Two hidden layers with ReLU."""
 
-    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, hidden: int = 128) -> None:
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> None:
         super().__init__()
-        numel = input_shape[0] * input_shape[1] * input_shape[2]
+        numel = math.prod(input_shape)
         self.net = nn.Sequential(
             nn.Flatten(), nn.Linear(numel, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
             nn.Linear(hidden, num_classes),
@@ -92,23 +107,28 @@ class ResNet20(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, seed: int = 0) -> nn.Module:
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights.
 
     Parameters
     ----------
-    name : {"mlp", "cnn", "resnet20"}
+    name : {"logreg", "mlp", "cnn", "resnet20"}
         ``cnn`` is the LeNet-style CNN.
     input_shape : tuple
-        ``(C, H, W)`` of one example.
+        Shape of one example: ``(C, H, W)`` (any model) or ``(F,)`` (``logreg``, ``mlp``).
     num_classes : int
         Output size.
     seed : int
         Seed of the initialisation (the global RNG state is restored afterwards).
     """
-    classes = {"mlp": MLP, "cnn": LeNet, "resnet20": ResNet20}
+    classes = {"logreg": LogisticRegression, "mlp": MLP, "cnn": LeNet, "resnet20": ResNet20}
     if name not in classes:
         raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}")
+    if name in IMAGE_MODELS and len(input_shape) != 3:
+        raise ValueError(
+            f"model {name!r} needs images (C, H, W), the dataset gives inputs of shape {tuple(input_shape)}: "
+            "use logreg or mlp"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return classes[name](tuple(input_shape), int(num_classes))
