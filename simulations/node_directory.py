@@ -19,6 +19,7 @@ partition ids clients report in their train replies are checked against the infe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from datetime import datetime
 from logging import INFO, WARNING
@@ -71,6 +72,22 @@ class PartitionDirectory:
         """Sort key: ``(0, partition id)`` for a node with a partition, else ``(1, node id)``."""
         pid = self.partition_of.get(node_id)
         return (0, pid) if pid is not None else (1, node_id)
+
+    def wait_for_registration(self, grid: Grid, settle_seconds: float = 1.0, limit_seconds: float = 120.0) -> int:
+        """Wait until the grid's node count stops changing for ``settle_seconds``; returns the count.
+
+        The simulation engine starts the ServerApp while it is still registering nodes (with
+        10,000 of them, round 1 once saw 8,362): sampling from a partial federation would differ
+        between runs. Gives up after ``limit_seconds`` (a deployment whose nodes keep joining).
+        """
+        deadline = time.monotonic() + limit_seconds
+        count, since = len(list(grid.get_node_ids())), time.monotonic()
+        while time.monotonic() - since < settle_seconds and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = len(list(grid.get_node_ids()))
+            if now != count:
+                count, since = now, time.monotonic()
+        return count
 
     def ordered_nodes(self, grid: Grid) -> list[int]:
         """The grid's nodes sorted by partition id (learns the nodes not seen before)."""

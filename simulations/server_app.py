@@ -138,6 +138,7 @@ def run_server(
     uplink = parse_uplink(settings.uplink, settings.seed)
     downlink = parse_uplink(settings.downlink, derive_seed(settings.seed, "downlink"))
     directory = directory if directory is not None else PartitionDirectory()
+    directory.wait_for_registration(grid)
     for profile in (uplink, downlink):
         if profile is not None:  # speeds keyed by partition id, as the directory places the nodes
             profile.client_keys = directory.partition_of

@@ -219,9 +219,13 @@ def test_ndqsg_outlier_in_the_first_group_never_becomes_side_information():
     """P2 replies decode against P1's mean: an admitted P1 outlier would shift every P2 update."""
     num_nodes = 6
 
+    class SortedFedAvg(FedAvg):  # FedAvg samples in random order; NDQSG's groups follow the order
+        def configure_train(self, *args):
+            return sorted(super().configure_train(*args), key=lambda m: m.metadata.dst_node_id)
+
     def make():
         plan = NestedDecodePlan(p1_fraction=0.5, rho=5)
-        return _wrap(codec="ndqsg", num_nodes=num_nodes, decode_plan=plan)
+        return _wrap(SortedFedAvg(min_available_nodes=num_nodes), codec="ndqsg", decode_plan=plan)
 
     strategy = make()
     grid = InProcessGrid(make_client_app([quantize_mod]), num_nodes)

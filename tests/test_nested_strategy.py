@@ -105,7 +105,8 @@ def test_group_split_fraction_at_least_one_and_deterministic():
     plan = NestedDecodePlan(seed=3)
     p1, p2 = plan.groups(1, nodes)
     assert len(p1) == 4 and sorted(p1 + p2) == nodes
-    assert plan.groups(1, nodes[::-1]) == (p1, p2)  # message order does not matter
+    renamed = [n + 1000 for n in nodes]  # node ids are random per simulation: only the order counts
+    assert plan.groups(1, renamed) == ([n + 1000 for n in p1], [n + 1000 for n in p2])
     assert NestedDecodePlan(seed=3).groups(1, nodes) == (p1, p2)  # same seed and round, same split
     assert len({tuple(plan.groups(r, nodes)[0]) for r in range(1, 11)}) > 1  # roles rotate over rounds
     assert len(NestedDecodePlan(p1_fraction=0.01).groups(1, nodes)[0]) == 1  # at least one P1
@@ -308,9 +309,11 @@ def _truncated(reply: Message) -> Message:
 
 def test_all_p1_failing_drops_p2_and_keeps_the_model(flwr_log):
     strategy = _strategy("ndqsg:levels=3,rho=3")  # a fixed rho: P2 sends nested indices in round 1
-    p1, p2 = strategy.decode_plan.groups(1, list(range(101, 101 + NUM_NODES)))
-    grid = InProcessGrid(make_app(), NUM_NODES, tamper={n: _truncated for n in p1})
-    replies = grid.send_and_receive(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
+    grid = InProcessGrid(make_app(), NUM_NODES)
+    messages = list(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
+    p1, p2 = strategy.decode_plan.groups(1, [m.metadata.dst_node_id for m in messages])
+    grid.tamper = {n: _truncated for n in p1}
+    replies = grid.send_and_receive(messages)
     arrays, m = strategy.aggregate_train(1, replies)
     assert arrays is None  # no reply survived: Strategy.start keeps the current model
     assert m[METRIC_P1_FAILED] == 1 and m[METRIC_P1_DECODED] == 0
@@ -324,9 +327,11 @@ def test_all_p1_failing_drops_p2_and_keeps_the_model(flwr_log):
 def test_some_p1_failing_still_decodes_p2_against_the_rest():
     plan = Recording(rho=3)  # a fixed rho: P2 sends nested indices in round 1
     strategy = _strategy(decode_plan=plan)
-    p1, _ = plan.groups(1, list(range(101, 101 + NUM_NODES)))
-    grid = InProcessGrid(make_app(), NUM_NODES, tamper={p1[0]: _truncated})
-    m = strategy.start(grid, initial_arrays(), num_rounds=1).train_metrics_clientapp[1]
+    grid = InProcessGrid(make_app(), NUM_NODES)
+    messages = list(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
+    p1, _ = plan.groups(1, [m.metadata.dst_node_id for m in messages])
+    grid.tamper = {p1[0]: _truncated}
+    _, m = strategy.aggregate_train(1, grid.send_and_receive(messages))
     assert m[METRIC_P1_DECODED] == 3 and m[METRIC_P1_FAILED] == 0 and m[METRIC_P2_DROPPED] == 0
     assert m["rejected-replies"] == 1
     for reply in plan.seen[1]:

@@ -16,10 +16,27 @@ import numba
 import torch
 
 
+@contextmanager
+def _torch_threads_kept() -> Iterator[None]:
+    """Undo what starting numba's threading layer does to torch.
+
+    numba's first thread call (get or set) starts its OpenMP layer, which resets the process's
+    OpenMP thread count, torch's intra-op threads, to every core: a client given one CPU would
+    train on all of them after its first encode.
+    """
+    torch_threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+
+
 def set_kernel_threads(n: int) -> int:
     """Let the calling thread's kernels use at most ``n`` threads (at least 1); returns the count set."""
     count = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(count)
+    with _torch_threads_kept():
+        numba.set_num_threads(count)
     return count
 
 
@@ -30,8 +47,10 @@ def kernel_threads(n: int | None = None) -> Iterator[int]:
     >>> with kernel_threads():          # e.g. inside a client that was given one CPU
     ...     payload = codec.encode(update, seed)
     """
-    previous = numba.get_num_threads()
+    wanted = torch.get_num_threads() if n is None else n
+    with _torch_threads_kept():
+        previous = numba.get_num_threads()
     try:
-        yield set_kernel_threads(torch.get_num_threads() if n is None else n)
+        yield set_kernel_threads(wanted)
     finally:
-        numba.set_num_threads(previous)
+        set_kernel_threads(previous)

@@ -220,13 +220,18 @@ class NestedDecodePlan(DecodePlan):
 
     # ------------------------------------------------------------------ configure_train
     def groups(self, server_round: int, node_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The round's P1 and P2 node ids (deterministic in seed, round and the set of nodes)."""
-        nodes = sorted(node_ids)
+        """The round's P1 and P2 node ids (deterministic in seed, round and the order of ``node_ids``).
+
+        Taken in the inner strategy's order, not sorted by node id: node ids are random in every
+        simulation, while a strategy that samples by a stable key (the simulation app's
+        partition order) then gives the same groups in every run.
+        """
+        nodes = list(node_ids)
         if not nodes:
             return [], []
         n1 = min(len(nodes), max(1, round(self.p1_fraction * len(nodes))))
         order = np.random.default_rng(derive_seed(self.seed, server_round, "ndqsg-groups")).permutation(len(nodes))
-        p1 = sorted(nodes[i] for i in order[:n1])
+        p1 = [nodes[i] for i in sorted(order[:n1])]
         chosen = set(p1)
         return p1, [n for n in nodes if n not in chosen]
 
