@@ -195,7 +195,7 @@ class Codec(ABC):
         if side_info is not None:
             side = side_info.detach().reshape(-1).to(torch.float32)
             if side.numel() != numel:
-                raise ValueError(f"{self.name}: side_info has {side.numel()} elements, the payload {numel}")
+                raise PayloadError(f"{self.name} payload declares {numel} elements, its side_info has {side.numel()}")
         elif self.needs_side_info:
             raise ValueError(f"{self.name}: decoding needs side_info (the decoder's estimate of the update)")
         body = BodyReader(p.body, self.name)
