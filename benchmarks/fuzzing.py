@@ -105,6 +105,10 @@ def _tensors():
         torch.full((5,), -0.75),
         torch.zeros(64),
         torch.randn(1, generator=gen).to(torch.bfloat16),
+        # Values beyond float16 and (rounded) bfloat16 range: a header that rewrites the dtype must
+        # not turn them into Inf.
+        torch.randn(40, generator=gen) * 1e5,
+        torch.tensor([3.3e38, -3.3e38, 1.0, 0.0]),
     ]
 
 
