@@ -29,7 +29,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fuzzing import FAILURES, Report, families, replay, run_fuzz
+from benchmarks.fuzz_mutations import families
+from benchmarks.fuzzing import FAILURES, Report, replay, run_fuzz
 
 
 def _parse_families(text: str | None) -> list[str] | None:

@@ -1,6 +1,6 @@
 """Fuzzing every codec's decoder with mutated payloads, in worker subprocesses (a crash fails the test).
 
-The mutator and the harness are :mod:`benchmarks.fuzzing`, shared with ``python -m
+The mutator (:mod:`benchmarks.fuzz_mutations`) and the harness (:mod:`benchmarks.fuzzing`) are shared with ``python -m
 benchmarks.fuzz`` (100,000 cases and more); here a fixed-seed sample of every family runs in
 two workers, and a self-test shows that the harness does report a crash, a hang and an Inf.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.fuzzing import FAILURES, KINDS, families, mutate, run_fuzz
+from benchmarks.fuzz_mutations import KINDS, bases, families, mutate
+from benchmarks.fuzzing import FAILURES, canonical_specs, run_fuzz
 from fedquant.errors import PayloadError
 
 CASES_PER_FAMILY = 60
@@ -28,7 +29,6 @@ def test_every_codec_and_coding_is_a_family():
 
 def test_mutations_mostly_pass_the_envelope_and_reach_the_body():
     """Most mutated payloads must get past the CRC and header checks, or the fuzzer tests little."""
-    from benchmarks.fuzzing import bases, canonical_specs
     from fedquant.wire.payload import read_payload
 
     spec = "qsgd:coding=entropy"
