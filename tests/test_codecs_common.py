@@ -4,6 +4,7 @@ import math
 import resource
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,3 +175,49 @@ def test_all_finite_fast_path_handles_overflowing_sums():
     assert not torch.isfinite(big.sum()) and all_finite(big)
     assert not all_finite(torch.tensor([1.0, float("inf"), -float("inf")]))
     assert not all_finite(torch.tensor([float("nan")]))
+
+
+def _with_header(data: bytes, *, dtype: torch.dtype | None = None, shape=None, body: bytes | None = None) -> bytes:
+    """``data`` with its declared dtype, shape or body replaced (CRC recomputed by write_payload)."""
+    p = read_payload(data)
+    return write_payload(
+        p.spec, dtype or p.dtype, p.shape if shape is None else shape, [bytes(p.body) if body is None else body]
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "declared", "big"),
+    [("fp32", torch.float16, 1e5), ("fp32", torch.bfloat16, 3.4e38), ("qsgd", torch.float16, 1e5)],
+)
+def test_declared_half_dtype_cannot_smuggle_inf(spec, declared, big):
+    codec = get_codec(spec)
+    data = _with_header(codec.encode(torch.tensor([big, -big, 1.0])), dtype=declared)
+    with pytest.raises(PayloadError, match="NaN or Inf"):
+        codec.decode(data)
+
+
+@pytest.mark.parametrize("shape", [(0, 2**63), (0, 2**64 - 1), (2**40, 0), (0, 2**31, 2**31)])
+def test_zero_and_huge_dimensions_are_a_payload_error(shape):
+    codec = get_codec("fp32")
+    forged = _with_header(codec.encode(torch.ones(3)), shape=shape, body=b"")
+    with pytest.raises(PayloadError, match="dimension"):
+        codec.decode(forged)
+    with pytest.raises(PayloadError, match="shape"):
+        codec.decode(forged, shape=(3,))
+
+
+def test_tiny_payload_without_expected_shape_cannot_allocate_gigabytes():
+    from benchmarks.codec_throughput import peak_memory_mib
+    from fedquant.wire.elias import elias_omega_encode
+
+    codec = get_codec("qsgd:coding=entropy,bucket_size=0")
+    count = 2**31 - 1
+    table, _ = elias_omega_encode(np.array([1, codec.levels + 1, count]))  # one symbol: level 0, count times
+    forged = _with_header(codec.encode(torch.zeros(5)), shape=(count,), body=b"\x00\x00\x80\x3f" + table.tobytes())
+    assert len(forged) < 100
+
+    def attempt():
+        with pytest.raises(PayloadError, match="elements"):
+            codec.decode(forged)
+
+    assert peak_memory_mib(attempt) < 50

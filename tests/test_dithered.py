@@ -223,7 +223,7 @@ def test_ndqsg_without_side_info_says_what_is_missing():
     data = codec.encode(torch.ones(10))
     with pytest.raises(ValueError, match="side_info"):
         codec.decode(data)
-    with pytest.raises(ValueError, match="side_info has 9 elements"):
+    with pytest.raises(PayloadError, match="declares 10 elements, its side_info has 9"):
         codec.decode(data, side_info=torch.ones(9))
     with pytest.raises(ValueError, match="NaN or Inf"):
         codec.decode(data, side_info=torch.full((10,), float("nan")))

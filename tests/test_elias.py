@@ -341,3 +341,43 @@ def test_bit_flips_never_escape_as_other_errors():
                 assert np.abs(out.astype(np.int64)).max() <= 4
                 changed += int(not np.array_equal(out, levels))
         assert changed == 2 * nbits  # a prefix code: every single flip changes the result or is rejected
+
+
+# A codeword whose 64-bit group reads a value >= 2**63: "10" (2), "101" (5), "111111" (63), then
+# 64 bits starting with 1. Before the fix the next group's width came out negative, passed the
+# bounds checks and the reader walked out of the buffer (SIGSEGV). Run in a subprocess so that a
+# crash fails the test instead of killing pytest.
+_GROUP_BOMB = """
+import numpy as np
+from fedquant.errors import PayloadError
+from fedquant.wire.elias import code_s_decode, code_s_dense_decode, elias_omega_decode, elias_omega_decode_prefix
+from fedquant.wire.entropy import entropy_decode
+
+bits = "10" + "101" + "111111" + "1" + "0" * 63
+bits += "1" * (-len(bits) % 8 + 8)
+bomb = np.frombuffer(int(bits, 2).to_bytes(len(bits) // 8, "big"), np.uint8)
+decoders = {
+    "omega": lambda: elias_omega_decode(bomb, 1, 2**64 - 1),
+    "omega-prefix": lambda: elias_omega_decode_prefix(bomb, 1, 2**64 - 1),
+    "code_s": lambda: code_s_decode(bomb, 10, 4),
+    "code_s_dense": lambda: code_s_dense_decode(bomb, 10, 4),
+    "entropy-table": lambda: entropy_decode(bomb, 10, 9),
+}
+for name, decode in decoders.items():
+    try:
+        decode()
+        print(name, "decoded")
+    except PayloadError as err:
+        print(name, "PayloadError", err)
+"""
+
+
+def test_forged_64_bit_group_is_rejected_not_a_crash():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _GROUP_BOMB], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"decoder process died with status {run.returncode}: {run.stderr[-2000:]}"
+    lines = run.stdout.splitlines()
+    assert len(lines) == 5 and all(line.split()[1] == "PayloadError" for line in lines), run.stdout
+    assert "malformed codeword" in lines[0]

@@ -21,6 +21,21 @@ from fedquant.wire.body import BodyReader, BodyWriter
 from fedquant.wire.payload import DTYPE_CODES, read_payload, write_payload
 
 DEFAULT_MAX_NUMEL = 1 << 31
+#: Without an expected shape, a payload may declare this many elements whatever its size ...
+FREE_NUMEL = 1 << 20
+#: ... and beyond that at most this many per byte it holds (1/32 bit per element).
+NUMEL_PER_BYTE = 256
+
+
+def numel_limit(payload_bytes: int) -> int:
+    """Elements a payload of ``payload_bytes`` may declare when the caller expects no shape.
+
+    Decoding allocates the declared tensor, so without this bound a 90-byte payload could ask
+    for gigabytes. Real payloads spend far more than 1/32 bit per element (bucket scales alone
+    take 1/16 bit at the default bucket size); a caller that decodes a larger, more compressible
+    tensor passes ``shape`` or ``max_numel``.
+    """
+    return min(DEFAULT_MAX_NUMEL, max(FREE_NUMEL, NUMEL_PER_BYTE * payload_bytes))
 
 
 class Codec(ABC):
@@ -123,7 +138,7 @@ class Codec(ABC):
         shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
-        max_numel: int = DEFAULT_MAX_NUMEL,
+        max_numel: int | None = None,
     ) -> torch.Tensor:
         """Check and decode a payload produced by ``encode`` with the same parameters.
 
@@ -139,8 +154,10 @@ class Codec(ABC):
             What the caller expects; a payload that declares otherwise is rejected.
         device : torch.device or str
             Where the result goes.
-        max_numel : int
+        max_numel : int, optional
             Largest element count accepted when ``shape`` is not given (guards allocation).
+            Default: :func:`numel_limit` of the payload's size (at least ``2**20`` elements,
+            more for larger payloads, at most ``2**31``).
 
         Returns
         -------
@@ -158,19 +175,27 @@ class Codec(ABC):
             raise PayloadError(f"payload holds codec '{p.codec_name}', this decoder is '{self.name}'")
         if p.spec != self.spec:
             raise PayloadError(f"payload was encoded as '{p.spec}', this decoder expects '{self.spec}'")
-        if shape is not None and tuple(shape) != p.shape:
-            raise PayloadError(f"payload declares shape {list(p.shape)}, expected {list(shape)}")
+        if shape is not None:
+            if tuple(shape) != p.shape:
+                raise PayloadError(f"payload declares shape {list(p.shape)}, expected {list(shape)}")
+        else:
+            # The nonzero dimensions, not the element count: shape (0, 2**63) holds no elements
+            # but no tensor can take it.
+            limit = numel_limit(memoryview(payload).nbytes) if max_numel is None else max_numel
+            bulk = math.prod(d for d in p.shape if d)
+            if bulk > limit:
+                raise PayloadError(
+                    f"payload declares shape {list(p.shape)}: its nonzero dimensions multiply to {bulk} elements, "
+                    f"more than the {limit} allowed"
+                )
         if dtype is not None and dtype != p.dtype:
             raise PayloadError(f"payload declares dtype {p.dtype}, expected {dtype}")
         numel = p.numel
-        limit = math.prod(shape) if shape is not None else max_numel
-        if numel > limit:
-            raise PayloadError(f"payload declares {numel} elements, more than the {limit} allowed")
         side = None
         if side_info is not None:
             side = side_info.detach().reshape(-1).to(torch.float32)
             if side.numel() != numel:
-                raise ValueError(f"{self.name}: side_info has {side.numel()} elements, the payload {numel}")
+                raise PayloadError(f"{self.name} payload declares {numel} elements, its side_info has {side.numel()}")
         elif self.needs_side_info:
             raise ValueError(f"{self.name}: decoding needs side_info (the decoder's estimate of the update)")
         body = BodyReader(p.body, self.name)
@@ -178,9 +203,12 @@ class Codec(ABC):
         body.expect_end()
         if flat.numel() != numel:
             raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, header declares {numel}")
-        if not all_finite(flat):
-            raise PayloadError(f"{self.name} payload decodes to NaN or Inf values")
-        return flat.reshape(p.shape).to(device=device, dtype=p.dtype)
+        # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
+        # range becomes Inf in the cast.
+        out = flat.reshape(p.shape).to(dtype=p.dtype)
+        if not all_finite(out):
+            raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
+        return out.to(device=device)
 
     # ------------------------------------------------------------------ subclass API
     @abstractmethod

@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from fedquant.codecs.kernels import uniform24
+from fedquant.wire.body import require_items
 
 
 @njit(inline="always")
@@ -481,6 +482,7 @@ def pack_indices(values: np.ndarray, width: int) -> np.ndarray:
 
 def unpack_indices(data: np.ndarray, width: int, count: int) -> np.ndarray:
     """Inverse of :func:`pack_indices` (``data`` must hold exactly the packed size)."""
+    require_items(data, (count * width + 7) // 8, "packed level indices")
     out = np.empty(count, np.uint8)
     (_unpack_par if count >= PARALLEL_MIN else _unpack_seq)(data, width, out)
     return out
@@ -496,6 +498,8 @@ def decode_levels(data: np.ndarray, width: int, levels: np.ndarray, d: int, coun
     (np.ndarray, int)
         float32 values (a bad index decodes to 0) and the number of out-of-range indices.
     """
+    require_items(data, (count * width + 7) // 8, "packed level indices")
+    require_items(levels, -(-count // d), "per-bucket levels")
     out = np.empty(count, np.float32)
     flat_levels = np.ascontiguousarray(levels).reshape(-1)
     run = _decode_par if count >= PARALLEL_MIN else _decode_seq

@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from fedquant.codecs.cpu_kernels import PARALLEL_MIN
 from fedquant.codecs.kernels import CHUNK, _pack_into, _unpack_from, uniform24
+from fedquant.wire.body import require_items
 
 _HALF = np.float32(0.5)
 _ONE32 = np.float32(1.0)
@@ -358,6 +359,13 @@ def _side(y: np.ndarray | None) -> np.ndarray:
     return np.zeros(0, np.float32) if y is None else np.ascontiguousarray(y, dtype=np.float32)
 
 
+def _require_buckets(n: int, d: int, steps: np.ndarray, nested: bool, side_info: np.ndarray | None) -> None:
+    """The kernels index ``steps`` by bucket and the side information by element, unchecked."""
+    require_items(steps, -(-n // d), "bucket steps")
+    if nested:
+        require_items(_side(side_info), n, "side information")
+
+
 def decode_packed(
     data: np.ndarray,
     n: int,
@@ -381,6 +389,8 @@ def decode_packed(
         alphabet). NDQSG needs ``side_info`` (float32, ``n`` values).
     """
     nested, levels, rho = _args(nested, levels, rho)
+    require_items(data, (n * width + 7) // 8, "packed indices")
+    _require_buckets(n, d, steps, nested, side_info)
     out = np.empty(n, np.float32)
     run = _unpack_par if n >= PARALLEL_MIN else _unpack_seq
     top = run(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
@@ -402,6 +412,7 @@ def decode_symbols(
     """Like :func:`decode_packed` from unpacked symbols (as an entropy decoder returns them)."""
     nested, levels, rho = _args(nested, levels, rho)
     codes = np.ascontiguousarray(codes, dtype=np.uint16)
+    _require_buckets(codes.size, d, steps, nested, side_info)
     out = np.empty(codes.size, np.float32)
     run = _values_par if codes.size >= PARALLEL_MIN else _values_seq
     top = run(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)

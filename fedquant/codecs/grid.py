@@ -27,7 +27,7 @@ from fedquant.codecs.base import Codec
 from fedquant.errors import PayloadError
 from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
-from fedquant.wire.body import BodyReader, BodyWriter
+from fedquant.wire.body import BodyReader, BodyWriter, require_items
 
 
 def uses_kernels(flat: torch.Tensor) -> bool:
@@ -115,15 +115,18 @@ def dequantize_packed(
     data: np.ndarray, n: int, d: int, steps: np.ndarray, levels: int, width: int, *, use_torch: bool = False
 ) -> tuple[torch.Tensor, int]:
     """Values ``(code - s) * step`` from packed symbols; also the number of symbols above ``2s``."""
+    require_items(steps, -(-n // d), "bucket steps")
     if use_torch:
         codes = torch.from_numpy(unpack_bits(data, width, n).astype(np.int32))
         return torch_dequantize(codes, d, steps, levels)
+    require_items(data, packed_size(n, width), "packed indices")
     values, bad = kernels.unpack_dequant(data, n, d, steps, levels, width)
     return torch.from_numpy(values), int(bad)
 
 
 def dequantize_codes(codes: np.ndarray, d: int, steps: np.ndarray, levels: int) -> tuple[torch.Tensor, int]:
     """Values from unpacked symbols (as an entropy decoder returns them)."""
+    require_items(steps, -(-len(codes) // d), "bucket steps")
     values, bad = kernels.codes_dequant(np.ascontiguousarray(codes, dtype=np.uint16), d, steps, levels)
     return torch.from_numpy(values), int(bad)
 

@@ -22,7 +22,7 @@ from fedquant.codecs.base import Codec
 from fedquant.codecs.grid import bucket_scales, check_padding, check_scales, effective_bucket_size
 from fedquant.codecs.params import Param
 from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
-from fedquant.wire.body import BodyReader, BodyWriter
+from fedquant.wire.body import BodyReader, BodyWriter, require_items
 
 
 class SignSGDCodec(Codec):
@@ -60,4 +60,6 @@ class SignSGDCodec(Codec):
             neg = torch.from_numpy(unpack_bits(bits, 1, numel).astype(np.bool_))
             m = torch.from_numpy(scales).repeat_interleave(d)[:numel]
             return torch.where(neg, -m, m)
+        require_items(bits, packed_size(numel, 1), "sign bits")  # the kernel does not check
+        require_items(scales, -(-numel // d), "bucket scales")
         return torch.from_numpy(kernels.sign_unpack(bits, numel, d, scales))

@@ -7,6 +7,17 @@ import numpy as np
 from fedquant.errors import PayloadError
 
 
+def require_items(array, count: int, what: str) -> None:
+    """PayloadError unless ``array`` holds at least ``count`` items.
+
+    The numba kernels do not check their indices (bounds checks would cost throughput): every
+    entry point that hands them a buffer from a payload checks its size with this first.
+    """
+    size = len(array)
+    if size < count:
+        raise PayloadError(f"{what} holds {size} items, decoding needs {count}")
+
+
 class BodyWriter:
     """Collects the sections of a body in order, without copying them."""
 

@@ -254,9 +254,11 @@ def _get_omega_long(buf, pos, end):
             return _TRUNCATED, n, pos
         if _peek(buf, pos, 1) == np.uint64(0):
             return _OK, n, pos + 1
-        width = np.int64(n) + 1
-        if width > 64:
+        # Compare before converting: a 64-bit group can read n >= 2**63, which as int64 would
+        # give a negative width that passes the bounds checks below and walks pos out of buf.
+        if n > np.uint64(63):
             return _OVERLONG, n, pos
+        width = np.int64(n) + 1
         if pos + width > end:
             return _TRUNCATED, n, pos
         if width <= 57:

@@ -46,7 +46,7 @@ PRECISION = 24  # frequencies are integers summing to 2**PRECISION
 _MAX_CODEWORD_BITS = 76  # Elias omega codeword of 2**64 - 1
 _TOTAL = 1 << PRECISION
 _STATE_LOW = np.uint64(1) << np.uint64(31)  # the state lies in [2**31, 2**63)
-_BUCKET_BITS = 16  # the decoder finds a slot's symbol from a 2**16-entry table of the slot's top bits
+_BUCKET_BITS = 16  # the decoder finds a slot's symbol from a table of up to 2**16 entries of the slot's top bits
 
 
 def quantize_counts(counts: np.ndarray, n: int) -> np.ndarray:
@@ -96,9 +96,14 @@ def _rans_encode_kernel(symbols, rank, freq, cum):
 
 
 @numba.njit(cache=True, nogil=True)
-def _rans_decode_kernel(words, out, present, freq, cum, bucket, hist):
+def _rans_decode_kernel(words, out, present, freq, cum, bucket, shift, hist):
     """Fill ``out`` with symbols; returns 0, or 1 bad initial state, 2 words run out,
-    3 words left over, 4 final state is not the initial one."""
+    3 words left over, 4 final state is not the initial one.
+
+    ``bucket[slot >> shift]`` is the first symbol whose range may hold ``slot``; the caller
+    guarantees ``bucket.size == 2**(PRECISION - shift)``, ``words.size >= 2``, ``present``,
+    ``freq`` and ``hist`` of ``k`` entries and ``cum`` of ``k + 1`` ending in ``2**PRECISION``.
+    """
     m = words.size
     x = (np.uint64(words[0]) << np.uint64(32)) | np.uint64(words[1])
     if x < _STATE_LOW or x >= (np.uint64(1) << np.uint64(63)):
@@ -107,7 +112,7 @@ def _rans_decode_kernel(words, out, present, freq, cum, bucket, hist):
     mask = np.uint64(_TOTAL - 1)
     for i in range(out.size):
         slot = x & mask
-        r = bucket[slot >> np.uint64(PRECISION - _BUCKET_BITS)]
+        r = bucket[slot >> shift]
         while np.uint64(cum[r + 1]) <= slot:
             r += 1
         x = np.uint64(freq[r]) * (x >> np.uint64(PRECISION)) + slot - np.uint64(cum[r])
@@ -277,11 +282,16 @@ def entropy_decode(data, count: int, num_symbols: int) -> np.ndarray:
     words = rest.view("<u4").astype(np.uint32)
     freq = quantize_counts(counts.astype(np.int64), count)
     cum = _cumulative(freq)
-    starts = np.arange(1 << _BUCKET_BITS, dtype=np.int64) << (PRECISION - _BUCKET_BITS)
-    bucket = np.searchsorted(cum[1:], starts, side="right").astype(np.int64)
+    # A table of about 2 entries per symbol to decode (2**8 to 2**16): its size follows the
+    # work, so a small section does not pay for a 2**16-entry table.
+    bits = min(_BUCKET_BITS, max(8, count.bit_length() + 1))
+    starts = np.arange(1 << bits, dtype=np.int64) << (PRECISION - bits)
+    bucket = np.searchsorted(cum[1:], starts, side="right")
     out = np.empty(count, dtype)
     hist = np.zeros(k, np.int64)
-    status = _rans_decode_kernel(words, out, symbols.astype(dtype), freq, cum, bucket, hist)
+    status = _rans_decode_kernel(
+        words, out, symbols.astype(dtype), freq, cum, bucket, np.uint64(PRECISION - bits), hist
+    )
     problems = {
         1: "starts from an invalid coder state",
         2: "ends before the last symbol",

@@ -1,0 +1,339 @@
+"""Mutated payloads for fuzzing: the families, their valid payloads and the mutations.
+
+A *family* is a codec spec (one per registered codec and coding it offers, plus a few wire
+variants); its *bases* are valid payloads of a handful of tensors. :func:`mutate` turns a base
+into one case: bit flips, truncation, extension, splices of two payloads, byte overwrites in
+the body, header rewrites (dtype, shape, spec, body length, version) and forged Elias / rANS
+sections behind the real bucket scales. Most mutations rebuild the envelope with a valid CRC,
+which otherwise stops almost everything before the body parsers. The harness that runs the
+cases is :mod:`benchmarks.fuzzing`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+# Mutation kinds and their weights.
+KINDS = {
+    "valid": 1,
+    "flip": 10,
+    "truncate": 5,
+    "extend": 5,
+    "splice": 7,
+    "overwrite": 17,
+    "header": 20,
+    "forge": 35,
+}
+_KIND_NAMES = list(KINDS)
+_KIND_P = np.array(list(KINDS.values()), np.float64) / sum(KINDS.values())
+_HUGE = (2**31 - 1, 2**31, 2**32, 2**40, 2**62, 2**63, 2**64 - 1)
+
+
+# ---------------------------------------------------------------------------------------------- families
+def families() -> list[str]:
+    """One codec spec per registered codec and coding it offers, plus a few wire variants."""
+    from fedquant.codecs import available_codecs, codec_class
+
+    specs: list[str] = []
+    for name in available_codecs():
+        params = codec_class(name).params
+        codings = params["coding"].choices if "coding" in params and params["coding"].choices else None
+        specs += [f"{name}:coding={c}" for c in codings] if codings else [name]
+        if "level_dtype" in params:
+            specs.append(f"{name}:level_dtype=float16")
+    # QSGD's Elias coder picks Code_s (sparse) or Code'_s (dense) per payload: force each regime.
+    specs += ["qsgd:bucket_size=0,coding=elias,levels=1", "qsgd:coding=elias,levels=1000", "signsgd:bucket_size=0"]
+    return specs
+
+
+@dataclass
+class Base:
+    """A valid payload and what its decoder is given."""
+
+    payload: bytes
+    shape: tuple[int, ...]
+    dtype: object  # torch.dtype
+    seed: int
+    side_info: object  # torch.Tensor or None
+    offset: int  # where the body's coded index section starts
+
+
+def _tensors():
+    import torch
+
+    gen = torch.Generator().manual_seed(2024)
+    sparse = torch.randn(3, 70, generator=gen) * (torch.rand(3, 70, generator=gen) < 0.2)
+    return [
+        torch.randn(300, generator=gen),
+        sparse,
+        (torch.randn(2, 3, 50, generator=gen) * 3).to(torch.float16),
+        torch.full((5,), -0.75),
+        torch.zeros(64),
+        torch.randn(1, generator=gen).to(torch.bfloat16),
+        # Values beyond float16 and (rounded) bfloat16 range: a header that rewrites the dtype must
+        # not turn them into Inf.
+        torch.randn(40, generator=gen) * 1e5,
+        torch.tensor([3.3e38, -3.3e38, 1.0, 0.0]),
+    ]
+
+
+def coded_offset(codec, numel: int) -> int:
+    """Byte offset of the index section in a body: after the per-bucket scales, steps or levels."""
+    from fedquant.codecs.level_codec import LEVEL_DTYPES, LevelCodec
+
+    size = getattr(codec, "bucket_size", None)
+    if size is None:
+        return 0  # fp32 / fp16: no index section
+    nb = -(-numel // (size if size > 0 else max(numel, 1)))
+    if isinstance(codec, LevelCodec):
+        return nb * codec.num_levels() * np.dtype(LEVEL_DTYPES[codec.level_dtype]).itemsize
+    return nb * 4
+
+
+def bases(spec: str) -> tuple[object, list[Base]]:
+    """The codec of a family and its valid payloads (deterministic)."""
+    import torch
+
+    from fedquant.codecs import get_codec
+
+    codec = get_codec(spec)
+    out = []
+    for j, x in enumerate(_tensors()):
+        side = None
+        if codec.needs_side_info:
+            gen = torch.Generator().manual_seed(99 + j)
+            side = x.float() + 0.01 * torch.randn(x.shape, generator=gen)
+        seed = 1000 + j
+        try:
+            payload = codec.encode(x, seed=seed)
+        except ValueError:  # beyond what this codec sends (float16 levels of 3e38): not a base
+            continue
+        out.append(Base(payload, tuple(x.shape), x.dtype, seed, side, coded_offset(codec, x.numel())))
+    return codec, out
+
+
+# ---------------------------------------------------------------------------------------------- envelopes
+_FIXED = struct.Struct("<2sBBBH")
+
+
+def envelope(
+    spec: bytes,
+    dtype_code: int,
+    shape: tuple[int, ...],
+    body: bytes,
+    *,
+    version: int | None = None,
+    body_len: int | None = None,
+    ndim: int | None = None,
+) -> bytes:
+    """A payload envelope with any field values (even invalid ones) and a correct CRC-32."""
+    from fedquant.wire.payload import FORMAT_VERSION, MAGIC
+
+    head = b"".join(
+        [
+            _FIXED.pack(
+                MAGIC,
+                FORMAT_VERSION if version is None else version,
+                dtype_code,
+                len(shape) if ndim is None else ndim,
+                len(spec),
+            ),
+            b"".join(struct.pack("<Q", min(int(d), 2**64 - 1)) for d in shape),
+            spec,
+            struct.pack("<Q", len(body) if body_len is None else body_len),
+            body,
+        ]
+    )
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def reseal(data: bytes) -> bytes:
+    """Recompute the trailing CRC-32 after tampering."""
+    return data[:-4] + struct.pack("<I", zlib.crc32(data[:-4])) if len(data) >= 4 else data
+
+
+def _fields(payload: bytes) -> tuple[bytes, int, tuple[int, ...], bytes]:
+    from fedquant.wire.payload import DTYPE_CODES, read_payload
+
+    p = read_payload(payload)
+    return p.spec.encode(), DTYPE_CODES[p.dtype], p.shape, bytes(p.body)
+
+
+# ---------------------------------------------------------------------------------------------- mutations
+def _bits_to_bytes(bits: str, pad: str) -> bytes:
+    bits += pad * (-len(bits) % 8)
+    return int(bits, 2).to_bytes(len(bits) // 8, "big") if bits else b""
+
+
+def _omega_bits(rng: np.random.Generator, count: int) -> str:
+    """Codewords of random values (small to 64-bit) as a bit string."""
+    from fedquant.wire.elias import elias_omega_encode
+
+    top = rng.choice([4, 64, 2**16, 2**40, 2**63])
+    values = rng.integers(1, top, count, dtype=np.uint64, endpoint=True)
+    data, nbits = elias_omega_encode(values)
+    return "".join(format(b, "08b") for b in data.tobytes())[:nbits]
+
+
+def forged_elias(rng: np.random.Generator) -> bytes:
+    """Bit strings that walk the Elias readers' slow paths: long groups, runs of ones, bombs."""
+    pieces = []
+    for _ in range(int(rng.integers(1, 6))):
+        r = rng.random()
+        if r < 0.3:
+            pieces.append(_omega_bits(rng, int(rng.integers(1, 8))))
+        elif r < 0.5:
+            pieces.append("1" * int(rng.integers(1, 120)))
+        elif r < 0.7:  # group lengths 2, 3, 6, 64: a 64-bit group, then one more group
+            tail = "".join(rng.choice(["0", "1"], 63))
+            pieces.append("10" + "101" + "111111" + "1" + tail)
+        else:
+            pieces.append("".join(rng.choice(["0", "1"], int(rng.integers(1, 80)))))
+    return _bits_to_bytes("".join(pieces), str(rng.integers(0, 2)))
+
+
+def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
+    """A count table (consistent with ``count`` or not) followed by random rANS words."""
+    from fedquant.wire.elias import elias_omega_encode
+
+    k = int(rng.choice([1, 2, 2, 3, 5, int(rng.integers(1, 2000))]))
+    gaps = rng.integers(1, 4, k)
+    if rng.random() < 0.6 and count >= k:  # counts that sum to the expected count
+        cuts = np.sort(rng.choice(np.arange(1, count), k - 1, replace=False)) if k > 1 else np.array([], int)
+        counts = np.diff(np.concatenate([[0], cuts, [count]]))
+    else:
+        counts = rng.integers(1, rng.choice([4, 2**20, 2**38]), k, dtype=np.int64)
+    table = np.empty(1 + 2 * k, np.int64)
+    table[0], table[1::2], table[2::2] = k, gaps, counts
+    head, _ = elias_omega_encode(table)
+    nwords = int(rng.choice([0, 1, 2, 3, int(rng.integers(0, 40))]))
+    words = rng.integers(0, 2**32, nwords, dtype=np.uint64).astype("<u4")
+    if nwords >= 2 and rng.random() < 0.5:  # a valid initial state in [2**31, 2**63)
+        words[0] = rng.integers(1, 2**31)
+    return head.tobytes() + words.tobytes()
+
+
+def _forge_body(rng: np.random.Generator, spec: str, base: Base, body: bytes) -> bytes:
+    numel = math.prod(base.shape)
+    prefix = body[: base.offset]
+    r = rng.random()
+    if "coding=elias" in spec:
+        variant = bytes([int(rng.choice([0, 1, 0, 1, int(rng.integers(0, 256))]))])
+        return prefix + variant + forged_elias(rng)
+    if "coding=entropy" in spec:
+        return prefix + (forged_entropy(rng, numel) if r < 0.7 else forged_elias(rng))
+    # fixed width: random index bytes of about the right length
+    length = max(0, len(body) - base.offset + int(rng.integers(-2, 3)))
+    return prefix + rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+
+
+def _rewrite_shape(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[int, ...]:
+    dims = list(shape)
+    r = rng.random()
+    n = math.prod(shape)
+    if r < 0.2:
+        return (n,) if rng.random() < 0.5 else (1, n)
+    if r < 0.35 and dims:
+        i = int(rng.integers(len(dims)))
+        dims[i] = max(0, dims[i] + int(rng.choice([-1, 1, 8])))
+    elif r < 0.55 and dims:
+        dims[int(rng.integers(len(dims)))] = int(rng.choice(_HUGE))
+        if rng.random() < 0.5:
+            dims.insert(int(rng.integers(len(dims) + 1)), 0)
+    elif r < 0.7:
+        dims.insert(int(rng.integers(len(dims) + 1)), int(rng.choice([0, 1, 2, 3])))
+    elif r < 0.8:
+        dims = dims[:-1]
+    elif r < 0.9:
+        dims = [int(rng.integers(0, 4)) for _ in range(int(rng.integers(0, 10)))]
+    else:
+        rng.shuffle(dims)
+    return tuple(dims)
+
+
+def _rewrite_spec(rng: np.random.Generator, spec: bytes, all_specs: list[str]) -> bytes:
+    r = rng.random()
+    if r < 0.4:
+        return str(rng.choice(all_specs)).encode()
+    if r < 0.7 and b"=" in spec:  # change one digit of a parameter value
+        digits = [i for i, c in enumerate(spec) if chr(c).isdigit()]
+        if digits:
+            i = int(rng.choice(digits))
+            return spec[:i] + str(rng.integers(0, 10)).encode() + spec[i + 1 :]
+    if r < 0.85:
+        return spec[: int(rng.integers(0, len(spec) + 1))]
+    i = int(rng.integers(len(spec)))
+    return spec[:i] + bytes([int(rng.integers(0, 256))]) + spec[i + 1 :]
+
+
+def mutate(rng: np.random.Generator, spec: str, base: Base, other: Base, all_specs: list[str]) -> tuple[str, bytes]:
+    """One mutated payload of ``base``: ``(kind, bytes)``."""
+    kind = _KIND_NAMES[int(rng.choice(len(_KIND_NAMES), p=_KIND_P))]
+    data = base.payload
+    spec_b, dtype_code, shape, body = _fields(data)
+    seal = rng.random() < 0.85  # mostly recompute the CRC, so the mutation reaches the parsers
+    if kind == "valid":
+        return kind, data
+    if kind == "flip":
+        raw = bytearray(data)
+        lo = 0 if rng.random() < 0.3 else len(data) - 4 - len(body)  # mostly in the body
+        for _ in range(int(rng.integers(1, 9))):
+            bit = int(rng.integers(lo * 8, (len(data) - 4) * 8))
+            raw[bit // 8] ^= 0x80 >> (bit % 8)
+        return kind, reseal(bytes(raw)) if seal else bytes(raw)
+    if kind == "truncate":
+        cut = int(rng.integers(0, len(body) + 1))
+        if seal:
+            return kind, envelope(spec_b, dtype_code, shape, body[:cut])
+        return kind, data[: int(rng.integers(0, len(data)))]
+    if kind == "extend":
+        extra = rng.integers(0, 256, int(rng.choice([1, 3, 4, 8, int(rng.integers(1, 200))])), dtype=np.uint8)
+        if rng.random() < 0.5:
+            extra[:] = 0
+        if seal:
+            return kind, envelope(spec_b, dtype_code, shape, body + extra.tobytes())
+        return kind, data + extra.tobytes()
+    if kind == "splice":
+        o_body = _fields(other.payload)[3]
+        cut_a = int(rng.integers(0, len(body) + 1))
+        cut_b = int(rng.integers(0, len(o_body) + 1))
+        if seal:
+            return kind, envelope(spec_b, dtype_code, shape, body[:cut_a] + o_body[cut_b:])
+        head_a = len(data) - 4 - len(body)
+        head_b = len(other.payload) - 4 - len(o_body)
+        return kind, data[: head_a + cut_a] + other.payload[head_b + cut_b :]
+    if kind == "overwrite":
+        raw = bytearray(body)
+        for _ in range(int(rng.integers(1, 6))):
+            if not raw:
+                break
+            i = int(rng.integers(len(raw)))
+            run = int(rng.integers(1, 9))
+            value = int(rng.choice([0, 0xFF, 0x7F, 0x80, int(rng.integers(0, 256))]))
+            raw[i : i + run] = bytes([value]) * len(raw[i : i + run])
+        return kind, envelope(spec_b, dtype_code, shape, bytes(raw))
+    if kind == "header":
+        version = body_len = ndim = None
+        for _ in range(int(rng.integers(1, 3))):
+            field_ = rng.choice(["dtype", "shape", "shape", "spec", "body_len", "version", "ndim"])
+            if field_ == "dtype":
+                dtype_code = int(rng.integers(0, 4)) if rng.random() < 0.9 else int(rng.integers(4, 256))
+            elif field_ == "shape":
+                shape = _rewrite_shape(rng, shape)
+            elif field_ == "spec":
+                spec_b = _rewrite_spec(rng, spec_b, all_specs)
+            elif field_ == "body_len":
+                body_len = max(0, len(body) + int(rng.choice([-8, -1, 1, 4, 2**32])))
+            elif field_ == "version":
+                version = int(rng.integers(0, 256))
+            else:
+                ndim = int(rng.integers(0, 256))
+        if rng.random() < 0.3:  # and keep a body that matches the new header's element count
+            body = _fields(other.payload)[3]
+        return kind, envelope(spec_b, dtype_code, shape[:20], body, version=version, body_len=body_len, ndim=ndim)
+    return kind, envelope(spec_b, dtype_code, shape, _forge_body(rng, spec, base, body))

@@ -1,0 +1,71 @@
+"""Fuzzing every codec's decoder with mutated payloads, in worker subprocesses (a crash fails the test).
+
+The mutator (:mod:`benchmarks.fuzz_mutations`) and the harness (:mod:`benchmarks.fuzzing`) are shared with ``python -m
+benchmarks.fuzz`` (100,000 cases and more); here a fixed-seed sample of every family runs in
+two workers, and a self-test shows that the harness does report a crash, a hang and an Inf.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.fuzz_mutations import KINDS, bases, families, mutate
+from benchmarks.fuzzing import FAILURES, canonical_specs, run_fuzz
+from fedquant.errors import PayloadError
+
+CASES_PER_FAMILY = 60
+
+
+def test_every_codec_and_coding_is_a_family():
+    from fedquant.codecs import available_codecs, codec_class
+
+    specs = families()
+    for name in available_codecs():
+        params = codec_class(name).params
+        codings = params["coding"].choices if "coding" in params else ("fixed",)
+        for coding in codings:
+            assert any(s.split(":")[0] == name and (coding == "fixed" or f"coding={coding}" in s) for s in specs)
+
+
+def test_mutations_mostly_pass_the_envelope_and_reach_the_body():
+    """Most mutated payloads must get past the CRC and header checks, or the fuzzer tests little."""
+    from fedquant.wire.payload import read_payload
+
+    spec = "qsgd:coding=entropy"
+    _, valid = bases(spec)
+    all_specs = canonical_specs(families())
+    rng = np.random.default_rng(5)
+    kinds, parsed = [], 0
+    for _ in range(400):
+        kind, data = mutate(rng, spec, valid[int(rng.integers(len(valid)))], valid[0], all_specs)
+        kinds.append(kind)
+        try:
+            read_payload(data)
+            parsed += 1
+        except PayloadError:
+            pass
+    assert set(kinds) == set(KINDS)
+    assert parsed > 0.6 * len(kinds)
+
+
+def test_no_payload_crashes_hangs_or_escapes_as_another_error():
+    specs = families()
+    report = run_fuzz(CASES_PER_FAMILY * len(specs), seed=1, workers=2, specs=specs, case_timeout=60.0)
+    assert not report.worker_errors
+    assert report.total == CASES_PER_FAMILY * len(specs)
+    assert not report.failures, "\n".join(f"{o} {s} case {i}: {d}" for s, i, o, d in report.failures[:20])
+    for spec in specs:
+        counts = report.counts[spec]
+        # Both outcomes occur in every family: the valid payloads and harmless mutations decode,
+        # the rest is rejected. A family that only ever errors would mean a broken harness.
+        assert counts["ok-finite"] > 0 and counts["payload-error"] > 0, (spec, dict(counts))
+
+
+def test_harness_reports_crash_hang_and_nonfinite():
+    spec = "fp32"  # no kernels to load: the three worker starts stay short
+    inject = {"crash": [spec, 3], "hang": [spec, 7], "nonfinite": [spec, 0]}
+    report = run_fuzz(12, seed=1, workers=1, specs=[spec], case_timeout=5.0, inject=inject)
+    outcomes = {(i, o) for s, i, o, _ in report.failures}
+    assert outcomes == {(3, "crash"), (7, "hang"), (0, "nonfinite")}, report.failures
+    assert report.total == 12  # the cases after the crash and the hang still ran
+    assert set(FAILURES) >= {o for _, o in outcomes}
