@@ -149,8 +149,16 @@ def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="sim_scale_"))
     marks: dict[str, float] = {}
     server_app = waiting_server_app(
-        args.clients, marks, codec=args.codec, dataset=args.dataset, model=args.model, rounds=args.rounds,
-        fraction_train=args.per_round / args.clients, local_epochs=1, min_local_steps=0, out_dir=str(out),
+        args.clients,
+        marks,
+        codec=args.codec,
+        dataset=args.dataset,
+        model=args.model,
+        rounds=args.rounds,
+        fraction_train=args.per_round / args.clients,
+        local_epochs=1,
+        min_local_steps=0,
+        out_dir=str(out),
         run_name="scale",
     )  # fmt: skip  (one local epoch as measured: the app's min-local-steps would make it 30 steps)
     backend = {"client_resources": {"num_cpus": args.num_cpus, "num_gpus": 0.0}, "init_args": RAY_INIT_ARGS}
