@@ -31,20 +31,14 @@ if __package__ in (None, ""):
 
 from benchmarks.fuzz_mutations import families
 from benchmarks.fuzzing import FAILURES, Report, replay, run_fuzz
+from benchmarks.specs import parse_codec_list
 
 
 def _parse_families(text: str | None) -> list[str] | None:
-    """``;``-separated specs; a ``,`` item without ``=`` also starts a new spec."""
-    if not text:
+    """``--families`` split as ``--codecs`` (:func:`benchmarks.specs.parse_codec_list`), checked against the known."""
+    out = parse_codec_list(text)
+    if out is None:
         return None
-    out: list[str] = []
-    for part in text.split(";"):
-        for item in part.split(","):
-            item = item.strip()
-            if item and "=" in item and ":" not in item and out:
-                out[-1] += "," + item
-            elif item:
-                out.append(item)
     known = families()
     unknown = [s for s in out if s not in known]
     if unknown:

@@ -22,7 +22,7 @@ from flwr.simulation import run_simulation
 
 from fedquant.clients import quantize_mod
 from fedquant.strategies import QuantizedStrategy
-from tests.flower_fakes import MIN_NUMEL, evaluate, global_loss, initial_arrays, train
+from tests.flower_fakes import MIN_NUMEL, evaluate, global_loss, initial_arrays, train, wait_for_nodes
 
 NUM_NODES = 4
 ROUNDS = 2
@@ -56,9 +56,7 @@ def _strategy() -> QuantizedStrategy:
 
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
-    deadline = time.monotonic() + 120
-    while len(list(grid.get_node_ids())) < NUM_NODES and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for_nodes(grid, NUM_NODES)
     warm_up = _strategy().start(grid, initial_arrays(), num_rounds=1, train_config=ConfigRecord({"faults": 0}))
     started = time.monotonic()
     result = _strategy().start(

@@ -7,6 +7,7 @@ rounds of ``Strategy.start`` in milliseconds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -155,3 +156,12 @@ def raw_array_bytes(message: Message) -> int:
         return 0
     records = message.content.array_records.values()
     return sum(len(key) + len(array.data) for record in records for key, array in record.items())
+
+
+def wait_for_nodes(grid, count: int, limit_s: float = 120.0) -> None:
+    """All nodes must be connected before sampling, or round 1 samples fewer of them."""
+    deadline = time.monotonic() + limit_s
+    while len(list(grid.get_node_ids())) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(grid.get_node_ids()))} of {count} nodes connected")
+        time.sleep(0.2)

@@ -59,6 +59,17 @@ def test_probe_predicts_the_reply_bytes_of_fixed_width_codecs(spec):
     assert grid.train_reply_bytes[0] == NUM_NODES * probe_reply_bytes(get_codec(spec), initial_arrays(), MIN_NUMEL)
 
 
+def _deadline_strategy(bandwidth: dict[int, float]) -> QuantizedStrategy:
+    return QuantizedStrategy(
+        FedAvg(min_available_nodes=NUM_NODES),
+        "qsgd:levels=16",
+        seed=1,
+        min_numel=MIN_NUMEL,
+        uplink_bandwidth=bandwidth.__getitem__,
+        upload_deadline_seconds=DEADLINE,
+    )
+
+
 def test_deadline_gives_each_client_the_finest_setting_its_link_allows():
     ladder = rate_ladder(get_codec("qsgd:levels=16"))
     size = {setting_value(c): probe_reply_bytes(c, initial_arrays(), MIN_NUMEL) for c in ladder}
@@ -70,14 +81,7 @@ def test_deadline_gives_each_client_the_finest_setting_its_link_allows():
         104: size[1] / DEADLINE * 0.9,
     }
     log = CodecLog()
-    strategy = QuantizedStrategy(
-        FedAvg(min_available_nodes=NUM_NODES),
-        "qsgd:levels=16",
-        seed=1,
-        min_numel=MIN_NUMEL,
-        uplink_bandwidth=bandwidth.__getitem__,
-        upload_deadline_seconds=DEADLINE,
-    )
+    strategy = _deadline_strategy(bandwidth)
     result = strategy.start(_grid(log), initial_arrays(), num_rounds=3)
     for server_round in (1, 2, 3):
         chosen = {n: get_codec(s).config["levels"] for n, s in log.specs[server_round - 1].items()}
@@ -135,17 +139,9 @@ def test_bad_budget_options_fail_at_construction(kwargs, message):
 
 
 def test_a_dead_or_unknown_link_gets_the_coarsest_setting_and_misses_the_deadline():
-    # Not 0.0: simulated-upload-seconds (computed in _decode_replies) divides by the speed.
-    bandwidth = {101: 1e-3, 102: 1e9, 103: float("nan"), 104: 1e9}
+    bandwidth = {101: 0.0, 102: 1e9, 103: float("nan"), 104: 1e9}  # 0 and NaN: infinite upload time
     log = CodecLog()
-    strategy = QuantizedStrategy(
-        FedAvg(min_available_nodes=NUM_NODES),
-        "qsgd:levels=16",
-        seed=1,
-        min_numel=MIN_NUMEL,
-        uplink_bandwidth=bandwidth.__getitem__,
-        upload_deadline_seconds=DEADLINE,
-    )
+    strategy = _deadline_strategy(bandwidth)
     m = strategy.start(_grid(log), initial_arrays(), num_rounds=1).train_metrics_clientapp[1]
     assert {n: get_codec(s).config["levels"] for n, s in log.specs[0].items()} == {101: 1, 102: 16, 103: 1, 104: 16}
     assert m["deadline-met-fraction"] == 0.5 and m["rejected-replies"] == 0

@@ -16,7 +16,6 @@ The clients report what they measured in their ``client-info`` ConfigRecord.
 from __future__ import annotations
 
 import hashlib
-import time
 
 import numpy as np
 import pytest
@@ -35,7 +34,7 @@ from simulations.links import parse_uplink
 from simulations.models import build_model
 from simulations.server_app import SeededFedAvg, run_server
 from simulations.settings import CLIENT_INFO_KEY, SimSettings
-from tests.flower_fakes import raw_array_bytes
+from tests.flower_fakes import raw_array_bytes, wait_for_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -117,14 +116,6 @@ class DigestStrategy(QuantizedStrategy):
         return super().aggregate_train(server_round, replies)
 
 
-def _wait_for_nodes(grid: Grid, count: int, limit_s: float = 120.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while len(list(grid.get_node_ids())) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(list(grid.get_node_ids()))} of {count} nodes connected")
-        time.sleep(0.2)
-
-
 RESULTS: dict = {}
 
 
@@ -133,7 +124,7 @@ def _make_server_app(out_dir: str) -> ServerApp:
 
     @server_app.main()
     def _main(grid: Grid, context) -> None:
-        _wait_for_nodes(grid, NUM_NODES)
+        wait_for_nodes(grid, NUM_NODES)
         settings = SimSettings(codec=CODEC, local_epochs=1, out_dir=out_dir)
         test = load_test_set(settings.dataset)
         model = build_model(settings.model, test.input_shape, test.num_classes, seed=settings.seed)

@@ -8,8 +8,6 @@ which also shows that the mod leaves plain strategies alone.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from flwr.app import Message
@@ -19,7 +17,7 @@ from flwr.simulation import run_simulation
 
 from fedquant.clients import quantize_mod
 from fedquant.strategies import QuantizedStrategy
-from tests.flower_fakes import MIN_NUMEL, global_loss, initial_arrays, make_client_app, raw_array_bytes
+from tests.flower_fakes import MIN_NUMEL, global_loss, initial_arrays, make_client_app, raw_array_bytes, wait_for_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -53,22 +51,13 @@ class RecordingGrid:
         return replies
 
 
-def _wait_for_nodes(grid: Grid, count: int, limit_s: float = 120.0) -> None:
-    """All nodes must be connected before sampling, or round 1 samples fewer of them."""
-    deadline = time.monotonic() + limit_s
-    while len(list(grid.get_node_ids())) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(list(grid.get_node_ids()))} of {count} nodes connected")
-        time.sleep(0.2)
-
-
 RESULTS: dict = {}
 server_app = ServerApp()
 
 
 @server_app.main()
 def _main(grid: Grid, context) -> None:
-    _wait_for_nodes(grid, NUM_NODES)
+    wait_for_nodes(grid, NUM_NODES)
     for name, make in STRATEGIES.items():
         RESULTS[name, "plain"] = make().start(grid, initial_arrays(), num_rounds=ROUNDS)
         wrapped = QuantizedStrategy(make(), "fp32", seed=3, min_numel=MIN_NUMEL)
