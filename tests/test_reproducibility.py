@@ -178,3 +178,24 @@ def test_a_client_info_with_a_bad_partition_id_does_not_stop_the_run(tmp_path):
     config = {"rounds": 1, "fraction-train": 1.0, "local-epochs": 1, "min-local-steps": 0, "codec": "fp32"}
     history = run_server(grid, config, out_dir=str(tmp_path), run_name="lie")
     assert len(history.rounds) == 2 and history.rounds[1]["rejected-replies"] == 0
+
+
+class GrowingGrid:
+    """A grid whose registered nodes appear in batches, as the simulation engine registers them."""
+
+    def __init__(self, batches: list[int]) -> None:
+        self.batches = batches
+        self.calls = 0
+
+    def get_node_ids(self) -> list[int]:
+        self.calls += 1
+        count = self.batches[min(self.calls // 3, len(self.batches) - 1)]
+        return list(range(count))
+
+
+def test_round_one_waits_until_registration_settles():
+    """Sampling from a half-registered federation would differ between runs."""
+    grid = GrowingGrid([10, 4000, 8362, 10_000])
+    assert PartitionDirectory().wait_for_registration(grid, settle_seconds=0.5) == 10_000
+    stuck = GrowingGrid([5, 6, 7, 8, 9, 10, 11, 12])  # never settles within the limit: give up, do not hang
+    assert PartitionDirectory().wait_for_registration(stuck, settle_seconds=5.0, limit_seconds=0.5) < 12
