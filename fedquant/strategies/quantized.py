@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -321,17 +321,10 @@ class QuantizedStrategy(Strategy):
         """
         traffic = plan.traffic
         rules = self.admission
-        weight_key = weight_key_of(self.strategy)
         content_replies = [r for r in replies if not r.has_error()]
-        copies = Counter(r.metadata.src_node_id for r in content_replies)
         client_metrics = {id(r): _pop_client_metrics(r.content) for r in content_replies}
-        consensus = rules.consensus_keys(
-            [r.content for r in content_replies if r.metadata.src_node_id in plan.sent], weight_key
-        )
-        by_node: dict[int, Message] = {}
         bytes_of: dict[int, int] = {}
-        arrival: list[int] = []
-        for reply in content_replies:
+        for reply in content_replies:  # every reply that arrived counts as uplink, admitted or not
             node_id = reply.metadata.src_node_id
             reply_bytes = content_bytes(reply.content)
             sent = plan.sent.get(node_id)
@@ -342,18 +335,11 @@ class QuantizedStrategy(Strategy):
             )
             if self.uplink_bandwidth is not None and sent is not None:
                 traffic.upload_seconds.append(transfer_seconds(reply_bytes, self.uplink_bandwidth(node_id)))
-            if sent is None:
-                problem = (REASON_UNEXPECTED, "the node was not sent a train message this round")
-            elif node_id in by_node or (rules.reject_duplicates and copies[node_id] > 1):
-                problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} replies this round")
-            else:
-                problem = rules.check_metrics(reply.content, weight_key, consensus)
-            if problem is not None:
-                self._reject(server_round, node_id, problem, traffic)
-                continue
-            by_node[node_id] = reply
-            bytes_of[node_id] = reply_bytes
-            arrival.append(node_id)
+            bytes_of.setdefault(node_id, reply_bytes)
+        by_node = {
+            r.metadata.src_node_id: r for r in self._screen(server_round, content_replies, plan.sent, "train", traffic)
+        }
+        arrival = list(by_node)
 
         accepted: set[int] = set()
         side = self.decode_plan.side_information()
@@ -391,6 +377,39 @@ class QuantizedStrategy(Strategy):
                     accept(node_id, decoded)
         traffic.decode_seconds = time.perf_counter() - start
         return accepted
+
+    def _screen(
+        self,
+        server_round: int,
+        content_replies: list[Message],
+        expected: Container[int] | None,
+        kind: str,
+        traffic: RoundTraffic | None,
+    ) -> Iterator[Message]:
+        """Yield the replies whose sender and metrics pass the admission rules; reject the others.
+
+        A reply from a node not in ``expected`` (None: any node) or from a node that replied more
+        than once is dropped, as is one whose MetricRecord fails :meth:`AdmissionRules.check_metrics`
+        against the key set most of the expected nodes' replies carry.
+        """
+        rules, weight_key = self.admission, weight_key_of(self.strategy)
+        copies = Counter(r.metadata.src_node_id for r in content_replies)
+        peers = [r.content for r in content_replies if expected is None or r.metadata.src_node_id in expected]
+        consensus = rules.consensus_keys(peers, weight_key)
+        seen: set[int] = set()
+        for reply in content_replies:
+            node_id = reply.metadata.src_node_id
+            if expected is not None and node_id not in expected:
+                problem = (REASON_UNEXPECTED, f"the node was not sent a {kind} message this round")
+            elif node_id in seen or (rules.reject_duplicates and copies[node_id] > 1):
+                problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} {kind} replies this round")
+            else:
+                problem = rules.check_metrics(reply.content, weight_key, consensus)
+            seen.add(node_id)
+            if problem is None:
+                yield reply
+            else:
+                self._reject(server_round, node_id, problem, traffic)
 
     def _decode_one(
         self, server_round: int, node_id: int, reply: Message, plan: _RoundPlan, side: SideInformation
@@ -474,26 +493,11 @@ class QuantizedStrategy(Strategy):
         node is dropped alone (logged) instead of aborting the round in the inner strategy.
         """
         replies = list(replies)
-        asked = self._evaluated.pop(server_round, None)
-        rules, weight_key = self.admission, weight_key_of(self.strategy)
         content_replies = [r for r in replies if not r.has_error()]
-        copies = Counter(r.metadata.src_node_id for r in content_replies)
-        consensus = rules.consensus_keys([r.content for r in content_replies], weight_key)
-        survivors, seen, dropped = [r for r in replies if r.has_error()], set(), 0
-        for reply in content_replies:
-            node_id = reply.metadata.src_node_id
-            if asked is not None and node_id not in asked:
-                problem = (REASON_UNEXPECTED, "the node was not sent an evaluate message this round")
-            elif node_id in seen or (rules.reject_duplicates and copies[node_id] > 1):
-                problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} evaluate replies this round")
-            else:
-                problem = rules.check_metrics(reply.content, weight_key, consensus)
-            seen.add(node_id)
-            if problem is None:
-                survivors.append(reply)
-            else:
-                dropped += 1
-                self._reject(server_round, node_id, problem, None)
+        asked = self._evaluated.pop(server_round, None)
+        admitted = list(self._screen(server_round, content_replies, asked, "evaluate", None))
+        survivors = [r for r in replies if r.has_error()] + admitted
+        dropped = len(content_replies) - len(admitted)
         metrics = None
         if any(not r.has_error() for r in survivors):
             metrics = self.strategy.aggregate_evaluate(server_round, survivors)
