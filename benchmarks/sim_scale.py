@@ -103,7 +103,10 @@ def numba_cache_in_fresh_worker(codec: str, numel: int) -> dict[str, int]:
         import torch
         from numba.core.registry import CPUDispatcher
 
-        from fedquant.codecs import cpu_kernels, dither_kernels, get_codec, kernels
+        from fedquant.codecs import get_codec
+        from fedquant.codecs.kernels import dither as dither_kernels
+        from fedquant.codecs.kernels import grid as kernels
+        from fedquant.codecs.kernels import levels as cpu_kernels
 
         codec_obj = get_codec(spec)
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))

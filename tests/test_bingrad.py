@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedquant.codecs import cpu_kernels, get_codec
+from fedquant.codecs import get_codec
 from fedquant.codecs import levels as L
+from fedquant.codecs.kernels import levels as cpu_kernels
 from fedquant.codecs.rounding import nearest_of_two
 from fedquant.wire import read_payload
 from fedquant.wire.bitpack import packed_size

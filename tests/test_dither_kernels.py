@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedquant.codecs import get_codec
-from fedquant.codecs.cpu_kernels import PARALLEL_MIN
+from fedquant.codecs.kernels.common import PARALLEL_MIN
 from fedquant.rng import uniform
 from tests.helpers import sample_tensor
 
@@ -181,7 +181,7 @@ def test_paths_agree_on_inputs_at_rounding_ties(spec, levels, alpha, top):
 
 @pytest.mark.parametrize("n", [5, PARALLEL_MIN + 3])
 def test_side_info_finiteness_check(n):
-    from fedquant.codecs import dither_kernels
+    from fedquant.codecs.kernels import dither as dither_kernels
 
     y = np.full(n, np.finfo(np.float32).max, np.float32)
     y[0] = -np.finfo(np.float32).max

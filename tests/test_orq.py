@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fedquant import PayloadError
-from fedquant.codecs import cpu_kernels, get_codec, level_codec
+from fedquant.codecs import get_codec, level_codec
 from fedquant.codecs import levels as L
+from fedquant.codecs.kernels import levels as cpu_kernels
 from fedquant.codecs.rounding import gather_levels, random_round
 from fedquant.rng import stream_key
 from fedquant.wire import read_payload, write_payload

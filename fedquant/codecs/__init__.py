@@ -1,11 +1,14 @@
 """Gradient codecs: pure tensor <-> bytes, no Flower import.
 
+A codec is a pipeline of stages (see ``docs/ARCHITECTURE.md``): transforms, a quantizer, a
+symbol coder and the payload envelope. Spec strings name the transforms, outermost first, then
+the quantizer with its parameters (``coding`` picks the symbol coder)::
+
 >>> from fedquant.codecs import get_codec
 >>> codec = get_codec("qsgd:levels=16,bucket_size=512")
 >>> payload = codec.encode(x, seed=1234)
 >>> x_hat = codec.decode(payload, seed=1234)
-
-A spec prefixed with ``ef+`` (``"ef+signsgd"``) wraps the codec in error feedback.
+>>> get_codec("ef+qsgd:levels=7,coding=entropy")     # error feedback in front (client state)
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fedquant.codecs.base import Codec
-from fedquant.codecs.params import Param, parse_spec
+from fedquant.codecs.codec import Codec
+from fedquant.codecs.params import Param, parse_spec, split_transforms
+from fedquant.codecs.quantizers.base import Quantizer
+from fedquant.codecs.transforms.base import StatefulTransform, Transform
 
 # name -> "module:class"; modules are imported on first use.
-_REGISTRY: dict[str, str] = {
-    "fp32": "fedquant.codecs.floats:Float32Codec",
-    "fp16": "fedquant.codecs.floats:Float16Codec",
+_QUANTIZERS: dict[str, str] = {
+    "fp32": "fedquant.codecs.quantizers.floats:Float32Quantizer",
+    "fp16": "fedquant.codecs.quantizers.floats:Float16Quantizer",
     "qsgd": "fedquant.codecs.qsgd:QSGDCodec",
     "terngrad": "fedquant.codecs.terngrad:TernGradCodec",
     "signsgd": "fedquant.codecs.signsgd:SignSGDCodec",
@@ -30,54 +35,94 @@ _REGISTRY: dict[str, str] = {
     "dqsg": "fedquant.codecs.dithered:DQSGCodec",
     "ndqsg": "fedquant.codecs.dithered:NDQSGCodec",
 }
+_TRANSFORMS: dict[str, str] = {
+    "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
+}
 EF_PREFIX = "ef+"
 
 
+def _load(path: str) -> type:
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def available_codecs() -> list[str]:
-    """Names of all codecs, in the order of the registry."""
-    return list(_REGISTRY)
+    """Names of all quantizers, in the order of the registry."""
+    return list(_QUANTIZERS)
 
 
-def codec_class(name: str) -> type[Codec]:
-    """The class registered under ``name``.
+def available_transforms() -> list[str]:
+    """Names of all transforms (``"ef"``, ...), usable as ``name+`` prefixes of a spec."""
+    return list(_TRANSFORMS)
+
+
+def codec_class(name: str) -> type[Quantizer]:
+    """The quantizer class registered under ``name``.
 
     Raises
     ------
     ValueError
-        If no codec has that name.
+        If no quantizer has that name.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown codec {name!r}; available: {', '.join(_REGISTRY)}")
-    module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    if name not in _QUANTIZERS:
+        raise ValueError(f"unknown codec {name!r}; available: {', '.join(_QUANTIZERS)}")
+    return _load(_QUANTIZERS[name])
+
+
+def transform_class(name: str) -> type[Transform | StatefulTransform]:
+    """The transform class registered under ``name``.
+
+    Raises
+    ------
+    ValueError
+        If no transform has that name.
+    """
+    if name not in _TRANSFORMS:
+        raise ValueError(f"unknown transform {name + '+'!r}; available: {', '.join(t + '+' for t in _TRANSFORMS)}")
+    return _load(_TRANSFORMS[name])
 
 
 def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
-    """Build a codec from a name or spec string, with keyword parameters taking precedence.
+    """Build a codec from a spec string, with keyword parameters (of the quantizer) taking precedence.
 
     Parameters
     ----------
     name_or_spec : str or Codec
-        ``"qsgd"``, ``"qsgd:levels=16,bucket_size=512"``, ``"ef+signsgd"``, or a codec (returned
-        as is when no parameters are given).
+        ``"qsgd"``, ``"qsgd:levels=16,bucket_size=512"``, ``"ef+signsgd"``,
+        ``"ef+rht+qsgd:levels=7,coding=entropy"``, or a codec (returned as is when no
+        parameters are given).
     **params
-        Parameters; they override those in the spec string.
+        Quantizer parameters; they override those in the spec string.
 
     Raises
     ------
     ValueError
-        For an unknown codec or parameter, or a value out of range, naming the bad part.
+        For an unknown codec, transform or parameter, or a value out of range, naming the bad part.
     """
-    from fedquant.codecs.error_feedback import ErrorFeedback
-
-    if isinstance(name_or_spec, (Codec, ErrorFeedback)):
+    if isinstance(name_or_spec, Codec):
         if not params:
             return name_or_spec
         name_or_spec = name_or_spec.spec
-    if isinstance(name_or_spec, str) and name_or_spec.strip().lower().startswith(EF_PREFIX):
-        return ErrorFeedback(get_codec(name_or_spec.strip()[len(EF_PREFIX) :], **params))
-    name, spec_params = parse_spec(name_or_spec)
-    return codec_class(name)(**{**spec_params, **params})
+    transforms, quantizer_spec = split_transforms(name_or_spec)
+    name, spec_params = parse_spec(quantizer_spec)
+    cls = codec_class(name)
+    quantizer = cls(**{**spec_params, **params})
+    if not isinstance(quantizer, Quantizer):  # a family not yet ported to the pipeline
+        if transforms:
+            raise ValueError(f"{name}: transforms are not supported by this codec yet")
+        return quantizer
+    return Codec(quantizer, [transform_class(t)() for t in transforms])
 
 
-__all__ = ["Codec", "Param", "available_codecs", "codec_class", "get_codec"]
+__all__ = [
+    "Codec",
+    "Param",
+    "Quantizer",
+    "StatefulTransform",
+    "Transform",
+    "available_codecs",
+    "available_transforms",
+    "codec_class",
+    "get_codec",
+    "transform_class",
+]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs import cpu_kernels
+from fedquant.codecs.kernels import levels as cpu_kernels
 from fedquant.codecs.level_codec import COMMON_PARAMS, LevelCodec
 from fedquant.codecs.levels import PB_MAX_SWEEPS, partially_biased_levels, per_bucket, two_means_levels
 

@@ -44,10 +44,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs import dither_kernels
 from fedquant.codecs.base import Codec
 from fedquant.codecs.buckets import num_buckets, to_buckets
 from fedquant.codecs.index_coding import coder_available, decode_symbols, encode_symbols
+from fedquant.codecs.kernels import dither as dither_kernels
 from fedquant.codecs.params import Param
 from fedquant.errors import PayloadError
 from fedquant.rng import stream_key, uniform

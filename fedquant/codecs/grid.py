@@ -22,8 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs import index_coding, kernels
+from fedquant.codecs import index_coding
 from fedquant.codecs.base import Codec
+from fedquant.codecs.kernels import grid as kernels
 from fedquant.errors import PayloadError
 from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits

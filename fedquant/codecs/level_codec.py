@@ -23,11 +23,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from fedquant.codecs import cpu_kernels
 from fedquant.codecs.base import Codec
 from fedquant.codecs.buckets import num_buckets
 from fedquant.codecs.clipping import clip_sigma
 from fedquant.codecs.index_coding import coder_available
+from fedquant.codecs.kernels import levels as cpu_kernels
 from fedquant.codecs.params import Param
 from fedquant.codecs.rounding import nearest_of_two, random_round
 from fedquant.errors import PayloadError

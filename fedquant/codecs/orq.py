@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs import cpu_kernels
+from fedquant.codecs.kernels import levels as cpu_kernels
 from fedquant.codecs.level_codec import COMMON_PARAMS, LevelCodec
 from fedquant.codecs.levels import level_schedule, linear_levels, orq_levels, per_bucket
 from fedquant.codecs.params import Param

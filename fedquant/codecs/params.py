@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_+\-]*")
 _KEY = re.compile(r"[a-z][a-z0-9_]*")
@@ -109,3 +109,66 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value)
+
+
+class Configurable:
+    """A pipeline stage with a registry name and declared parameters (quantizers, transforms).
+
+    Subclasses set ``name`` and ``params``; keyword arguments are checked against ``params``,
+    stored in ``config`` and as attributes, then :meth:`_validate` runs the cross-parameter checks.
+    """
+
+    name: ClassVar[str]
+    params: ClassVar[dict[str, Param]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            known = ", ".join(sorted(self.params)) or "none"
+            raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(unknown)}; known: {known}")
+        self.config: dict[str, Any] = {}
+        for key, param in self.params.items():
+            value = param.convert(self.name, key, params.get(key, param.default))
+            self.config[key] = value
+            setattr(self, key, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-parameter checks; raise ValueError with a sentence naming the problem."""
+        return None
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec: the name and every set parameter, sorted by key."""
+        items = ",".join(f"{k}={format_value(v)}" for k, v in sorted(self.config.items()) if v is not None)
+        return f"{self.name}:{items}" if items else self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+
+def split_transforms(spec: str) -> tuple[list[str], str]:
+    """Split ``"ef+rht+qsgd:levels=7"`` into the transform names and the quantizer's spec.
+
+    Transforms are bare names joined to the quantizer by ``+``, outermost first.
+
+    Raises
+    ------
+    ValueError
+        If a transform name is malformed or the quantizer part is missing.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"codec spec must be a string, got {type(spec).__name__}")
+    head, colon, rest = spec.strip().partition(":")
+    *transforms, name = head.split("+")
+    transforms = [t.strip().lower() for t in transforms]
+    for t in transforms:
+        if not _KEY.fullmatch(t):
+            raise ValueError(f"codec spec {spec!r}: {t!r} is not a transform name")
+    return transforms, name + colon + rest

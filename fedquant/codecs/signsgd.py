@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs import kernels
 from fedquant.codecs.base import Codec
 from fedquant.codecs.grid import bucket_scales, check_padding, check_scales, effective_bucket_size
+from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.params import Param
 from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader, BodyWriter, require_items

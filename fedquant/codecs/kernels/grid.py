@@ -29,103 +29,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE
-
-CHUNK = 1 << 14
-
-_GAMMA = np.uint64(GOLDEN_GAMMA)
-_MIX1 = np.uint64(MIX1)
-_MIX2 = np.uint64(MIX2)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
-_SHIFT_U = np.uint64(64 - UNIFORM_BITS)
-_U_SCALE = np.float32(UNIFORM_SCALE)
-_ZERO32 = np.float32(0.0)
-_ABS_MASK = np.uint32(0x7FFFFFFF)
-
-
-@njit(cache=True, inline="always")
-def uniform24(key: np.uint64, i: np.int64) -> np.float32:
-    """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
-    z = key + np.uint64(i + 1) * _GAMMA
-    z = (z ^ (z >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    z = z ^ (z >> _S31)
-    return np.float32(z >> _SHIFT_U) * _U_SCALE
-
-
-@njit(cache=True, parallel=True)
-def uniform_stream(key: np.uint64, n: int, offset: int) -> np.ndarray:
-    """``n`` uniforms of the stream starting at ``offset`` (for tests of the inline generator)."""
-    out = np.empty(n, np.float32)
-    for i in prange(n):
-        out[i] = uniform24(key, offset + i)
-    return out
-
-
-# ---------------------------------------------------------------- per-bucket statistics
-@njit(cache=True, parallel=True)
-def bucket_max_abs(x: np.ndarray, d: int) -> np.ndarray:
-    """``max |x|`` of each bucket, float32 (compares the bit patterns: exact for finite input)."""
-    bits = x.view(np.uint32)
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty(nb, np.uint32)
-    for b in prange(nb):
-        lo = b * d
-        hi = min(lo + d, n)
-        m = np.uint32(0)
-        seg = bits[lo:hi]
-        for i in range(hi - lo):
-            m = max(m, seg[i] & _ABS_MASK)
-        out[b] = m
-    return out.view(np.float32)
-
-
-@njit(cache=True)
-def _sum_f64(x, lo, hi, square):
-    """Sum of ``|x|`` (or ``x**2``) over ``lo .. hi`` in float64, in a fixed order.
-
-    Eight partial sums (lane ``k`` takes the elements ``lo + k (mod 8)``), combined pairwise: the
-    order is the same on every machine and the loop vectorizes.
-    """
-    acc = np.zeros(8, np.float64)
-    seg = x[lo:hi]
-    full = (hi - lo) // 8
-    for g in range(full):
-        for k in range(8):
-            v = np.float64(seg[8 * g + k])
-            acc[k] += v * v if square else abs(v)
-    for k in range(hi - lo - 8 * full):
-        v = np.float64(seg[8 * full + k])
-        acc[k] += v * v if square else abs(v)
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-
-
-@njit(cache=True, parallel=True)
-def bucket_l2(x: np.ndarray, d: int) -> np.ndarray:
-    """Euclidean norm of each bucket, accumulated in float64 and rounded to float32."""
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty(nb, np.float32)
-    for b in prange(nb):
-        lo = b * d
-        out[b] = np.float32(np.sqrt(_sum_f64(x, lo, min(lo + d, n), True)))
-    return out
-
-
-@njit(cache=True, parallel=True)
-def bucket_l1_mean(x: np.ndarray, d: int) -> np.ndarray:
-    """``||x||_1 / count`` of each bucket (true count of the short last bucket), float32."""
-    n = x.size
-    nb = (n + d - 1) // d
-    out = np.empty(nb, np.float32)
-    for b in prange(nb):
-        lo = b * d
-        hi = min(lo + d, n)
-        out[b] = np.float32(_sum_f64(x, lo, hi, False) / (hi - lo))
-    return out
+from fedquant.codecs.kernels.common import (  # noqa: F401  (bucket statistics are re-exported for the grid codecs)
+    _ABS_MASK,
+    _ZERO32,
+    CHUNK,
+    _sum_f64,
+    bucket_l1_mean,
+    bucket_l2,
+    bucket_max_abs,
+    pack_into,
+    uniform24,
+    unpack_from,
+)
 
 
 # ---------------------------------------------------------------- rounding to the grid
@@ -155,40 +70,6 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
         i = hi
 
 
-@njit(cache=True)
-def _pack_into(codes, count, width, out, pos):
-    """Pack ``codes[:count]`` LSB-first at ``width`` bits into ``out`` from byte ``pos``.
-
-    Widths up to 8 go by groups of 8 symbols, which fill exactly ``width`` bytes; wider symbols
-    and the tail go through a bit accumulator.
-    """
-    start = 0
-    p = pos
-    if width <= 8:
-        groups = count // 8
-        for g in range(groups):
-            word = np.uint64(0)
-            for k in range(8):
-                word |= np.uint64(codes[8 * g + k]) << np.uint64(k * width)
-            base = pos + g * width
-            for j in range(width):
-                out[base + j] = (word >> np.uint64(8 * j)) & np.uint64(255)
-        start = groups * 8
-        p = pos + groups * width
-    acc = np.uint64(0)
-    nbits = 0
-    for j in range(start, count):
-        acc |= np.uint64(codes[j]) << np.uint64(nbits)
-        nbits += width
-        while nbits >= 8:
-            out[p] = acc & np.uint64(255)
-            acc >>= np.uint64(8)
-            nbits -= 8
-            p += 1
-    if nbits:
-        out[p] = acc & np.uint64(255)
-
-
 @njit(cache=True, parallel=True)
 def round_pack(x, d, steps, s, key, width):
     """Stochastically round ``x`` to the grid ``steps[b] * {-s..s}`` and pack the symbols.
@@ -208,11 +89,11 @@ def round_pack(x, d, steps, s, key, width):
         if width <= 8:  # byte symbols: half the traffic through the chunk buffer
             small = np.empty(CHUNK, np.uint8)
             _chunk_codes(x, d, steps, s, key, c0, c1, small)
-            _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+            pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
         else:
             wide = np.empty(CHUNK, np.uint16)
             _chunk_codes(x, d, steps, s, key, c0, c1, wide)
-            _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+            pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
     return out
 
 
@@ -250,11 +131,11 @@ def scale_round_pack(x, d, s, key, width, l2):
         if width <= 8:
             small = np.empty(CHUNK, np.uint8)
             _chunk_codes(x, d, steps, s, key, c0, c1, small)
-            _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+            pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
         else:
             wide = np.empty(CHUNK, np.uint16)
             _chunk_codes(x, d, steps, s, key, c0, c1, wide)
-            _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+            pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
     return scales, out
 
 
@@ -272,35 +153,6 @@ def round_codes(x, d, steps, s, key):
 
 
 # ---------------------------------------------------------------- decoding
-@njit(cache=True)
-def _unpack_from(data, pos, count, width, codes):
-    """Inverse of :func:`_pack_into`: ``count`` symbols from byte ``pos`` into ``codes``."""
-    mask = np.uint64((1 << width) - 1)
-    start = 0
-    p = pos
-    if width <= 8:
-        groups = count // 8
-        for g in range(groups):
-            base = pos + g * width
-            word = np.uint64(0)
-            for j in range(width):
-                word |= np.uint64(data[base + j]) << np.uint64(8 * j)
-            for k in range(8):
-                codes[8 * g + k] = (word >> np.uint64(k * width)) & mask
-        start = groups * 8
-        p = pos + groups * width
-    acc = np.uint64(0)
-    nbits = 0
-    for j in range(start, count):
-        while nbits < width:
-            acc |= np.uint64(data[p]) << np.uint64(nbits)
-            nbits += 8
-            p += 1
-        codes[j] = acc & mask
-        acc >>= np.uint64(width)
-        nbits -= width
-
-
 @njit(cache=True, parallel=True)
 def unpack_dequant(data, n, d, steps, s, width):
     """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
@@ -312,11 +164,11 @@ def unpack_dequant(data, n, d, steps, s, width):
         c1 = min(c0 + CHUNK, n)
         if width <= 8:
             small = np.empty(CHUNK, np.uint8)
-            _unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
             bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, out)
         else:
             wide = np.empty(CHUNK, np.uint16)
-            _unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
             bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
     return out, bad.sum()
 

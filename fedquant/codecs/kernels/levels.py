@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.kernels import uniform24
+from fedquant.codecs.kernels.common import PARALLEL_MIN, uniform24
 from fedquant.wire.body import require_items
 
 
@@ -308,10 +308,6 @@ DECODE_BLOCK_GROUPS = 2048
 
 
 # ---------------------------------------------------------------- loops: parallel and serial
-# Tensors below PARALLEL_MIN elements run the serial loop: starting numba's thread pool costs
-# more than the work (milliseconds on a busy machine), and federated models have many small
-# tensors. Both loops call the same body, so they give identical results.
-PARALLEL_MIN = 1 << 16
 
 
 @njit(cache=True, parallel=True)

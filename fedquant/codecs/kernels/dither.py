@@ -25,8 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.cpu_kernels import PARALLEL_MIN
-from fedquant.codecs.kernels import CHUNK, _pack_into, _unpack_from, uniform24
+from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, pack_into, uniform24, unpack_from
 from fedquant.wire.body import require_items
 
 _HALF = np.float32(0.5)
@@ -108,11 +107,11 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
         _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small)
-        _pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
         wide = np.empty(CHUNK, np.uint16)
         _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide)
-        _pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+        pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
 @njit(cache=True, parallel=True)
@@ -203,10 +202,10 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, 
     c1 = min(c0 + CHUNK, n)
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
-        _unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+        unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
         return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
     wide = np.empty(CHUNK, np.uint16)
-    _unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+    unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
     return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
 
 

@@ -1,0 +1,322 @@
+"""A codec is a pipeline: transforms -> quantizer -> symbol coder -> envelope.
+
+::
+
+    x ──► [stateful transforms] ──► [transforms] ──► quantizer ──► symbol coder ──► envelope ──► bytes
+          client only: ef             on the wire:   side data +    fixed | elias |   format, spec,
+          (state passed in/out)       rht, ...       symbols        entropy           dtype, shape, CRC
+
+Decoding runs the wire stages backwards. Everything a payload must satisfy (envelope, spec,
+shape, dtype, size limits, finite output) is checked here once, for every pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fedquant.codecs.coders.layout import decode_body, encode_body
+from fedquant.codecs.quantizers.base import Quantizer
+from fedquant.codecs.transforms.base import StatefulTransform, Transform
+from fedquant.errors import PayloadError
+from fedquant.wire.body import BodyReader
+from fedquant.wire.payload import DTYPE_CODES, read_payload, write_payload
+
+DEFAULT_MAX_NUMEL = 1 << 31
+#: Without an expected shape, a payload may declare this many elements whatever its size ...
+FREE_NUMEL = 1 << 20
+#: ... and beyond that at most this many per byte it holds (1/32 bit per element).
+NUMEL_PER_BYTE = 256
+
+
+def numel_limit(payload_bytes: int) -> int:
+    """Elements a payload of ``payload_bytes`` may declare when the caller expects no shape.
+
+    Decoding allocates the declared tensor, so without this bound a 90-byte payload could ask
+    for gigabytes. Real payloads spend far more than 1/32 bit per element (bucket scales alone
+    take 1/16 bit at the default bucket size); a caller that decodes a larger, more compressible
+    tensor passes ``shape`` or ``max_numel``.
+    """
+    return min(DEFAULT_MAX_NUMEL, max(FREE_NUMEL, NUMEL_PER_BYTE * payload_bytes))
+
+
+class Codec:
+    """A quantizer with the transforms in front of it: tensor <-> self-describing payload.
+
+    Build one with :func:`fedquant.codecs.get_codec` (``"ef+qsgd:levels=7,coding=entropy"``).
+    The quantizer's parameters read as attributes (``codec.levels``).
+
+    Parameters
+    ----------
+    quantizer : Quantizer
+        The quantizer stage (its ``coding`` parameter selects the symbol coder).
+    transforms : sequence of Transform or StatefulTransform
+        Outermost first; stateful ones (client state) must come before those on the wire.
+    """
+
+    def __init__(self, quantizer: Quantizer, transforms: Sequence[Transform | StatefulTransform] = ()) -> None:
+        if not isinstance(quantizer, Quantizer):
+            raise TypeError(f"a codec needs a Quantizer, got {type(quantizer).__name__}")
+        seen_wire = False
+        names = set()
+        for t in transforms:
+            if not isinstance(t, (Transform, StatefulTransform)):
+                raise TypeError(f"not a transform: {t!r}")
+            if t.name in names:
+                raise ValueError(f"transform {t.name!r} is given twice")
+            names.add(t.name)
+            if isinstance(t, StatefulTransform) and seen_wire:
+                raise ValueError(f"'{t.name}+' keeps client state and must come before the transforms on the wire")
+            seen_wire = seen_wire or isinstance(t, Transform)
+        self.quantizer = quantizer
+        self.stateful_transforms: tuple[StatefulTransform, ...] = tuple(
+            t for t in transforms if isinstance(t, StatefulTransform)
+        )
+        self.wire_transforms: tuple[Transform, ...] = tuple(t for t in transforms if isinstance(t, Transform))
+
+    # ------------------------------------------------------------------ description
+    @property
+    def name(self) -> str:
+        """What the payload names: the wire transforms and the quantizer (``"rht+qsgd"``)."""
+        return "+".join([t.name for t in self.wire_transforms] + [self.quantizer.name])
+
+    @property
+    def wire_spec(self) -> str:
+        """The spec the payload carries: wire transforms and the quantizer's canonical spec."""
+        return "+".join([t.spec for t in self.wire_transforms] + [self.quantizer.spec])
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec of the whole pipeline (``"ef+rht+qsgd:bucket_size=512,..."``)."""
+        return "+".join([t.spec for t in self.stateful_transforms] + [self.wire_spec])
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The quantizer's parameters."""
+        return self.quantizer.config
+
+    @property
+    def stateful(self) -> bool:
+        """Whether encoding keeps client state (use :meth:`encode_stateful`)."""
+        return bool(self.stateful_transforms)
+
+    @property
+    def unbiased(self) -> bool:
+        return self.quantizer.unbiased and not any(t.biased for t in self.stateful_transforms)
+
+    @property
+    def needs_side_info(self) -> bool:
+        return self.quantizer.needs_side_info
+
+    @property
+    def decode_plan(self) -> str | None:
+        """``"module:Class"`` of the server's default decode plan for this codec, or None."""
+        return self.quantizer.decode_plan
+
+    def without_state(self) -> Codec:
+        """The same pipeline without its client-state transforms (what the server decodes with)."""
+        return Codec(self.quantizer, self.wire_transforms) if self.stateful else self
+
+    def __getattr__(self, key: str) -> Any:
+        # Quantizer parameters read as codec attributes (codec.levels, codec.coding).
+        quantizer = self.__dict__.get("quantizer")
+        if quantizer is not None and key in quantizer.config:
+            return quantizer.config[key]
+        raise AttributeError(f"{type(self).__name__} {self.__dict__.get('quantizer')!r} has no attribute {key!r}")
+
+    def __repr__(self) -> str:
+        return f"Codec({self.spec!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, x: torch.Tensor, seed: int = 0) -> bytes:
+        """Encode a tensor into a self-describing payload (stateless: no client-state transform runs).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            Any shape, float32/float16/bfloat16/float64, CPU or CUDA; need not be contiguous.
+        seed : int
+            Seed of the codec's random streams (rounding, dither, rotation). Same seed and input
+            give identical bytes.
+
+        Returns
+        -------
+        bytes
+            Envelope (format version, wire spec, dtype, shape) + body + CRC-32.
+        """
+        return self._encode_flat(self._flat_input(x, seed), seed, x.dtype, tuple(x.shape))
+
+    def encode_stateful(
+        self, x: torch.Tensor, seed: int, state: Mapping[str, torch.Tensor | None] | None
+    ) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """Encode with the client-state transforms (error feedback) and return their new state.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            The tensor (as for :meth:`encode`).
+        seed : int
+            Seed of the codec's random streams.
+        state : mapping of str to Tensor or None
+            This tensor's state per transform name (``{"ef": residual}``) from the previous
+            call; missing or None on the first.
+
+        Returns
+        -------
+        payload : bytes
+            What :meth:`decode` reads (the server needs no state).
+        new_state : dict of str to Tensor
+            Float32 tensors of ``x``'s shape, on its device, per stateful transform.
+        """
+        flat = self._flat_input(x, seed)
+        state = state or {}
+        encoded = []
+        for t in self.stateful_transforms:
+            flat = t.apply(flat, state.get(t.name))
+            encoded.append(flat)
+        payload = self._encode_flat(flat.contiguous(), seed, x.dtype, tuple(x.shape))
+        if not self.stateful_transforms:
+            return payload, {}
+        side = {"side_info": flat} if self.needs_side_info else {}  # the client knows the exact value
+        decoded = self.decode(payload, seed, shape=x.shape, device=flat.device, **side).to(torch.float32).reshape(-1)
+        new_state = {}
+        for t, sent in zip(reversed(self.stateful_transforms), reversed(encoded)):
+            new_state[t.name] = t.next_state(sent, decoded).reshape(x.shape)
+            decoded = sent  # an outer transform sees what the inner one was given
+        return payload, new_state
+
+    def _flat_input(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.name}.encode expects a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in DTYPE_CODES:
+            raise ValueError(f"{self.name}.encode: dtype {x.dtype} is not supported; use a floating tensor")
+        check_seed(seed)
+        flat = x.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.to(torch.float32)
+        if not all_finite(flat):
+            raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf")
+        return flat.contiguous()
+
+    def _encode_flat(self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+        for t in self.wire_transforms:
+            flat = t.forward(flat, seed).contiguous()
+        body = encode_body(self.quantizer, flat, seed)
+        return write_payload(self.wire_spec, dtype, shape, body.parts)
+
+    # ------------------------------------------------------------------ decode
+    def decode(
+        self,
+        payload: bytes | bytearray | memoryview,
+        seed: int = 0,
+        side_info: torch.Tensor | None = None,
+        *,
+        shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        max_numel: int | None = None,
+    ) -> torch.Tensor:
+        """Check and decode a payload produced by ``encode`` with the same pipeline.
+
+        Parameters
+        ----------
+        payload : bytes
+            Untrusted bytes.
+        seed : int
+            The seed given to ``encode`` (dither and rotation are regenerated from it).
+        side_info : torch.Tensor, optional
+            Decoder side information (same number of elements), for codecs that use it.
+        shape, dtype : optional
+            What the caller expects; a payload that declares otherwise is rejected.
+        device : torch.device or str
+            Where the result goes.
+        max_numel : int, optional
+            Largest element count accepted when ``shape`` is not given (guards allocation).
+            Default: :func:`numel_limit` of the payload's size.
+
+        Returns
+        -------
+        torch.Tensor
+            Same shape and dtype as the encoded tensor.
+
+        Raises
+        ------
+        PayloadError
+            For any malformed, corrupted or mismatched payload, or one that decodes to NaN/Inf.
+        """
+        check_seed(seed)
+        p = read_payload(payload)
+        if p.codec_name != self.name:
+            raise PayloadError(f"payload holds codec '{p.codec_name}', this decoder is '{self.name}'")
+        if p.spec != self.wire_spec:
+            raise PayloadError(f"payload was encoded as '{p.spec}', this decoder expects '{self.wire_spec}'")
+        if shape is not None:
+            if tuple(shape) != p.shape:
+                raise PayloadError(f"payload declares shape {list(p.shape)}, expected {list(shape)}")
+        else:
+            # The nonzero dimensions, not the element count: shape (0, 2**63) holds no elements
+            # but no tensor can take it.
+            limit = numel_limit(memoryview(payload).nbytes) if max_numel is None else max_numel
+            bulk = math.prod(d for d in p.shape if d)
+            if bulk > limit:
+                raise PayloadError(
+                    f"payload declares shape {list(p.shape)}: its nonzero dimensions multiply to {bulk} elements, "
+                    f"more than the {limit} allowed"
+                )
+        if dtype is not None and dtype != p.dtype:
+            raise PayloadError(f"payload declares dtype {p.dtype}, expected {dtype}")
+        numel = p.numel
+        side = None
+        if side_info is not None:
+            side = side_info.detach().reshape(-1).to(torch.float32)
+            if side.numel() != numel:
+                raise PayloadError(f"{self.name} payload declares {numel} elements, its side_info has {side.numel()}")
+            for t in self.wire_transforms:  # side information lives where the quantizer works
+                side = t.forward(side.contiguous(), seed)
+        elif self.needs_side_info:
+            raise ValueError(f"{self.name}: decoding needs side_info (the decoder's estimate of the update)")
+        sizes = [numel]
+        for t in self.wire_transforms:
+            sizes.append(t.output_numel(sizes[-1]))
+        body = BodyReader(p.body, self.name)
+        flat = decode_body(self.quantizer, body, sizes[-1], seed, side)
+        body.expect_end()
+        if flat.numel() != sizes[-1]:
+            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
+        for t, n in zip(reversed(self.wire_transforms), reversed(sizes[:-1])):
+            flat = t.inverse(flat, n, seed)
+        # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
+        # range becomes Inf in the cast.
+        out = flat.reshape(p.shape).to(dtype=p.dtype)
+        if not all_finite(out):
+            raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
+        return out.to(device=device)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element is finite.
+
+    A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves all elements finite
+    in one cheap reduction; only a non-finite sum (possibly an overflow of large finite values)
+    needs the exact elementwise check.
+    """
+    if bool(torch.isfinite(x.sum(dtype=torch.float64) if x.dtype == torch.float64 else x.sum())):
+        return True
+    return bool(torch.isfinite(x).all())
+
+
+def check_seed(seed: int) -> None:
+    """TypeError/ValueError unless ``seed`` is a non-negative int."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")

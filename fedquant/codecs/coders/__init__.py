@@ -1,0 +1,1 @@
+"""Symbol coders (fixed width, Elias, rANS) and the one body layout every quantizer uses."""

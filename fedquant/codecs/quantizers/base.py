@@ -1,0 +1,177 @@
+"""The quantizer stage: a flat float32 tensor to side data plus a stream of symbols, and back.
+
+A quantizer declares what it sends and leaves the bytes to the other stages:
+
+* **side data** (:meth:`Quantizer.side_fields`): typed arrays that precede the symbols, e.g. one
+  float32 scale per bucket, or each bucket's levels;
+* **symbols**: one integer in ``0 .. num_symbols() - 1`` per element (e.g. ``q + s`` for a signed
+  grid level ``q``), written by the symbol coder of the ``coding`` parameter
+  (:mod:`fedquant.codecs.coders`): fixed width, Elias (symmetric alphabets only) or rANS.
+
+The body layout (side fields in order, then the symbol stream) is
+:mod:`fedquant.codecs.coders.layout`'s, the same for every quantizer. A quantizer whose kernels
+fuse rounding with bit packing returns the packed bytes directly when the coder asks for a fixed
+width (:attr:`Quantized.packed`), and may decode packed bytes in one pass
+(:meth:`Quantizer.dequantize_packed`); the plain route goes through unpacked symbols.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from fedquant.codecs.params import Configurable, Param
+from fedquant.errors import PayloadError
+from fedquant.wire.bitpack import unpack_bits
+
+CODINGS = ("fixed", "elias", "entropy")
+
+
+@dataclass(frozen=True)
+class SideField:
+    """One typed array of side data that precedes the symbols in a body.
+
+    Attributes
+    ----------
+    what : str
+        Name for error messages ("bucket scales").
+    dtype : str
+        Wire dtype, little-endian NumPy notation (``"<f4"``, ``"<f2"``).
+    count : int
+        Number of items.
+    """
+
+    what: str
+    dtype: str
+    count: int
+
+
+@dataclass
+class Quantized:
+    """What a quantizer produced for one tensor.
+
+    Attributes
+    ----------
+    side : list of np.ndarray
+        One array per :class:`SideField`, in order (converted to the field's dtype when written).
+    symbols : np.ndarray, optional
+        Unpacked symbols, one per element, each below ``num_symbols()``.
+    packed : np.ndarray, optional
+        The symbols already packed at the fixed width the coder asked for (uint8), instead of
+        ``symbols``.
+    """
+
+    side: list[np.ndarray]
+    symbols: np.ndarray | None = None
+    packed: np.ndarray | None = None
+
+
+class Quantizer(Configurable):
+    """Base of the quantizer stage.
+
+    Subclasses set the class attributes, declare ``params`` (``coding`` is added from
+    ``codings``) and implement :meth:`num_symbols`, :meth:`side_fields`, :meth:`quantize` and
+    :meth:`dequantize`.
+
+    Attributes
+    ----------
+    codings : tuple of str
+        Symbol codings this quantizer offers; the first is the default. Empty for a quantizer
+        without a symbol stream (the float baselines).
+    symmetric : bool
+        Whether the symbols are ``q + h`` for signed levels ``q`` in ``[-h, h]``,
+        ``num_symbols() = 2h + 1`` (Elias coding of the signed levels needs this).
+    unbiased : bool
+        Whether ``E[dequantize(quantize(x))] = x``.
+    needs_side_info : bool
+        Whether decoding needs the decoder's estimate of the tensor.
+    decode_plan : str or None
+        ``"module:Class"`` of the server-side decode plan that provides that side information
+        (a codec names its own default plan; the strategy holds no codec names).
+    paper, wire : str
+        Provenance and what goes on the wire, in words.
+    force_torch : bool
+        Run the torch implementation on CPU tensors too (tests of path equality).
+    """
+
+    codings: ClassVar[tuple[str, ...]] = ("fixed", "entropy")
+    symmetric: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
+    needs_side_info: ClassVar[bool] = False
+    decode_plan: ClassVar[str | None] = None
+    paper: ClassVar[str] = ""
+    wire: ClassVar[str] = ""
+    force_torch: bool = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.codings and "coding" not in cls.params:
+            cls.params = {
+                **cls.params,
+                "coding": Param(
+                    str, cls.codings[0], f"symbol stream: {', '.join(cls.codings)}", choices=tuple(cls.codings)
+                ),
+            }
+
+    # ------------------------------------------------------------------ declarations
+    @abstractmethod
+    def num_symbols(self) -> int:
+        """Size of the symbol alphabet (0: no symbol stream)."""
+
+    @abstractmethod
+    def side_fields(self, numel: int) -> list[SideField]:
+        """The side data a tensor of ``numel`` elements sends before its symbols."""
+
+    def check_side(self, side: list[np.ndarray]) -> None:
+        """PayloadError if decoded side data is invalid (e.g. a negative scale). Default: no check."""
+        return None
+
+    # ------------------------------------------------------------------ the two directions
+    @abstractmethod
+    def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        """Quantize a contiguous 1-D float32 tensor (CPU or CUDA, finite).
+
+        ``packed_width`` is the fixed width the coder will pack symbols at (None for other
+        codings); a quantizer with a fused kernel may then return :attr:`Quantized.packed`.
+        """
+
+    @abstractmethod
+    def dequantize(
+        self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int, side_info: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Values (1-D float32, CPU) from side data and ``numel`` unpacked symbols.
+
+        Symbols come checked below ``num_symbols()``; side data has passed :meth:`check_side`.
+        """
+
+    def dequantize_packed(
+        self,
+        side: list[np.ndarray],
+        packed: np.ndarray,
+        width: int,
+        numel: int,
+        seed: int,
+        side_info: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Values from symbols packed at ``width`` bits (exactly ``packed_size(numel, width)`` bytes).
+
+        Default: unpack, check the alphabet, :meth:`dequantize`. Quantizers with a fused kernel
+        override it (and must reject symbols ``>= num_symbols()`` themselves).
+        """
+        symbols = unpack_bits(packed, width, numel)
+        check_alphabet(symbols, self.num_symbols(), self.name)
+        return self.dequantize(side, symbols, numel, seed, side_info)
+
+    def uses_kernels(self, flat: torch.Tensor | None = None) -> bool:
+        """Whether to run the numba kernels: CPU data (or decoding) and no ``force_torch``."""
+        return not self.force_torch and (flat is None or flat.device.type == "cpu")
+
+
+def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:
+    """PayloadError if any symbol is ``>= num_symbols``."""
+    if symbols.size and int(symbols.max()) >= num_symbols:
+        raise PayloadError(f"{codec} payload holds a symbol {int(symbols.max())} outside 0..{num_symbols - 1}")
