@@ -25,9 +25,9 @@ from flwr.serverapp.strategy import (
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
+from fedquant.protocol import KEY_ROLE, PAYLOAD_STYPE, tensor_seed
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, NestedDecodePlan, QuantizedStrategy
-from fedquant.strategies.protocol import KEY_ROLE, PAYLOAD_STYPE, tensor_seed
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
 
 NUM_NODES = 4

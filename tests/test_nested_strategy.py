@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
 from fedquant.codecs.nested_params import choose_rho_for_variance, optimal_alpha, spread_in_steps
+from fedquant.protocol import KEY_CODEC, KEY_ROLE, KEY_SEED, PAYLOAD_STYPE
 from fedquant.strategies import ClientAssignment, DecodedClient, DecodePlan, NestedDecodePlan, QuantizedStrategy
 from fedquant.strategies.nested import (
     METRIC_ALPHA,
@@ -35,7 +36,6 @@ from fedquant.strategies.nested import (
     SPREAD_MARGIN,
     empirical_rho,
 )
-from fedquant.strategies.protocol import KEY_CODEC, KEY_ROLE, KEY_SEED, PAYLOAD_STYPE
 from tests.flower_fakes import InProcessGrid
 
 NUM_NODES = 8

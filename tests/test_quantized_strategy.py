@@ -19,21 +19,22 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 
 import fedquant.codecs as codecs_module
 from fedquant.clients import quantize_mod
-from fedquant.codecs import Codec, get_codec
+from fedquant.codecs import get_codec
+from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.metrics import HistoryRecorder, dense_float32_bytes, result_rows
-from fedquant.rng import derive_seed
-from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
-from fedquant.strategies.protocol import (
+from fedquant.protocol import (
     KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_ROLE,
     KEY_SEED,
     PAYLOAD_STYPE,
+    STATE_TRANSFORMS_KEY,
     tensor_seed,
 )
+from fedquant.rng import derive_seed
+from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
 from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
-from fedquant.wire.body import BodyReader, BodyWriter
 from fedquant.wire.payload import write_payload
 from tests.flower_fakes import (
     MIN_NUMEL,
@@ -179,7 +180,8 @@ def test_compressing_codecs_train_the_model(spec):
         assert metrics["compression-ratio"] > 4 and metrics["quantization-mse"] > 0
     assert global_loss(result.arrays, NUM_NODES) < 0.95 * global_loss(initial_arrays(), NUM_NODES)
     if spec.startswith("ef+"):  # each client kept its residual for the encoded tensor
-        assert all(list(c.state["fedquant.ef-residual"].keys()) == ["fc.weight"] for c in grid.contexts.values())
+        keys = [list(c.state[STATE_TRANSFORMS_KEY].keys()) for c in grid.contexts.values()]
+        assert keys == [["ef/fc.weight"]] * len(grid.contexts)
 
 
 def test_simulated_upload_seconds_is_the_slowest_client():
@@ -402,21 +404,26 @@ def test_no_surviving_reply_keeps_the_current_model():
 
 
 # ---------------------------------------------------------------------------- decode hook
-class FakeSideCodec(Codec):
-    """Sends x as float32; decodes to body + side_info and logs the side information it got."""
+class FakeSideQuantizer(Quantizer):
+    """Sends x as float32; decodes to the values + side_info and logs the side information it got."""
 
     name = "fakeside"
+    codings = ()
     needs_side_info = True
     seen: list[torch.Tensor] = []
 
-    def _encode(self, flat, seed):
-        out = BodyWriter()
-        out.add_array(flat.cpu().numpy(), "<f4")
-        return out
+    def num_symbols(self) -> int:
+        return 0
 
-    def _decode(self, body: BodyReader, numel, seed, side_info):
-        FakeSideCodec.seen.append(side_info.clone())
-        return torch.from_numpy(body.take_array("<f4", numel, "values").astype(np.float32)) + side_info
+    def side_fields(self, numel: int) -> list[SideField]:
+        return [SideField("values", "<f4", numel)]
+
+    def quantize(self, flat, seed, packed_width) -> Quantized:
+        return Quantized([flat.cpu().numpy()])
+
+    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+        FakeSideQuantizer.seen.append(side_info.clone())
+        return torch.from_numpy(side[0].astype(np.float32)) + side_info
 
 
 class TwoGroups(DecodePlan):
@@ -434,8 +441,8 @@ class TwoGroups(DecodePlan):
 
 
 def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):
-    monkeypatch.setitem(codecs_module._REGISTRY, "fakeside", "tests.test_quantized_strategy:FakeSideCodec")
-    FakeSideCodec.seen = []
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", "tests.test_quantized_strategy:FakeSideQuantizer")
+    FakeSideQuantizer.seen = []
     strategy = _wrap(codec="fakeside", decode_plan=TwoGroups())
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
     messages = list(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
@@ -452,7 +459,7 @@ def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):
     arrival = [updates[n] for n in (104, 103, 102, 101)]  # P2 arrives first, yet P1 is decoded first
     arrays, metrics = strategy.aggregate_train(1, arrival)
     assert metrics["rejected-replies"] == 0
-    seen = [s.reshape(16, 64).numpy() for s in FakeSideCodec.seen]
+    seen = [s.reshape(16, 64).numpy() for s in FakeSideQuantizer.seen]
     assert len(seen) == 2
     p1_mean = (true_update[101] + true_update[102]) / 2
     np.testing.assert_allclose(seen[0], p1_mean, atol=1e-6)  # 104 decoded against P1's mean
