@@ -440,6 +440,39 @@ class TwoGroups(DecodePlan):
         }
 
 
+class SpecPlan(DecodePlan):
+    """A plan that remembers what it was built from."""
+
+    @classmethod
+    def from_spec(cls, spec, seed=0):
+        plan = cls()
+        plan.built_from = (spec, seed)
+        return plan
+
+
+class PlannedQuantizer(FakeSideQuantizer):
+    """A codec that names its own default decode plan."""
+
+    name = "planned"
+    decode_plan = "tests.test_quantized_strategy:SpecPlan"
+
+
+def test_the_codec_names_its_default_plan(monkeypatch):
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "planned", "tests.test_quantized_strategy:PlannedQuantizer")
+    assert _wrap(codec=" planned ").decode_plan.built_from == (" planned ", 11)  # the spec as given, the seed
+    codec = get_codec("planned")
+    assert _wrap(codec=codec).decode_plan.built_from == (codec.spec, 11)
+    assert type(_wrap(codec="fp16").decode_plan) is DecodePlan  # fp16 names none
+    own = TwoGroups()
+    assert _wrap(codec="planned", decode_plan=own).decode_plan is own  # an explicit plan wins
+    monkeypatch.setattr(PlannedQuantizer, "decode_plan", "tests.test_quantized_strategy:FakeSideQuantizer")
+    with pytest.raises(ValueError, match="not a DecodePlan"):
+        _wrap(codec="planned")
+    monkeypatch.setattr(PlannedQuantizer, "decode_plan", "tests.no_such_module:Plan")
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        _wrap(codec="planned")
+
+
 def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):
     monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", "tests.test_quantized_strategy:FakeSideQuantizer")
     FakeSideQuantizer.seen = []
