@@ -28,8 +28,8 @@ from fedquant.protocol import (
     KEY_MIN_NUMEL,
     KEY_ROLE,
     KEY_SEED,
-    PAYLOAD_STYPE,
     STATE_TRANSFORMS_KEY,
+    payload_array,
     tensor_seed,
 )
 from fedquant.rng import derive_seed
@@ -226,36 +226,32 @@ def _payload(reply: Message) -> bytes:
     return reply.content["arrays"]["fc.weight"].data
 
 
-def _as_payload(data: bytes) -> Array:
-    return Array(dtype="uint8", shape=(len(data),), stype=PAYLOAD_STYPE, data=data)
-
-
 def _seed_of(reply: Message, name="fc.weight") -> int:
     return tensor_seed(derive_seed(11, 1, reply.metadata.src_node_id), name)
 
 
 def _truncated(r):
-    return _replace_entry(r, "fc.weight", _as_payload(_payload(r)[:-9]))
+    return _replace_entry(r, "fc.weight", payload_array(_payload(r)[:-9]))
 
 
 def _corrupted(r):
     data = bytearray(_payload(r))
     data[len(data) // 2] ^= 0xFF
-    return _replace_entry(r, "fc.weight", _as_payload(bytes(data)))
+    return _replace_entry(r, "fc.weight", payload_array(bytes(data)))
 
 
 def _other_codec(r):
     data = get_codec("fp16").encode(torch.zeros(16, 64), _seed_of(r))
-    return _replace_entry(r, "fc.weight", _as_payload(data))
+    return _replace_entry(r, "fc.weight", payload_array(data))
 
 
 def _other_shape(r):
-    return _replace_entry(r, "fc.weight", _as_payload(get_codec("fp32").encode(torch.zeros(64, 16), _seed_of(r))))
+    return _replace_entry(r, "fc.weight", payload_array(get_codec("fp32").encode(torch.zeros(64, 16), _seed_of(r))))
 
 
 def _nan_values(r):
     body = np.full(16 * 64, np.nan, dtype="<f4").tobytes()
-    return _replace_entry(r, "fc.weight", _as_payload(write_payload("fp32", torch.float32, (16, 64), [body])))
+    return _replace_entry(r, "fc.weight", payload_array(write_payload("fp32", torch.float32, (16, 64), [body])))
 
 
 def _dense_instead_of_payload(r):
@@ -263,7 +259,7 @@ def _dense_instead_of_payload(r):
 
 
 def _payload_for_plain_entry(r):
-    return _replace_entry(r, "fc.bias", _as_payload(get_codec("fp32").encode(torch.zeros(16), 1)))
+    return _replace_entry(r, "fc.bias", payload_array(get_codec("fp32").encode(torch.zeros(16), 1)))
 
 
 def _plain_entry_nan(r):
@@ -333,7 +329,7 @@ def test_update_that_overflows_the_model_dtype_is_rejected():
     received = {"w": np.zeros((4, 300), dtype=np.float16)}
     update = torch.full((4, 300), 1e5)  # finite in float32, beyond float16's 65504
     content = RecordDict(
-        {"arrays": ArrayRecord({"w": _as_payload(get_codec("fp32").encode(update, tensor_seed(5, "w")))})}
+        {"arrays": ArrayRecord({"w": payload_array(get_codec("fp32").encode(update, tensor_seed(5, "w")))})}
     )
     with pytest.raises(RejectedReply, match="overflows float16"):
         decode_reply(content, received, get_codec("fp32"), 5, 1, SideInformation())

@@ -44,6 +44,13 @@ CHOSEN_SETTING_MAX = "chosen-setting-max"
 COARSEST_FRACTION = "chosen-coarsest-fraction"
 
 
+FLOAT_BITS = {"fp32": 32.0, "fp16": 16.0}
+
+
+def _quantizer(codec: Codec):
+    return getattr(codec, "quantizer", codec)  # a legacy codec class (not yet ported) is its own quantizer
+
+
 def rate_ladder(codec: Codec) -> list[Codec]:
     """The settings of ``codec``'s family the controller may choose, finest (``codec``) first.
 
@@ -51,14 +58,14 @@ def rate_ladder(codec: Codec) -> list[Codec]:
     """
     if codec.needs_side_info:  # a decode plan (NDQSG's groups) tunes these codecs itself
         return [codec]
+    quantizer = _quantizer(codec)
     if "levels" in codec.config:
         top = int(codec.config["levels"])
-        quantizer = getattr(codec, "quantizer", codec)  # a legacy codec class is its own quantizer
         low = int(quantizer.params["levels"].minimum or 1)
         below = {v for k in range(1, top.bit_length() + 1) for v in (2**k, 2**k - 1) if low <= v < top}
         return [codec] + [get_codec(codec.spec, levels=v) for v in sorted(below, reverse=True)]
-    if codec.name == "fp32":
-        return [codec, get_codec(codec.spec.removesuffix(codec.quantizer.spec) + "fp16")]
+    if quantizer.name == "fp32":
+        return [codec, get_codec(codec.spec.removesuffix(quantizer.spec) + "fp16")]
     return [codec]
 
 
@@ -66,7 +73,7 @@ def setting_value(codec: Codec) -> float:
     """The number that names a setting in the metrics: ``levels``, or bits for the float codecs."""
     if "levels" in codec.config:
         return float(codec.config["levels"])
-    return {"fp32": 32.0, "fp16": 16.0}.get(codec.name, 0.0)
+    return FLOAT_BITS.get(_quantizer(codec).name, 0.0)
 
 
 def probe_reply_bytes(codec: Codec, model: ArrayRecord, min_numel: int) -> int:
