@@ -12,7 +12,7 @@ import torch
 from fedquant.codecs.buckets import bucket_stat
 from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels import grid as kernels
-from fedquant.codecs.quantizers.grid import grid_steps, stream_key_u64
+from fedquant.codecs.quantizers.grid import grid_steps
 from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, unpack_bits
 from tests.helpers import sample_tensor
@@ -49,7 +49,7 @@ def test_kernel_and_torch_paths_give_identical_bytes_and_values(n, d, s, norm):
     scales = bucket_stat(x, d, norm, use_kernels=True)
     assert np.array_equal(scales, bucket_stat(x, d, norm, use_kernels=False))
     steps = grid_steps(scales, s)
-    key = stream_key_u64(11)
+    key = common.kernel_key(11)
     codes = kernels.round_codes(x.numpy(), d, steps, s, key)
     torch_codes = kernels.torch_round_codes(x, d, steps, s, 11)
     assert torch_codes.dtype == torch.int32 and np.array_equal(codes, torch_codes.numpy())
@@ -120,7 +120,7 @@ def test_zero_step_buckets_give_zero_levels():
     scales = bucket_stat(x, 500, "max", use_kernels=True)
     assert scales.tolist() == [0.0, 0.0, 1.0]
     steps = grid_steps(scales, 4)
-    codes = kernels.round_codes(x.numpy(), 500, steps, 4, stream_key_u64(0))
+    codes = kernels.round_codes(x.numpy(), 500, steps, 4, common.kernel_key(0))
     assert codes[:1000].tolist() == [4] * 1000 and codes[1000:].tolist() == [8] * 500
     assert np.array_equal(kernels.torch_round_codes(x, 500, steps, 4, 0).numpy(), codes)
 

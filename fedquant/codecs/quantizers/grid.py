@@ -23,10 +23,10 @@ import torch
 from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets
 from fedquant.codecs.clipping import clip_sigma
 from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.errors import PayloadError
-from fedquant.rng import stream_key
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
 
@@ -36,12 +36,24 @@ def grid_steps(scales: np.ndarray, levels: int) -> np.ndarray:
     return (scales.astype(np.float32, copy=False) / np.float32(levels)).astype(np.float32, copy=False)
 
 
-def stream_key_u64(seed: int) -> np.uint64:
-    """The key of ``seed``'s uniform stream, as the kernels take it."""
-    return np.uint64(stream_key(seed))
+class BucketScaledQuantizer(Quantizer):
+    """Base of the quantizers whose side data is one float32 scale per bucket (``bucket_size`` param)."""
+
+    def side_fields(self, numel: int) -> list[SideField]:
+        return [SideField("bucket scales", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
+
+    def check_side(self, side: list[np.ndarray]) -> None:
+        check_bucket_scales(side[0], self.name)
+
+    def bucket_scales(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:
+        """``(d, scales)`` of decoded side data: the bucket size and the scales as float32."""
+        d = effective_bucket_size(self.bucket_size, numel)
+        scales = np.ascontiguousarray(side[0], dtype=np.float32)
+        require_items(scales, num_buckets(numel, d), "bucket scales")  # the kernels index it unchecked
+        return d, scales
 
 
-class ScaledGridQuantizer(Quantizer):
+class ScaledGridQuantizer(BucketScaledQuantizer):
     """Base of the quantizers that round each bucket onto ``scale * {-s..s} / s`` (QSGD, TernGrad).
 
     Subclasses give ``(s, norm)`` through :meth:`grid` and may transform the input in
@@ -62,12 +74,6 @@ class ScaledGridQuantizer(Quantizer):
     def num_symbols(self) -> int:
         return 2 * self.grid()[0] + 1
 
-    def side_fields(self, numel: int) -> list[SideField]:
-        return [SideField("bucket scales", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
-
-    def check_side(self, side: list[np.ndarray]) -> None:
-        check_bucket_scales(side[0], self.name)
-
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         s, norm = self.grid()
         flat = self.prepare(flat)
@@ -77,7 +83,7 @@ class ScaledGridQuantizer(Quantizer):
             codes = kernels.torch_round_codes(flat, d, grid_steps(scales, s), s, seed)
             return Quantized([scales], symbols=codes.cpu().numpy().astype(np.uint16))
         x = flat.numpy()
-        key = stream_key_u64(seed)
+        key = kernel_key(seed)
         if packed_width is not None and kernels.CHUNK % d == 0:
             scales, packed = kernels.scale_round_pack(x, d, s, key, packed_width, norm == "l2")
             return Quantized([scales], packed=packed)
@@ -88,10 +94,8 @@ class ScaledGridQuantizer(Quantizer):
         return Quantized([scales], symbols=kernels.round_codes(x, d, steps, s, key))
 
     def _steps(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:
-        d = effective_bucket_size(self.bucket_size, numel)
-        steps = grid_steps(np.ascontiguousarray(side[0], dtype=np.float32), self.grid()[0])
-        require_items(steps, num_buckets(numel, d), "bucket scales")  # the kernels index it unchecked
-        return d, steps
+        d, scales = self.bucket_scales(side, numel)
+        return d, grid_steps(scales, self.grid()[0])
 
     def _checked(self, values: torch.Tensor, bad: int) -> torch.Tensor:
         if bad:

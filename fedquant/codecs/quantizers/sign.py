@@ -22,18 +22,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets
+from fedquant.codecs.buckets import bucket_stat, effective_bucket_size
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.codecs.quantizers.base import Quantized
+from fedquant.codecs.quantizers.grid import BucketScaledQuantizer
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
 
 
-class SignSGDQuantizer(Quantizer):
+class SignSGDQuantizer(BucketScaledQuantizer):
     """Scaled sign: mean absolute value per bucket times the sign, one binary symbol per element."""
 
     name = "signsgd"
+    codings = ("fixed", "entropy")  # two symbols: no symmetric alphabet for Elias
     params = {
         "bucket_size": Param(int, 512, "elements per scale; 0 = one scale per tensor", minimum=0),
     }
@@ -44,12 +46,6 @@ class SignSGDQuantizer(Quantizer):
     def num_symbols(self) -> int:
         return 2
 
-    def side_fields(self, numel: int) -> list[SideField]:
-        return [SideField("bucket scales", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
-
-    def check_side(self, side: list[np.ndarray]) -> None:
-        check_bucket_scales(side[0], self.name)
-
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         d = effective_bucket_size(self.bucket_size, flat.numel())
         use_kernels = self.uses_kernels(flat)
@@ -58,19 +54,13 @@ class SignSGDQuantizer(Quantizer):
             return Quantized([scales], packed=kernels.sign_pack(flat.numpy()))
         return Quantized([scales], symbols=(flat < 0).to(torch.uint8).cpu().numpy())
 
-    def _scales(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:
-        d = effective_bucket_size(self.bucket_size, numel)
-        scales = np.ascontiguousarray(side[0], dtype=np.float32)
-        require_items(scales, num_buckets(numel, d), "bucket scales")  # the kernel indexes it unchecked
-        return d, scales
-
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
-        d, scales = self._scales(side, numel)
+        d, scales = self.bucket_scales(side, numel)
         return kernels.torch_sign_values(torch.from_numpy(np.asarray(symbols) != 0), d, scales)
 
     def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
         if not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed, side_info)
-        d, scales = self._scales(side, numel)
+        d, scales = self.bucket_scales(side, numel)
         require_items(packed, packed_size(numel, 1), "sign bits")  # the kernel does not check
         return torch.from_numpy(kernels.sign_unpack(packed, numel, d, scales))
