@@ -2,15 +2,17 @@
 
 All kernels work on a flat float32 array split into buckets of ``d`` elements (the last bucket
 may be short). They read the input once per pass and write packed bytes (or float32 output)
-directly, in parallel over chunks of ``CHUNK`` elements; ``CHUNK`` is a multiple of 8, so every
+directly, over chunks of ``CHUNK`` elements (in parallel from ``PARALLEL_MIN`` elements on, see
+:func:`~fedquant.codecs.kernels.common.parallel_kernel`); ``CHUNK`` is a multiple of 8, so every
 chunk starts on a byte boundary of the packed stream at any bit width.
 
 Stochastic rounding draws its uniforms inline from the counter-based stream of
 :mod:`fedquant.rng`: element ``i`` of the flattened tensor uses
 ``splitmix64(stream_key(seed) + (i + 1) * GOLDEN_GAMMA) >> 40`` times ``2**-24``, bit for bit
-what ``fedquant.rng.uniform(seed, n)[i]`` returns. The torch implementations in
-:mod:`fedquant.codecs.grid` perform the same float32 operations in the same order, so both
-paths produce identical bytes.
+what ``fedquant.rng.uniform(seed, n)[i]`` returns. The torch twins at the end of this module
+(``torch_*``, the path of CUDA tensors) perform the same float32 operations in the same order,
+so both paths produce identical bytes; the quantizers of :mod:`fedquant.codecs.quantizers.grid`
+and :mod:`fedquant.codecs.quantizers.sign` pick one.
 
 The rounding rule (one element ``v`` of a bucket with grid step ``step = scale / s``)::
 
@@ -27,20 +29,20 @@ The rounding rule (one element ``v`` of a bucket with grid step ``step = scale /
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import (  # noqa: F401  (bucket statistics are re-exported for the grid codecs)
+from fedquant.codecs.kernels.common import (
     _ABS_MASK,
     _ZERO32,
     CHUNK,
     _sum_f64,
-    bucket_l1_mean,
-    bucket_l2,
-    bucket_max_abs,
     pack_into,
+    parallel_kernel,
     uniform24,
     unpack_from,
 )
+from fedquant.rng import uniform
 
 
 # ---------------------------------------------------------------- rounding to the grid
@@ -70,7 +72,7 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
         i = hi
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def round_pack(x, d, steps, s, key, width):
     """Stochastically round ``x`` to the grid ``steps[b] * {-s..s}`` and pack the symbols.
 
@@ -97,9 +99,9 @@ def round_pack(x, d, steps, s, key, width):
     return out
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def scale_round_pack(x, d, s, key, width, l2):
-    """:func:`bucket_max_abs` (or :func:`bucket_l2`) fused with :func:`round_pack`: one read of ``x``.
+    """The bucket scales (max |x| or L2) fused with :func:`round_pack`: one read of ``x``.
 
     Each chunk computes the scales of its own buckets and rounds them while they are in cache;
     this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Returns
@@ -139,7 +141,7 @@ def scale_round_pack(x, d, s, key, width, l2):
     return scales, out
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def round_codes(x, d, steps, s, key):
     """Like :func:`round_pack` but returns the unpacked symbols ``q + s`` (uint16), for entropy coders."""
     n = x.size
@@ -153,7 +155,7 @@ def round_codes(x, d, steps, s, key):
 
 
 # ---------------------------------------------------------------- decoding
-@njit(cache=True, parallel=True)
+@parallel_kernel(count_arg=1)
 def unpack_dequant(data, n, d, steps, s, width):
     """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
     out = np.empty(n, np.float32)
@@ -193,7 +195,7 @@ def _chunk_dequant(codes, d, steps, s, c0, c1, out):
     return bad
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def codes_dequant(codes, d, steps, s):
     """Decode unpacked symbols (from an entropy decoder). Returns ``(values, symbols > 2s)``."""
     n = codes.size
@@ -208,7 +210,7 @@ def codes_dequant(codes, d, steps, s):
 
 
 # ---------------------------------------------------------------- sign bits
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def sign_pack(x):
     """One bit per element, LSB first: 1 where ``x < 0`` (so ``sign(0) = +1``)."""
     n = x.size
@@ -228,7 +230,7 @@ def sign_pack(x):
     return out
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel(count_arg=1)
 def sign_unpack(data, n, d, scales):
     """``-scale`` where the bit is 1, ``+scale`` where it is 0, bucket by bucket."""
     out = np.empty(n, np.float32)
@@ -246,3 +248,34 @@ def sign_unpack(data, n, d, scales):
                 out[j] = -m if bit else m
             i = hi
     return out
+
+
+# ---------------------------------------------------------------- torch twins (CUDA tensors, force_torch)
+def _per_element(per_bucket: np.ndarray, d: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(per_bucket, device=device).repeat_interleave(d)[:n]
+
+
+def torch_round_codes(flat: torch.Tensor, d: int, steps: np.ndarray, s: int, seed: int) -> torch.Tensor:
+    """Twin of :func:`round_codes` on ``flat``'s device: symbols ``q + s`` as int32."""
+    n = flat.numel()
+    step = _per_element(steps, d, n, flat.device)
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    t = flat.abs() / safe
+    f = torch.floor(t)
+    up = uniform(seed, n, device=flat.device) < (t - f)
+    lvl = torch.clamp(f.clamp(max=s).to(torch.int32) + up.to(torch.int32), max=s)
+    lvl = torch.where(step > 0, lvl, 0)
+    return torch.where(flat < 0, -lvl, lvl) + s
+
+
+def torch_dequantize(codes: torch.Tensor, d: int, steps: np.ndarray, s: int) -> tuple[torch.Tensor, int]:
+    """Twin of :func:`codes_dequant`: ``(code - s) * step`` and the number of codes above ``2s``."""
+    step = _per_element(steps, d, codes.numel(), codes.device)
+    bad = int((codes > 2 * s).sum())
+    return (codes - s).to(torch.float32) * step, bad
+
+
+def torch_sign_values(negative: torch.Tensor, d: int, scales: np.ndarray) -> torch.Tensor:
+    """Twin of :func:`sign_unpack` on unpacked bits: ``-scale`` where ``negative``, else ``+scale``."""
+    m = _per_element(scales, d, negative.numel(), negative.device)
+    return torch.where(negative, -m, m)
