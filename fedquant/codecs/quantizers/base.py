@@ -109,13 +109,16 @@ class Quantizer(Configurable):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.codings and "coding" not in cls.params:
-            cls.params = {
-                **cls.params,
-                "coding": Param(
-                    str, cls.codings[0], f"symbol stream: {', '.join(cls.codings)}", choices=tuple(cls.codings)
-                ),
-            }
+        own = cls.__dict__.get("params")
+        if own is None and "codings" not in cls.__dict__:
+            return  # inherits both: the parent's coding parameter already fits
+        params = dict(cls.params)
+        if own is None or "coding" not in own:  # derive it from this class's codings, not a parent's
+            params.pop("coding", None)
+            if cls.codings:
+                choices = tuple(cls.codings)
+                params["coding"] = Param(str, choices[0], f"symbol stream: {', '.join(choices)}", choices=choices)
+        cls.params = params
 
     # ------------------------------------------------------------------ declarations
     @abstractmethod
