@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from fedquant.codecs import get_codec
-from fedquant.codecs.nested_params import spread_in_steps
+from fedquant.codecs.quantizers.nested_rules import spread_in_steps
 from fedquant.rng import derive_seed
 
 Pair = tuple[torch.Tensor, torch.Tensor]

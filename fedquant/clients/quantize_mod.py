@@ -24,11 +24,13 @@ from fedquant.strategies.protocol import (
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
+    KEY_TENSOR_CODECS,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
     PAYLOAD_DTYPE,
     PAYLOAD_STYPE,
     is_encoded,
+    parse_tensor_codecs,
     tensor_seed,
 )
 
@@ -67,7 +69,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
 
     After the ClientApp trained, each float tensor with at least ``fedquant.min-numel``
     elements is replaced by the payload of its update ``trained - received`` (float32), encoded
-    with seed ``derive_seed(fedquant.seed, tensor_name)``; smaller and non-float tensors go as
+    with seed ``derive_seed(fedquant.seed, tensor_name)`` by the codec ``fedquant.codec``, or the
+    one ``fedquant.tensor-codecs`` names for that tensor; smaller and non-float tensors go as
     they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
     the decoded update over all encoded elements; not for codecs that need decoder side
     information, or when the server sets ``fedquant.client-mse`` to False) and
@@ -100,6 +103,9 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         client_seed = int(config[KEY_SEED])
         min_numel = int(config[KEY_MIN_NUMEL])
         measure_mse = bool(config.get(KEY_CLIENT_MSE, True))
+        tensor_codecs = {
+            name: _codec(spec) for name, spec in parse_tensor_codecs(config.get(KEY_TENSOR_CODECS, "{}")).items()
+        }
     except (KeyError, ValueError, TypeError) as err:
         return _error(msg, f"{MOD_NAME}: bad fedquant config: {err}")
     try:  # a compressed model (server's downlink_codec) becomes float arrays before training
@@ -136,17 +142,18 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
                 return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
             update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
             seed = tensor_seed(client_seed, name)
-            if hasattr(codec, "encode_with_feedback"):
+            tensor_codec = tensor_codecs.get(name, codec)
+            if hasattr(tensor_codec, "encode_with_feedback"):
                 residual = load_residual(ctxt.state, name, old.shape)
                 residual = residual.to(device) if residual is not None else None
-                payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
+                payload, residuals[name] = tensor_codec.encode_with_feedback(update, seed, residual)
                 if measure_mse:  # the new residual is exactly the codec's error on what it encoded
                     sq_error += float(torch.sum(residuals[name].double() ** 2))
                     encoded_numel += numel
             else:
-                payload = codec.encode(update, seed)
-            if measure_mse and not codec.needs_side_info and name not in residuals:
-                decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
+                payload = tensor_codec.encode(update, seed)
+            if measure_mse and not tensor_codec.needs_side_info and name not in residuals:
+                decoded = tensor_codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
                 sq_error += float(torch.sum((decoded - update).double() ** 2))
                 encoded_numel += numel
             out[name] = Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))

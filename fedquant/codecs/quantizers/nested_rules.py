@@ -1,4 +1,10 @@
-"""Parameter rules and side information for nested dithered quantization (NDQSG), Flower-free.
+"""NDQSG's parameter rules: ``rho`` and ``alpha`` from the spread of updates around side information.
+
+The NDQSG quantizer (``ndqsg``, nested dithered quantization) sends each coordinate's fine bin
+position inside its coarse bin; this module holds the maths that sets its parameters, Flower-free.
+The server's decode plan (:class:`fedquant.strategies.nested.NestedDecodePlan`) only orchestrates:
+it collects decoded updates per tensor, calls :func:`estimate_spread` and :func:`choose_parameters`,
+and tells each client which codec to use for each tensor.
 
 Model (Abdi & Fekri 2019, Alg. 2): a client's tensor is ``x = y + z`` where ``y`` is the
 server's side information (the running mean of the updates it has already decoded) and ``z`` an
@@ -6,18 +12,47 @@ independent spread of per-coordinate standard deviation ``sigma_z``. With fine s
 coarse step ``Delta2 = rho Delta1`` and shrinkage ``alpha`` the decoder is correct while
 ``|alpha z + Delta1 eps| < Delta2 / 2`` (``eps ~ U[-1/2, 1/2]`` the fine rounding error), and then
 its MSE is ``(1 - alpha**2)**2 sigma_z**2 + alpha**2 Delta1**2 / 12`` (algorithms.md §5.5, derived
-there and checked here by Monte Carlo in the tests).
+there and checked by Monte Carlo in the tests).
 
 All step sizes and spreads are in the same units: gradient units, or units of ``Delta1`` when
 ``delta1 = 1`` (see :func:`spread_in_steps`).
+
+Rules, from the simplest:
+
+* :func:`choose_rho`: §5.5's margin of ``k`` standard deviations;
+* :func:`choose_rho_for_variance`: wraps add at most ``max_excess`` of the MSE, Gaussian ``z``;
+* :func:`empirical_rho`: the same bound on a histogram of ``|z| / Delta1`` (real updates are
+  heavy-tailed: on the digits MLP wraps were 10^3-10^4 times more frequent than the Gaussian
+  model predicts at the same spread);
+* :func:`choose_parameters`: what the plan uses per tensor, the larger ``rho`` of the last two on
+  a :class:`SpreadEstimate` with a :data:`SPREAD_MARGIN`;
+* :data:`AUTHORS_LEVELS`, :data:`AUTHORS_RHO`: the authors' fixed ``(M, rho) = (3, 3)``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# The authors' setting (compare_algorithms_*.py): P2 at M = 3 with rho = 3, alpha = 1.
+AUTHORS_LEVELS = 3
+AUTHORS_RHO = 3
+
+# Histogram of |z| / Delta1 for the empirical wrap criterion: bins of 1/64 fine step up to 256
+# steps (larger values land in the last bin, which only makes rho larger).
+TAIL_BIN = 1.0 / 64
+TAIL_MAX = 256.0
+
+# spread_in_steps came out 5-8 % below the nested clients' real spread in a synthetic check
+# (decoded maxima, hence steps, are a little larger than the raw ones).
+SPREAD_MARGIN = 1.1
+
+# Default largest rho: the coset index must fit the 16-bit symbol packer.
+DEFAULT_MAX_RHO = (1 << 16) - 1
 
 
 def _check(sigma_z: float, delta1: float, alpha: float = 1.0) -> None:
@@ -64,7 +99,7 @@ def choose_rho(sigma_z: float, delta1: float, alpha: float = 1.0, k: float = 3.0
 
 
 def choose_rho_for_variance(
-    sigma_z: float, delta1: float, alpha: float = 1.0, max_excess: float = 0.01, max_rho: int = (1 << 16) - 1
+    sigma_z: float, delta1: float, alpha: float = 1.0, max_excess: float = 0.01, max_rho: int = DEFAULT_MAX_RHO
 ) -> int:
     """Smallest odd ``rho >= 3`` whose expected wrap-around excess is at most ``max_excess`` of the MSE.
 
@@ -182,7 +217,7 @@ def leave_one_out_steps(updates: Sequence[torch.Tensor], levels: int, bucket_siz
 
     ``Delta1 = max|g_p| / levels`` per bucket of ``g_p`` (an NDQSG client's fine step with these
     ``levels`` and ``bucket_size``); coordinates of buckets whose step is 0 are left out. Used by
-    :func:`spread_in_steps` and by the NDQSG server plan's wrap-around tail estimate.
+    :func:`spread_in_steps` and by :func:`estimate_spread` (the tail histogram).
     """
     m = len(updates)
     stacked = torch.stack([u.detach().reshape(-1).to("cpu", torch.float64) for u in updates])
@@ -197,50 +232,129 @@ def leave_one_out_steps(updates: Sequence[torch.Tensor], levels: int, bucket_siz
     return (z / torch.where(step > 0, step, torch.ones_like(step)))[keep]
 
 
-class RunningMean:
-    """Running mean of decoded updates in arrival order (the authors' ``AggregationNode``).
+def nesting_saves_bits(rho: int, levels: int) -> bool:
+    """Whether NDQSG at ``rho`` can send fewer bits than DQSG at the same ``levels``.
 
-    ``add(x)`` sets ``mean <- mean + (x - mean) / count``, the same recursion as the authors'
-    ``g <- g / cnt + (1 - 1/cnt) g_prev``. :meth:`side_info` is what the server hands the nested
-    decoder of the next client: the current mean, or zeros before anything was decoded (as in
-    the authors' code).
+    For ``rho >= 2M + 1`` the coset index of every ``|q1| <= M`` *is* the DQSG index (same width,
+    same entropy), so nesting only adds wrap-around risk. Below, the index is a function of the
+    DQSG index folded onto ``rho`` values: never more entropy, fewer fixed-width bits or equal.
+    """
+    return rho < 2 * levels + 1
+
+
+def empirical_rho(
+    tail: np.ndarray,
+    spread: float,
+    alpha: float = 1.0,
+    max_excess: float = 0.01,
+    scale: float = 1.0,
+    max_rho: int = DEFAULT_MAX_RHO,
+) -> int:
+    """Smallest odd ``rho >= 3`` whose wrap excess, from a histogram of ``|z| / Delta1``, is within bound.
+
+    For a coordinate with ``|z| = r Delta1`` the decoder wraps with probability
+    ``clip(alpha r + 1/2 - rho/2, 0, 1)`` (the fine rounding error is uniform on ``[-1/2, 1/2]``)
+    and then errs by about ``alpha rho Delta1``. The rule keeps the mean of
+    ``P(wrap) (alpha rho)**2`` over the histogram (bins of ``TAIL_BIN`` from 0, counts) under
+    ``max_excess`` times the MSE without wrap, ``(1 - alpha**2)**2 spread**2 + alpha**2 / 12``.
+    ``scale`` multiplies every ``r`` (a safety margin; ``spread`` should include it).
+
+    Returns
+    -------
+    int
+        Odd ``rho``; at most the first odd value beyond every non-empty bin (where no wrap is
+        left), and at most ``max_rho``.
+    """
+    total = int(tail.sum())
+    if total == 0:
+        return 3
+    centers = (np.arange(tail.size) + 0.5) * TAIL_BIN * scale
+    weights = tail / total
+    bound = max_excess * ((1 - alpha**2) ** 2 * spread**2 + alpha**2 / 12)
+    largest = float(centers[np.nonzero(tail)[0][-1]])
+    last = min(max_rho, 2 * math.ceil(alpha * largest + 1) + 1)
+    for rho in range(3, last + 1, 2):
+        wrap = np.clip(alpha * centers + 0.5 - rho / 2, 0.0, 1.0)
+        if float(weights @ wrap) * (alpha * rho) ** 2 <= bound:
+            return rho
+    return last
+
+
+@dataclass(frozen=True)
+class SpreadEstimate:
+    """What one tensor's decoded updates say about the spread of the next round's nested clients.
+
+    Attributes
+    ----------
+    spread : float
+        ``sigma_z / Delta1`` (:func:`spread_in_steps`, without margin).
+    tail : numpy.ndarray
+        Histogram of the leave-one-out ``|z| / Delta1`` in bins of :data:`TAIL_BIN` (counts).
+    numel : int
+        Elements of the tensor.
+    """
+
+    spread: float
+    tail: np.ndarray
+    numel: int
+
+
+def estimate_spread(
+    updates: Sequence[torch.Tensor], levels: int, bucket_size: int, dqsg_levels: int | None = None
+) -> SpreadEstimate | None:
+    """Spread and tail histogram of one tensor's decoded updates (e.g. a round's DQSG group).
 
     Parameters
     ----------
-    dtype : torch.dtype
-        Accumulation dtype (float64 by default, so that long rounds do not drift).
+    updates : sequence of torch.Tensor
+        At least 2 decoded updates of the same tensor.
+    levels, bucket_size : int
+        The NDQSG codec's ``levels`` and ``bucket_size`` (0: one bucket for the whole tensor).
+    dqsg_levels : int, optional
+        ``levels`` of the DQSG codec the updates were decoded with (see :func:`spread_in_steps`).
+
+    Returns
+    -------
+    SpreadEstimate or None
+        None when there are fewer than 2 updates, they are empty, or every bucket is zero.
     """
+    if len(updates) < 2 or updates[0].numel() == 0:
+        return None
+    d = bucket_size or updates[0].numel()
+    ratios = leave_one_out_steps(updates, levels, d).abs().numpy()
+    spread = spread_in_steps(updates, levels, d, dqsg_levels=dqsg_levels)
+    if ratios.size == 0 or not math.isfinite(spread):
+        return None
+    bins = int(TAIL_MAX / TAIL_BIN)
+    tail = np.bincount(np.minimum(ratios / TAIL_BIN, bins - 1).astype(np.int64), minlength=bins)
+    return SpreadEstimate(spread, tail, int(updates[0].numel()))
 
-    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
-        self.dtype = dtype
-        self.count = 0
-        self._mean: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor) -> None:
-        """Fold one decoded update in."""
-        x = x.detach().to(self.dtype)
-        if self._mean is None:
-            self._mean = x.clone()
-        else:
-            if x.shape != self._mean.shape:
-                raise ValueError(f"RunningMean: update of shape {list(x.shape)}, mean has {list(self._mean.shape)}")
-            self._mean += (x.to(self._mean.device) - self._mean) / (self.count + 1)
-        self.count += 1
+def choose_parameters(
+    estimate: SpreadEstimate | None,
+    alpha: float | str = 1.0,
+    max_excess: float = 0.01,
+    max_rho: int = DEFAULT_MAX_RHO,
+) -> tuple[int | None, float]:
+    """``(rho, alpha)`` for nested clients of one tensor, from its spread estimate.
 
-    @property
-    def mean(self) -> torch.Tensor | None:
-        """The mean of the updates added so far (``None`` before the first)."""
-        return self._mean
+    The spread is taken with :data:`SPREAD_MARGIN`. ``alpha="auto"`` uses :func:`optimal_alpha`
+    on it (1.0 without an estimate); the result is rounded to 6 decimals, since the codec spec
+    carries it as text and client and server must agree exactly. ``rho`` is the larger of
+    :func:`choose_rho_for_variance` (Gaussian ``z``) and :func:`empirical_rho` (the measured tail),
+    both keeping the wrap excess under ``max_excess`` of the MSE.
 
-    def side_info(self, like: torch.Tensor) -> torch.Tensor:
-        """Side information for a tensor shaped like ``like``: the mean, or zeros when empty."""
-        if self._mean is None:
-            return torch.zeros(like.shape, dtype=torch.float32)
-        if self._mean.shape != like.shape:
-            raise ValueError(f"RunningMean: asked for shape {list(like.shape)}, mean has {list(self._mean.shape)}")
-        return self._mean.to(torch.float32)
-
-    def reset(self) -> None:
-        """Forget everything (start of a round)."""
-        self.count = 0
-        self._mean = None
+    Returns
+    -------
+    tuple of (int or None, float)
+        ``rho`` (None without an estimate) and ``alpha``.
+    """
+    spread = None if estimate is None else SPREAD_MARGIN * estimate.spread
+    if alpha == "auto":
+        alpha = optimal_alpha(spread, 1.0) if spread is not None else 1.0
+    alpha = round(float(alpha), 6)
+    if spread is None:
+        return None, alpha
+    rho = choose_rho_for_variance(spread, 1.0, alpha, max_excess, max_rho)
+    rho = max(rho, empirical_rho(estimate.tail, spread, alpha, max_excess, max_rho=max_rho))
+    return min(rho, max_rho), alpha
