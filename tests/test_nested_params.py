@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedquant.codecs import get_codec
 from fedquant.codecs.dithered import dither, nested_quantize, nested_reconstruct
 from fedquant.codecs.quantizers.nested_rules import (
     AUTHORS_LEVELS,
@@ -13,16 +14,22 @@ from fedquant.codecs.quantizers.nested_rules import (
     SPREAD_MARGIN,
     TAIL_BIN,
     SpreadEstimate,
+    cheapest_bits_at,
     choose_parameters,
     choose_rho,
     choose_rho_for_variance,
     empirical_rho,
+    entropy_bits,
     estimate_spread,
+    folded,
+    index_distribution,
     leave_one_out_steps,
     nested_mse,
     nesting_saves_bits,
     optimal_alpha,
+    rate_rho,
     spread_in_steps,
+    wrap_excess,
     wrap_probability,
 )
 from fedquant.strategies.decode_plan import SideInformation
@@ -299,3 +306,89 @@ def test_estimate_spread_is_the_spread_and_the_tail_of_one_tensor():
 def test_nesting_saves_bits_only_below_2m_plus_1_and_the_authors_setting():
     assert nesting_saves_bits(5, 3) and not nesting_saves_bits(7, 3) and not nesting_saves_bits(9, 3)
     assert (AUTHORS_LEVELS, AUTHORS_RHO) == (3, 3) and nesting_saves_bits(AUTHORS_RHO, AUTHORS_LEVELS)
+
+
+# ------------------------------------------------------------------ the rate rule (bits at equal MSE)
+def test_wrap_excess_counts_the_coordinates_beyond_half_a_coarse_step():
+    tail = np.zeros(int(4 / TAIL_BIN), dtype=np.int64)
+    tail[int(1.0 / TAIL_BIN)] = 90  # |r| in [1, 1 + 1/64): inside rho = 3's half-width 1.5
+    tail[int(2.0 / TAIL_BIN)] = 10  # |r| ~ 2: wraps at rho = 3, not at rho = 5
+    assert wrap_excess(tail, 3) == pytest.approx(0.10 * 9)  # P(wrap) (alpha rho)^2
+    assert wrap_excess(tail, 5) == 0.0
+    assert wrap_excess(tail, 3, alpha=0.5) == 0.0  # alpha |r| = 1 < 1.5
+    assert wrap_excess(np.zeros(4, dtype=np.int64), 3) == 0.0
+
+
+def test_index_distribution_folding_and_entropy():
+    levels = 3
+    bins = int(round(2 * (levels + 1) / TAIL_BIN))
+    at = lambda v: int((v + levels + 1) / TAIL_BIN)  # noqa: E731
+    values = np.zeros(bins, dtype=np.int64)
+    values[at(0.0)] = 1  # v in [0, 1/64): q = 0 almost surely
+    p = index_distribution(values, levels)
+    assert p.sum() == pytest.approx(1.0) and p[p.size // 2] > 0.99
+    values[:] = 0
+    values[at(0.5) - 1] = values[at(0.5)] = 1  # v around 1/2: q = 0 or 1, half each
+    p = index_distribution(values, levels)
+    assert p[p.size // 2] == pytest.approx(0.5, abs=0.02) and p[p.size // 2 + 1] == pytest.approx(0.5, abs=0.02)
+    assert entropy_bits(p) == pytest.approx(1.0, abs=0.01)
+    uniform = np.full(7, 1 / 7)  # q on -3..3
+    f = folded(uniform, 3)  # -3, 0, 3 -> 0; -2, 1 -> 1; -1, 2 -> -1
+    assert f.tolist() == pytest.approx([2 / 7, 3 / 7, 2 / 7])
+    assert entropy_bits(f) < entropy_bits(uniform)  # a function of q never has more entropy
+    assert folded(uniform, 7).tolist() == pytest.approx(uniform.tolist())  # rho = 2M + 1: the DQSG index
+
+
+def test_cheapest_bits_at_mixes_settings_on_the_lower_hull():
+    fixed = [(2.0, 9.0), (3.0, 2.25), (3.0, 1.0), (4.0, 0.5)]  # DQSG M = 1, 2, 3, (7) at fixed width
+    assert cheapest_bits_at(fixed, 1.0) == pytest.approx(3.0)
+    assert cheapest_bits_at(fixed, 2.0) == pytest.approx(3 - 1 / 8)  # M = 2 is never worth its 3 bits
+    assert cheapest_bits_at(fixed, 0.75) == pytest.approx(3.5)
+    assert cheapest_bits_at(fixed, 17.0) == pytest.approx(1.0)  # beyond the coarsest: the first segment extended
+    assert cheapest_bits_at([(2.0, 1.0)], 5.0) == 2.0
+
+
+def _synthetic_estimate(sigma: float, n: int = 1 << 15, clients: int = 4, levels: int = 3):
+    gen = torch.Generator().manual_seed(11)
+    y = torch.randn(n, generator=gen)
+    dq = get_codec("dqsg", levels=levels)
+    p1 = [dq.decode(dq.encode(y + sigma * torch.randn(n, generator=gen), 20 + i), 20 + i) for i in range(clients)]
+    return estimate_spread(p1, levels, 512, dqsg_levels=levels), y, gen
+
+
+@pytest.mark.parametrize("coding", ["fixed", "entropy"])
+def test_rate_rule_nests_close_updates_and_saves_bits_at_equal_mse(coding):
+    levels, n = 3, 1 << 15
+    estimate, y, gen = _synthetic_estimate(0.03, n)
+    rho, alpha = choose_parameters(estimate, rule="rate", levels=levels, coding=coding, max_excess=0.25)
+    assert alpha == 1.0 and rho == 3 and rate_rho(estimate, levels, coding, 1.0, 0.25) == 3
+    # measured with the real codecs on fresh clients: NDQSG's bits against DQSG's curve at NDQSG's MSE
+    xs = [y + 0.03 * torch.randn(n, generator=gen) for _ in range(2)]
+    side = y  # a close estimate of every client's update
+
+    def tally(codec, decode_side):
+        bits = sq = 0.0
+        for i, x in enumerate(xs):
+            payload = codec.encode(x, 40 + i)
+            kwargs = {"side_info": side} if decode_side else {}
+            bits += 8 * len(payload)
+            sq += float((codec.decode(payload, 40 + i, **kwargs) - x).double().pow(2).sum())
+        return bits / (2 * n), sq / (2 * n)
+
+    nested_bits, nested_mse_ = tally(get_codec("ndqsg", levels=levels, rho=rho, coding=coding), True)
+    curve = [tally(get_codec("dqsg", levels=k, coding=coding), False) for k in (1, 2, 3, 4)]
+    assert nested_mse_ <= 1.01 * curve[2][1]  # no wraps here: DQSG's error at M = 3
+    assert nested_bits < 0.97 * cheapest_bits_at(curve, nested_mse_)
+
+
+def test_rate_rule_sends_dqsg_when_nothing_is_saved_and_obeys_the_wrap_cap():
+    wide, _, _ = _synthetic_estimate(3.0)  # clients far apart: every rho < 2M + 1 wraps a lot
+    assert choose_parameters(wide, rule="rate", levels=3, coding="entropy", max_excess=0.25)[0] == 7
+    close, _, _ = _synthetic_estimate(0.3)
+    free = rate_rho(close, 3, "fixed", 1.0, max_excess=100.0)
+    assert free == 3 and wrap_excess(close.tail, 3) > 0  # wraps accepted where the bits pay for them
+    assert rate_rho(close, 3, "fixed", 1.0, max_excess=12 * wrap_excess(close.tail, 3) / 2) == 7  # capped out
+    with pytest.raises(ValueError, match="rule"):
+        choose_parameters(close, rule="best")
+    with pytest.raises(ValueError, match="levels"):
+        choose_parameters(close, rule="rate")

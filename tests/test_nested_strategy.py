@@ -132,7 +132,7 @@ def test_group_split_fraction_at_least_one_and_deterministic():
     assert NestedDecodePlan(p1_fraction=1.0).groups(1, nodes) == (nodes, [])
     assert NestedDecodePlan().groups(1, [7]) == ([7], [])
     bad_values = ({"p1_fraction": 0}, {"rho": 4}, {"rho": 1}, {"alpha": 0.0}, {"alpha": "best"}, {"initial_rho": 2})
-    for bad in (*bad_values, {"min_numel": 0}):
+    for bad in (*bad_values, {"min_numel": 0}, {"rule": "fastest"}):
         with pytest.raises(ValueError):
             NestedDecodePlan(**bad)
 
@@ -326,6 +326,22 @@ def test_fixed_values_win_and_auto_alpha_is_per_tensor():
     chosen = auto.tensor_parameters()
     assert chosen == {"w": choose_parameters(_estimate(0.5), "auto"), "v": choose_parameters(_estimate(2.0), "auto")}
     assert chosen["w"][1] < chosen["v"][1] < 1 and chosen["w"][0] < chosen["v"][0]
+
+
+def test_the_rate_rule_gets_the_codecs_levels_and_coding():
+    gen = torch.Generator().manual_seed(2)
+    y = torch.randn(4096, generator=gen)
+    dqsg = get_codec("dqsg:levels=3")
+    p1 = [dqsg.decode(dqsg.encode(y + 0.3 * torch.randn(4096, generator=gen), i), i) for i in range(4)]
+    plan = NestedDecodePlan(rule="rate", max_excess=100.0)
+    plan.learn({"w": p1}, 3, 512)
+    for coding in ("fixed", "entropy"):
+        want = choose_parameters(plan.estimates["w"], 1.0, 100.0, 65535, "rate", 3, coding)
+        assert plan.tensor_parameters(3, coding) == {"w": want}
+        p2 = plan.assign(1, list(range(8)), get_codec(f"ndqsg:levels=3,coding={coding}"))
+        codec = next(a for a in p2.values() if a.config[KEY_ROLE] == "p2").codec_for("w")
+        assert codec.coding == coding and (codec.rho if codec.needs_side_info else 7) == want[0]
+    assert "per tensor by rate" in repr(plan)
 
 
 def test_the_authors_fixed_m_and_rho_nest_every_tensor_from_round_1():

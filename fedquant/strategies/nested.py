@@ -86,6 +86,7 @@ from fedquant.codecs import Codec, codec_class, get_codec
 from fedquant.codecs.params import parse_spec
 from fedquant.codecs.quantizers.nested_rules import (
     AUTHORS_RHO,
+    RULES,
     SpreadEstimate,
     choose_parameters,
     estimate_spread,
@@ -174,6 +175,11 @@ class NestedDecodePlan(DecodePlan):
     min_numel : int
         Tensors with fewer elements get no ``rho`` of their own (default 1024): they neither set
         nor share another tensor's ``rho`` and go with ``initial_rho``.
+    rule : {"variance", "rate"}
+        How each tensor's ``rho`` is chosen (:func:`~fedquant.codecs.quantizers.nested_rules.choose_parameters`):
+        ``"variance"`` (default) keeps DQSG's error (wraps add at most ``max_excess``);
+        ``"rate"`` picks the ``rho`` that saves the most bits against DQSG at the same error, wraps
+        included, among those whose wraps add at most ``max_excess``.
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class NestedDecodePlan(DecodePlan):
         max_excess: float = 0.01,
         seed: int = 0,
         min_numel: int = DEFAULT_MIN_NUMEL,
+        rule: str = "variance",
     ) -> None:
         if not (isinstance(p1_fraction, (int, float)) and 0 < p1_fraction <= 1):
             raise ValueError(f"p1_fraction must be in (0, 1], got {p1_fraction!r}")
@@ -202,6 +209,8 @@ class NestedDecodePlan(DecodePlan):
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
             raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.p1_fraction = float(p1_fraction)
         self.rho = rho
         self.alpha = alpha if alpha == "auto" else float(alpha)
@@ -209,6 +218,7 @@ class NestedDecodePlan(DecodePlan):
         self.max_excess = float(max_excess)
         self.seed = seed
         self.min_numel = min_numel
+        self.rule = rule
         self.estimates: dict[str, SpreadEstimate] = {}  # per tensor, from the latest P1 updates of it
         self._rounds: dict[int, _RoundState] = {}
 
@@ -236,7 +246,7 @@ class NestedDecodePlan(DecodePlan):
         return max((e.spread for e in self.estimates.values()), default=None)
 
     def __repr__(self) -> str:
-        rho = self.rho if self.rho is not None else "adaptive per tensor"
+        rho = self.rho if self.rho is not None else f"per tensor by {self.rule}"
         return f"NestedDecodePlan(p1_fraction={self.p1_fraction}, rho={rho}, alpha={self.alpha})"
 
     # ------------------------------------------------------------------ configure_train
@@ -263,13 +273,18 @@ class NestedDecodePlan(DecodePlan):
             return self.rho, alpha, RULE_FIXED
         return (self.initial_rho or 2 * levels + 1), alpha, RULE_INITIAL
 
-    def tensor_parameters(self) -> dict[str, tuple[int, float]]:
-        """``{tensor: (rho, alpha)}`` for the tensors with their own estimate (empty with a fixed ``rho``)."""
+    def tensor_parameters(self, levels: int | None = None, coding: str = "fixed") -> dict[str, tuple[int, float]]:
+        """``{tensor: (rho, alpha)}`` for the tensors with their own estimate (empty with a fixed ``rho``).
+
+        ``levels`` and ``coding`` (the codec's) are needed by the ``"rate"`` rule.
+        """
         if self.rho is not None:
             return {}
         out = {}
         for name, estimate in self.estimates.items():
-            rho, alpha = choose_parameters(estimate, self.alpha, self.max_excess, max_rho())
+            rho, alpha = choose_parameters(
+                estimate, self.alpha, self.max_excess, max_rho(), self.rule, levels, coding
+            )  # fmt: skip
             out[name] = (rho, alpha)
         return out
 
@@ -313,7 +328,7 @@ class NestedDecodePlan(DecodePlan):
             return get_codec("ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
 
         default = p2_codec(rho, alpha)
-        chosen = self.tensor_parameters()
+        chosen = self.tensor_parameters(levels, codec.coding)
         per_tensor = {name: p2_codec(r, a) for name, (r, a) in sorted(chosen.items())}
         overrides = {name: c for name, c in per_tensor.items() if c != default}
         state = _RoundState(rho, alpha, RULE_ESTIMATED if chosen else rule, len(p1), levels, codec.bucket_size)

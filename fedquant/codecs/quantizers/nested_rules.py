@@ -292,11 +292,15 @@ class SpreadEstimate:
         Histogram of the leave-one-out ``|z| / Delta1`` in bins of :data:`TAIL_BIN` (counts).
     numel : int
         Elements of the tensor.
+    values : numpy.ndarray, optional
+        Histogram of the updates in fine steps, ``g / Delta1`` (signed), in bins of
+        :data:`TAIL_BIN` from ``-(levels + 1)``: what the rate rule predicts index entropies from.
     """
 
     spread: float
     tail: np.ndarray
     numel: int
+    values: np.ndarray | None = None
 
 
 def estimate_spread(
@@ -327,7 +331,23 @@ def estimate_spread(
         return None
     bins = int(TAIL_MAX / TAIL_BIN)
     tail = np.bincount(np.minimum(ratios / TAIL_BIN, bins - 1).astype(np.int64), minlength=bins)
-    return SpreadEstimate(spread, tail, int(updates[0].numel()))
+    return SpreadEstimate(spread, tail, int(updates[0].numel()), _value_histogram(updates, levels, d))
+
+
+def _value_histogram(updates: Sequence[torch.Tensor], levels: int, bucket_size: int) -> np.ndarray:
+    """Histogram of ``g / Delta1`` over every update, bins of ``TAIL_BIN`` on ``[-(levels + 1), levels + 1]``."""
+    stacked = torch.stack([u.detach().reshape(-1).to("cpu", torch.float64) for u in updates])
+    n = stacked.shape[1]
+    g = torch.nn.functional.pad(stacked, (0, (-n) % bucket_size)).view(len(updates), -1, bucket_size)
+    step = g.abs().amax(dim=2, keepdim=True) / levels
+    keep = ((step > 0) & (torch.arange(g.shape[1] * bucket_size) < n).view(1, -1, bucket_size)).expand_as(g)
+    v = (g / torch.where(step > 0, step, torch.ones_like(step)))[keep].numpy()
+    bins = int(round(2 * (levels + 1) / TAIL_BIN))
+    index = np.clip((v + levels + 1) / TAIL_BIN, 0, bins - 1).astype(np.int64)
+    return np.bincount(index, minlength=bins)
+
+
+RULES = ("variance", "rate")
 
 
 def choose_parameters(
@@ -335,26 +355,162 @@ def choose_parameters(
     alpha: float | str = 1.0,
     max_excess: float = 0.01,
     max_rho: int = DEFAULT_MAX_RHO,
+    rule: str = "variance",
+    levels: int | None = None,
+    coding: str = "fixed",
 ) -> tuple[int | None, float]:
     """``(rho, alpha)`` for nested clients of one tensor, from its spread estimate.
 
     The spread is taken with :data:`SPREAD_MARGIN`. ``alpha="auto"`` uses :func:`optimal_alpha`
     on it (1.0 without an estimate); the result is rounded to 6 decimals, since the codec spec
-    carries it as text and client and server must agree exactly. ``rho`` is the larger of
-    :func:`choose_rho_for_variance` (Gaussian ``z``) and :func:`empirical_rho` (the measured tail),
-    both keeping the wrap excess under ``max_excess`` of the MSE.
+    carries it as text and client and server must agree exactly.
+
+    ``rule="variance"`` (default): ``rho`` is the larger of :func:`choose_rho_for_variance`
+    (Gaussian ``z``) and :func:`empirical_rho` (the measured tail), both keeping the wrap excess
+    under ``max_excess`` of the MSE: NDQSG at DQSG's error.
+
+    ``rule="rate"``: :func:`rate_rho`, the ``rho`` with the largest predicted saving of bits
+    against DQSG *at the same MSE* (wraps included), among those whose predicted wrap excess is
+    at most ``max_excess``; ``2 levels + 1`` (DQSG) when none saves. Needs ``levels``, ``coding``
+    and the estimate's ``values``.
 
     Returns
     -------
     tuple of (int or None, float)
         ``rho`` (None without an estimate) and ``alpha``.
     """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     spread = None if estimate is None else SPREAD_MARGIN * estimate.spread
     if alpha == "auto":
         alpha = optimal_alpha(spread, 1.0) if spread is not None else 1.0
     alpha = round(float(alpha), 6)
     if spread is None:
         return None, alpha
+    if rule == "rate":
+        if levels is None or estimate.values is None:
+            raise ValueError("the rate rule needs levels and an estimate with a value histogram")
+        return rate_rho(estimate, levels, coding, alpha, max_excess), alpha
     rho = choose_rho_for_variance(spread, 1.0, alpha, max_excess, max_rho)
     rho = max(rho, empirical_rho(estimate.tail, spread, alpha, max_excess, max_rho=max_rho))
     return min(rho, max_rho), alpha
+
+
+# ---------------------------------------------------------------------- rate at equal MSE
+def wrap_excess(tail: np.ndarray, rho: int, alpha: float = 1.0) -> float:
+    """Expected MSE added by wraps, in ``Delta1**2``, from a histogram of leave-one-out ``|r| / Delta1``.
+
+    The histogram comes from DQSG-decoded updates (:func:`estimate_spread`), so each ``r`` already
+    holds a fine rounding error, uniform on ``[-1/2, 1/2]``, like the nested decoder's
+    ``z + Delta1 eps``: a coordinate wraps when ``alpha |r| >= rho / 2`` (no second uniform term,
+    unlike :func:`empirical_rho`, which adds one for a safety margin) and then errs by about
+    ``alpha rho Delta1``. The bin that straddles ``rho / 2`` counts in proportion.
+    """
+    total = int(tail.sum())
+    if total == 0:
+        return 0.0
+    low = np.arange(tail.size) * TAIL_BIN * alpha
+    wrap = np.clip((low + TAIL_BIN * alpha - rho / 2) / (TAIL_BIN * alpha), 0.0, 1.0)
+    return float((tail / total) @ wrap) * (alpha * rho) ** 2
+
+
+def index_distribution(values: np.ndarray, levels: int, scale: float = 1.0) -> np.ndarray:
+    """Probabilities of the dithered indices ``q = round(v scale + u)`` on ``-K..K``, from a histogram of ``v``.
+
+    ``values`` is a histogram of ``v = g / Delta1`` in bins of :data:`TAIL_BIN` from
+    ``-(levels + 1)``; ``scale = k / levels`` gives DQSG at ``k`` levels. With subtractive dither
+    ``P(q = k | v) = max(0, 1 - |v - k|)`` (the dither spreads ``v`` over its two nearest indices).
+    """
+    centers = (np.arange(values.size) + 0.5) * TAIL_BIN - (levels + 1)
+    v = centers * scale
+    top = int(math.ceil(np.abs(v).max())) + 1
+    k = np.arange(-top, top + 1)
+    weights = values / max(1, int(values.sum()))
+    return weights @ np.clip(1 - np.abs(v[:, None] - k[None, :]), 0, None)
+
+
+def entropy_bits(p: np.ndarray) -> float:
+    """Shannon entropy of a distribution in bits."""
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+def folded(p: np.ndarray, rho: int) -> np.ndarray:
+    """Distribution of the coset index ``q mod rho`` (centred) of an index distribution on ``-K..K``."""
+    top = (p.size - 1) // 2
+    out = np.zeros(rho)
+    np.add.at(out, (np.arange(-top, top + 1) + rho // 2) % rho, p)
+    return out
+
+
+def cheapest_bits_at(points: Sequence[tuple[float, float]], target: float) -> float:
+    """Fewest bits that reach MSE ``target`` by mixing two of the ``(bits, mse)`` settings.
+
+    Sending a share of the coordinates with one setting and the rest with another reaches every
+    convex combination of their points, so the curve is the lower convex hull in linear
+    ``(bits, MSE)``; with fixed-width indices (DQSG's ``M = 2`` costs the 3 bits of ``M = 3``) that
+    makes an MSE between two settings cheaper than the finer one. Beyond the ends the nearest hull
+    segment is extended.
+    """
+    hull: list[tuple[float, float]] = []
+    for b, m in sorted((float(b), float(m)) for b, m in points):
+        if hull and m >= hull[-1][1]:  # more bits, no less error: never worth it
+            continue
+        while len(hull) >= 2:
+            (b0, m0), (b1, m1) = hull[-2], hull[-1]
+            if (m1 - m0) * (b - b0) >= (m - m0) * (b1 - b0):  # hull[-1] on or above the chord
+                hull.pop()
+            else:
+                break
+        hull.append((b, m))
+    if len(hull) == 1:
+        return hull[0][0]
+    for k in range(1, len(hull)):
+        if target >= hull[k][1] or k == len(hull) - 1:
+            (b0, m0), (b1, m1) = hull[k - 1], hull[k]
+            return b0 + (target - m0) * (b1 - b0) / (m1 - m0)
+    raise AssertionError("unreachable")
+
+
+def _index_bits(p: np.ndarray, symbols: int, coding: str) -> float:
+    return entropy_bits(p) if coding == "entropy" else float(math.ceil(math.log2(symbols)))
+
+
+def rate_rho(
+    estimate: SpreadEstimate, levels: int, coding: str = "fixed", alpha: float = 1.0, max_excess: float = 1.0
+) -> int:
+    """The odd ``rho < 2 levels + 1`` that saves the most index bits against DQSG at the same MSE.
+
+    Predicted per coordinate, in units of DQSG's MSE at ``levels`` (``Delta1**2 / 12``):
+
+    * NDQSG at ``rho``: MSE ``12 nested_mse(alpha, spread, 1) + 12 wrap_excess(tail, rho)``; bits
+      ``ceil(log2 rho)`` (``fixed``) or the entropy of the folded index distribution (``entropy``);
+    * DQSG at ``k = 1 .. levels``: MSE ``(levels / k)**2``; bits ``ceil(log2(2k + 1))`` or the entropy
+      of its index distribution (:func:`index_distribution` of the value histogram);
+
+    and DQSG's bits at NDQSG's MSE by :func:`cheapest_bits_at`. Candidates whose wrap excess is
+    above ``max_excess`` of the MSE are left out. The estimate's values are decoded updates (their
+    dither noise makes the predicted entropies a little high for both codecs).
+
+    Returns
+    -------
+    int
+        The best ``rho``, or ``2 levels + 1`` (send DQSG) when no ``rho`` saves bits.
+    """
+    dqsg_symbols = 2 * levels + 1
+    fine = index_distribution(estimate.values, levels)
+    curve = []
+    for k in range(1, levels + 1):
+        p = fine if k == levels else index_distribution(estimate.values, levels, k / levels)
+        curve.append((_index_bits(p, 2 * k + 1, coding), (levels / k) ** 2))
+    spread = SPREAD_MARGIN * estimate.spread
+    best, best_saving = dqsg_symbols, 0.0
+    for rho in range(3, dqsg_symbols, 2):
+        excess = wrap_excess(estimate.tail, rho, alpha)
+        if 12 * excess > max_excess:
+            continue
+        mse = 12 * nested_mse(alpha, spread, 1.0) + 12 * excess
+        saving = cheapest_bits_at(curve, mse) - _index_bits(folded(fine, rho), rho, coding)
+        if saving > best_saving:
+            best, best_saving = rho, saving
+    return best
