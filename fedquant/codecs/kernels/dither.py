@@ -1,70 +1,105 @@
-"""Numba kernels for the CPU path of the dithered codecs (DQSG and NDQSG).
+"""The two paths of the dithered quantizers (DQSG and NDQSG): torch functions and numba kernels.
 
-Each kernel performs, element by element, exactly the operations of the torch functions in
-:mod:`fedquant.codecs.dithered` (which remain the CUDA path), in the same dtypes and order, so
-both paths write the same bytes and decode to the same values:
+The torch functions (first half) run on any device and are the CUDA path; the numba kernels
+(second half) are the CPU path. Each kernel performs, element by element, exactly the operations
+of the torch functions, in the same dtypes and order, so both paths write the same bytes and
+decode to the same values (``force_torch = True`` on a quantizer runs the torch path on CPU; the
+tests compare the two):
 
-* the dither ``u = uniform - 1/2`` of element ``i`` is drawn inline with
-  :func:`fedquant.codecs.kernels.uniform24` (bit for bit :func:`fedquant.rng.uniform`);
+* the dither ``u = uniform - 1/2`` of element ``i`` is element ``i`` of :func:`fedquant.rng.uniform`'s
+  stream, drawn inline by the kernels with :func:`fedquant.codecs.kernels.common.uniform24`;
 * encoding is float32 throughout: ``round(v / step + u)`` (DQSG, clamped to ``[-M, M]``) or
   ``q1 = round((alpha v) / step + u)``, ``s = q1 - rho round(q1 / rho)`` (NDQSG), with
   ``alpha`` rounded to float32 as torch does for a Python scalar, true division (no reciprocal)
   and ``np.rint`` (round half to even, as ``torch.round``);
-* DQSG decoding is float32 ``step * ((code - M) - u)``; NDQSG decoding is float64 per element,
-  like the torch code: ``r = (s - u) step1 - alpha y``, ``r -= step2 round(r / step2)``,
-  ``y + alpha r`` rounded to float32, and 0 in buckets whose step is 0.
+* DQSG decoding is float32 ``step * ((code - M) - u)``; NDQSG decoding is float64 per element:
+  ``r = (s - u) step1 - alpha y``, ``r -= step2 round(r / step2)``, ``y + alpha r`` rounded to
+  float32, and 0 in buckets whose step is 0.
 
-A zero step (all-zero bucket) divides by 1 instead, as ``dithered._safe`` does. The loops run
-over chunks of ``kernels.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of
-the packed stream); tensors below ``PARALLEL_MIN`` elements use the serial loops, whose bodies
-are the same functions.
+A zero step (all-zero bucket) divides by 1 instead. The kernels loop over chunks of
+``common.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of the packed stream).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, pack_into, uniform24, unpack_from
+from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, bucket_max_abs, pack_into, uniform24, unpack_from
+from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
+
+# ================================================================ torch path (any device)
+def dither(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dither of a tensor in units of its step: ``n`` float32 values on ``[-1/2, 1/2)``.
+
+    Element ``i`` is element ``i`` of :func:`fedquant.rng.uniform`'s stream for ``seed``, minus
+    one half (exact in float32), so encoder and decoder agree bit for bit on any device.
+    """
+    return uniform(seed, n, device=device) - 0.5
+
+
+def bucket_steps(buckets: torch.Tensor, levels: int) -> torch.Tensor:
+    """Step ``max|v| / levels`` of each row of a ``(buckets, d)`` tensor, shape ``(buckets, 1)``."""
+    if buckets.shape[0] == 0:
+        return buckets.new_zeros((0, 1))
+    # A true division on every device: CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, which can move the step by one ulp.
+    divisor = torch.tensor(float(levels), dtype=buckets.dtype, device=buckets.device)
+    return buckets.abs().amax(dim=1, keepdim=True) / divisor
+
+
+def _safe(step: torch.Tensor) -> torch.Tensor:
+    """Steps with zeros replaced by one (a zero step means an all-zero bucket: its input is 0)."""
+    return torch.where(step > 0, step, torch.ones_like(step))
+
+
+def dithered_quantize(v: torch.Tensor, step: torch.Tensor, u: torch.Tensor, levels: int) -> torch.Tensor:
+    """DQSG indices ``round(v / step + u)`` clamped to ``{-levels..levels}``.
+
+    ``u`` is the dither in units of ``step``. The clamp only acts when rounding of ``v / step``
+    lands a hair above ``levels`` at the bucket maximum; all-zero buckets (``step = 0``) give 0.
+    """
+    return torch.round(v / _safe(step) + u).clamp_(-levels, levels)
+
+
+def dithered_reconstruct(q: torch.Tensor, step: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """DQSG decoder ``step * (q - u)``: the dither is subtracted again."""
+    return step * (q - u)
+
+
+def nested_quantize(v: torch.Tensor, step1: torch.Tensor, u: torch.Tensor, rho: int, alpha: float) -> torch.Tensor:
+    """Nested indices ``s = Q1(t) - Q2(t)``, ``t = alpha v + u step1``, in units of ``step1``.
+
+    With ``q1 = round(t / step1)`` and odd ``rho``, ``Q2(t) / step1 = rho * round(q1 / rho)``
+    (``q1 / rho`` is never a half-integer), so ``s`` lies in ``{-(rho-1)/2 .. (rho-1)/2}``.
+    """
+    q1 = torch.round(alpha * v / _safe(step1) + u)
+    return q1 - rho * torch.round(q1 / rho)
+
+
+def nested_reconstruct(
+    s: torch.Tensor, step1: torch.Tensor, u: torch.Tensor, rho: int, alpha: float, y: torch.Tensor
+) -> torch.Tensor:
+    """Nested decoder with side information ``y`` (computed in the dtype of ``y``).
+
+    ``r = (s - u) step1 - alpha y``, reduced to ``[-Delta2/2, Delta2/2]`` (``Delta2 = rho step1``),
+    then ``y + alpha r``: of all values consistent with ``s``, the one in the coarse cell of ``y``.
+    Buckets whose step is 0 were all zeros at the encoder and decode to 0.
+    """
+    step1 = step1.to(y.dtype)
+    step2 = rho * step1
+    r = (s.to(y.dtype) - u.to(y.dtype)) * step1 - alpha * y
+    r = r - step2 * torch.round(r / _safe(step2))
+    return torch.where(step1 > 0, y + alpha * r, torch.zeros_like(y))
+
+
+# ================================================================ numba kernels (CPU)
 _HALF = np.float32(0.5)
 _ONE32 = np.float32(1.0)
 _ZERO32 = np.float32(0.0)
-_ABS_MASK = np.uint32(0x7FFFFFFF)
-
-
-# ---------------------------------------------------------------- per-bucket steps
-@njit(cache=True)
-def _steps_range(x, d, levels, b0, b1, steps):
-    """``max|x| / levels`` (float32) of buckets ``b0 .. b1`` (bit patterns: exact, finite input)."""
-    bits = x.view(np.uint32)
-    n = x.size
-    lv = np.float32(levels)
-    for b in range(b0, b1):
-        lo = b * d
-        hi = min(lo + d, n)
-        m = np.uint32(0)
-        seg = bits[lo:hi]
-        for i in range(hi - lo):
-            m = max(m, seg[i] & _ABS_MASK)
-        steps[b] = np.array([m], np.uint32).view(np.float32)[0] / lv
-
-
-_STEP_BLOCK = 64
-
-
-@njit(cache=True, parallel=True)
-def _steps_par(x, d, levels, steps):
-    nb = steps.size
-    for blk in prange((nb + _STEP_BLOCK - 1) // _STEP_BLOCK):
-        b0 = blk * _STEP_BLOCK
-        _steps_range(x, d, levels, b0, min(b0 + _STEP_BLOCK, nb), steps)
-
-
-@njit(cache=True)
-def _steps_seq(x, d, levels, steps):
-    _steps_range(x, d, levels, 0, steps.size, steps)
 
 
 # ---------------------------------------------------------------- encoding
@@ -287,11 +322,12 @@ def all_finite(y: np.ndarray) -> bool:
     return (_nonfinite_par if bits.size >= PARALLEL_MIN else _nonfinite_seq)(bits) == 0
 
 
-def bucket_steps(x: np.ndarray, d: int, levels: int) -> np.ndarray:
-    """``max|x| / levels`` of each bucket of ``d`` elements of float32 ``x`` (float32 array)."""
-    steps = np.empty(-(-x.size // d), np.float32)
-    (_steps_par if x.size >= PARALLEL_MIN else _steps_seq)(x, d, levels, steps)
-    return steps
+def cpu_bucket_steps(x: np.ndarray, d: int, levels: int) -> np.ndarray:
+    """``max|x| / levels`` of each bucket of ``d`` elements of float32 ``x`` (float32 array).
+
+    The same true float32 division as :func:`bucket_steps` on the bucket maxima.
+    """
+    return bucket_max_abs(x, d) / np.float32(levels)
 
 
 def _args(nested: bool, levels: int, rho: int) -> tuple[bool, int, int]:
@@ -320,7 +356,7 @@ def encode_packed(
     d : int
         Bucket size (the last bucket may be short).
     steps : np.ndarray
-        float32 step of each bucket (:func:`bucket_steps`).
+        float32 step of each bucket (:func:`cpu_bucket_steps`).
     key : np.uint64
         ``fedquant.rng.stream_key(seed)``.
     width : int
