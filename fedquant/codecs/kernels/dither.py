@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, bucket_max_abs, pack_into, uniform24, unpack_from
+from fedquant.codecs.buckets import torch_bucket_stat
+from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
 from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
@@ -41,14 +42,12 @@ def dither(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tenso
     return uniform(seed, n, device=device) - 0.5
 
 
-def bucket_steps(buckets: torch.Tensor, levels: int) -> torch.Tensor:
-    """Step ``max|v| / levels`` of each row of a ``(buckets, d)`` tensor, shape ``(buckets, 1)``."""
-    if buckets.shape[0] == 0:
-        return buckets.new_zeros((0, 1))
+def bucket_steps(flat: torch.Tensor, d: int, levels: int) -> torch.Tensor:
+    """Step ``max|v| / levels`` of each bucket of ``d`` elements of ``flat``, shape ``(buckets, 1)``."""
     # A true division on every device: CUDA turns division by a Python scalar into a
     # multiplication by its reciprocal, which can move the step by one ulp.
-    divisor = torch.tensor(float(levels), dtype=buckets.dtype, device=buckets.device)
-    return buckets.abs().amax(dim=1, keepdim=True) / divisor
+    divisor = torch.tensor(float(levels), dtype=flat.dtype, device=flat.device)
+    return torch_bucket_stat(flat, d, "max").view(-1, 1) / divisor
 
 
 def _safe(step: torch.Tensor) -> torch.Tensor:
@@ -149,31 +148,16 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
-@njit(cache=True, parallel=True)
-def _pack_par(x, d, steps, nested, levels, rho, alpha, key, width, out):
+@parallel_kernel
+def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out):
     for c in prange((x.size + CHUNK - 1) // CHUNK):
         _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
 
 
-@njit(cache=True)
-def _pack_seq(x, d, steps, nested, levels, rho, alpha, key, width, out):
-    for c in range((x.size + CHUNK - 1) // CHUNK):
-        _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
-
-
-@njit(cache=True, parallel=True)
-def _codes_par(x, d, steps, nested, levels, rho, alpha, key, out):
+@parallel_kernel
+def _codes(x, d, steps, nested, levels, rho, alpha, key, out):
     n = x.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
-
-
-@njit(cache=True)
-def _codes_seq(x, d, steps, nested, levels, rho, alpha, key, out):
-    n = x.size
-    for c in range((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
         _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
@@ -244,8 +228,8 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, 
     return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
 
 
-@njit(cache=True, parallel=True)
-def _unpack_par(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
+@parallel_kernel(count_arg=10)
+def _unpack(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
     nchunks = (out.size + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
@@ -253,16 +237,8 @@ def _unpack_par(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
     return tops.max() if nchunks else 0
 
 
-@njit(cache=True)
-def _unpack_seq(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
-    top = 0
-    for c in range((out.size + CHUNK - 1) // CHUNK):
-        top = max(top, _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out))
-    return top
-
-
-@njit(cache=True, parallel=True)
-def _values_par(codes, d, steps, nested, levels, rho, alpha, key, y, out):
+@parallel_kernel
+def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     n = out.size
     nchunks = (n + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
@@ -271,17 +247,6 @@ def _values_par(codes, d, steps, nested, levels, rho, alpha, key, y, out):
         c1 = min(c0 + CHUNK, n)
         tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
     return tops.max() if nchunks else 0
-
-
-@njit(cache=True)
-def _values_seq(codes, d, steps, nested, levels, rho, alpha, key, y, out):
-    n = out.size
-    top = 0
-    for c in range((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        top = max(top, _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out))
-    return top
 
 
 # ---------------------------------------------------------------- side information check
@@ -297,19 +262,14 @@ def _count_nonfinite(bits, lo, hi):
     return bad
 
 
-@njit(cache=True, parallel=True)
-def _nonfinite_par(bits):
+@parallel_kernel
+def _nonfinite(bits):
     n = bits.size
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         bad[c] = _count_nonfinite(bits, c * CHUNK, min(c * CHUNK + CHUNK, n))
     return bad.sum()
-
-
-@njit(cache=True)
-def _nonfinite_seq(bits):
-    return _count_nonfinite(bits, 0, bits.size)
 
 
 # ---------------------------------------------------------------- public entry points
@@ -319,15 +279,7 @@ def all_finite(y: np.ndarray) -> bool:
     Reads the exponent bits: one pass without the boolean temporary of ``torch.isfinite``.
     """
     bits = y.view(np.uint32)
-    return (_nonfinite_par if bits.size >= PARALLEL_MIN else _nonfinite_seq)(bits) == 0
-
-
-def cpu_bucket_steps(x: np.ndarray, d: int, levels: int) -> np.ndarray:
-    """``max|x| / levels`` of each bucket of ``d`` elements of float32 ``x`` (float32 array).
-
-    The same true float32 division as :func:`bucket_steps` on the bucket maxima.
-    """
-    return bucket_max_abs(x, d) / np.float32(levels)
+    return _nonfinite(bits) == 0
 
 
 def _args(nested: bool, levels: int, rho: int) -> tuple[bool, int, int]:
@@ -356,7 +308,7 @@ def encode_packed(
     d : int
         Bucket size (the last bucket may be short).
     steps : np.ndarray
-        float32 step of each bucket (:func:`cpu_bucket_steps`).
+        float32 step of each bucket (as :func:`bucket_steps` computes them).
     key : np.uint64
         ``fedquant.rng.stream_key(seed)``.
     width : int
@@ -366,8 +318,7 @@ def encode_packed(
     """
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty((x.size * width + 7) // 8, np.uint8)
-    run = _pack_par if x.size >= PARALLEL_MIN else _pack_seq
-    run(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
+    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
     return out
 
 
@@ -385,8 +336,7 @@ def encode_symbols(
     """Like :func:`encode_packed` but returns the unpacked symbols (uint16), for entropy coding."""
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty(x.size, np.uint16)
-    run = _codes_par if x.size >= PARALLEL_MIN else _codes_seq
-    run(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out)
+    _codes(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out)
     return out
 
 
@@ -427,8 +377,7 @@ def decode_packed(
     require_items(data, (n * width + 7) // 8, "packed indices")
     _require_buckets(n, d, steps, nested, side_info)
     out = np.empty(n, np.float32)
-    run = _unpack_par if n >= PARALLEL_MIN else _unpack_seq
-    top = run(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
+    top = _unpack(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
     return out, int(top)
 
 
@@ -449,6 +398,5 @@ def decode_symbols(
     codes = np.ascontiguousarray(codes, dtype=np.uint16)
     _require_buckets(codes.size, d, steps, nested, side_info)
     out = np.empty(codes.size, np.float32)
-    run = _values_par if codes.size >= PARALLEL_MIN else _values_seq
-    top = run(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
+    top = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
     return out, int(top)

@@ -47,11 +47,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from fedquant.codecs.buckets import num_buckets, to_buckets
+from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets, to_buckets
 from fedquant.codecs.kernels import dither as kernels
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
-from fedquant.errors import PayloadError
 from fedquant.rng import stream_key
 
 MAX_LEVELS = (1 << 15) - 1  # 2M+1 indices must fit the 16-bit packer
@@ -78,25 +77,20 @@ class DitherQuantizer(Quantizer):
     def num_symbols(self) -> int:
         return 2 * self.half() + 1
 
-    def bucket(self, numel: int) -> int:
-        """Effective bucket size: ``bucket_size``, or the whole tensor when it is 0."""
-        return self.bucket_size if self.bucket_size else max(numel, 1)
-
     def side_fields(self, numel: int) -> list[SideField]:
-        return [SideField("bucket steps", "<f4", num_buckets(numel, self.bucket(numel)))]
+        return [SideField("bucket steps", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
 
     def check_side(self, side: list[np.ndarray]) -> None:
-        steps = side[0]
-        if not np.isfinite(steps).all() or (steps < 0).any():
-            raise PayloadError(f"{self.name} payload holds a negative or non-finite bucket step")
+        check_bucket_scales(side[0], self.name, "bucket step")
 
     # ------------------------------------------------------------------ encode
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         numel = flat.numel()
-        d = self.bucket(numel)
+        d = effective_bucket_size(self.bucket_size, numel)
         if self.uses_kernels(flat):
             x = flat.numpy()
-            steps = kernels.cpu_bucket_steps(x, d, self.levels)
+            # the true float32 division of kernels.bucket_steps, on the kernel's bucket maxima
+            steps = bucket_stat(flat, d, "max", use_kernels=True) / np.float32(self.levels)
             key = np.uint64(stream_key(seed))
             if packed_width is not None:
                 return Quantized(
@@ -104,7 +98,7 @@ class DitherQuantizer(Quantizer):
                 )
             return Quantized([steps], symbols=kernels.encode_symbols(x, d, steps, key, **self._kernel_args()))
         v = to_buckets(flat, d)
-        step = kernels.bucket_steps(v, self.levels)
+        step = kernels.bucket_steps(flat, d, self.levels)
         u = kernels.dither(seed, v.numel(), flat.device).view_as(v)
         symbols = self._torch_symbols(v, step, u) + self.half()
         return Quantized(
@@ -118,7 +112,7 @@ class DitherQuantizer(Quantizer):
     ) -> torch.Tensor:
         y = self._checked_side_info(side_info)
         steps = side[0].astype(np.float32)
-        d = self.bucket(numel)
+        d = effective_bucket_size(self.bucket_size, numel)
         if self.uses_kernels():
             key = np.uint64(stream_key(seed))
             values, top = kernels.decode_symbols(symbols, d, steps, key, side_info=y, **self._kernel_args())
@@ -146,9 +140,8 @@ class DitherQuantizer(Quantizer):
         y = self._checked_side_info(side_info)
         steps = side[0].astype(np.float32)
         key = np.uint64(stream_key(seed))
-        values, top = kernels.decode_packed(
-            packed, numel, self.bucket(numel), steps, key, width, side_info=y, **self._kernel_args()
-        )
+        d = effective_bucket_size(self.bucket_size, numel)
+        values, top = kernels.decode_packed(packed, numel, d, steps, key, width, side_info=y, **self._kernel_args())
         check_alphabet(np.array([top]), self.num_symbols(), self.name)
         return torch.from_numpy(values)
 
