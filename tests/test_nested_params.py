@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedquant.codecs import get_codec
-from fedquant.codecs.dithered import dither, nested_quantize, nested_reconstruct
+from fedquant.codecs.kernels.dither import dither, nested_quantize, nested_reconstruct
 from fedquant.codecs.quantizers.nested_rules import (
     AUTHORS_LEVELS,
     AUTHORS_RHO,

@@ -82,10 +82,11 @@ import numpy as np
 import torch
 from flwr.supercore import log
 
-from fedquant.codecs import Codec, codec_class, get_codec
+from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.params import parse_spec
 from fedquant.codecs.quantizers.nested_rules import (
     AUTHORS_RHO,
+    MAX_RHO,
     RULES,
     SpreadEstimate,
     choose_parameters,
@@ -117,11 +118,6 @@ RULE_FIXED, RULE_INITIAL, RULE_ESTIMATED = 0, 1, 2
 RULE_NAMES = {RULE_FIXED: "fixed", RULE_INITIAL: "initial default", RULE_ESTIMATED: "estimated spread per tensor"}
 
 LOG_PREFIX = "NestedDecodePlan"
-
-
-def max_rho() -> int:
-    """The largest ``rho`` the ``ndqsg`` codec accepts (its parameter's declared maximum)."""
-    return int(codec_class("ndqsg").params["rho"].maximum)
 
 
 @dataclass
@@ -195,12 +191,11 @@ class NestedDecodePlan(DecodePlan):
     ) -> None:
         if not (isinstance(p1_fraction, (int, float)) and 0 < p1_fraction <= 1):
             raise ValueError(f"p1_fraction must be in (0, 1], got {p1_fraction!r}")
-        limit = max_rho()
         for name, value in (("rho", rho), ("initial_rho", initial_rho)):
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 3 or value % 2 == 0 or value > limit
+                isinstance(value, bool) or not isinstance(value, int) or value < 3 or value % 2 == 0 or value > MAX_RHO
             ):
-                raise ValueError(f"{name} must be an odd int in [3, {limit}] or None, got {value!r}")
+                raise ValueError(f"{name} must be an odd int in [3, {MAX_RHO}] or None, got {value!r}")
         if alpha != "auto" and not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha <= 1):
             raise ValueError(f"alpha must be in (0, 1] or 'auto', got {alpha!r}")
         if not (isinstance(max_excess, (int, float)) and max_excess > 0):
@@ -283,7 +278,7 @@ class NestedDecodePlan(DecodePlan):
         out = {}
         for name, estimate in self.estimates.items():
             rho, alpha = choose_parameters(
-                estimate, self.alpha, self.max_excess, max_rho(), self.rule, levels, coding
+                estimate, self.alpha, self.max_excess, MAX_RHO, self.rule, levels, coding
             )  # fmt: skip
             out[name] = (rho, alpha)
         return out

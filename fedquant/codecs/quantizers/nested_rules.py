@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedquant.codecs.quantizers.dither import MAX_RHO
+
 # The authors' setting (compare_algorithms_*.py): P2 at M = 3 with rho = 3, alpha = 1.
 AUTHORS_LEVELS = 3
 AUTHORS_RHO = 3
@@ -50,9 +52,6 @@ TAIL_MAX = 256.0
 # spread_in_steps came out 5-8 % below the nested clients' real spread in a synthetic check
 # (decoded maxima, hence steps, are a little larger than the raw ones).
 SPREAD_MARGIN = 1.1
-
-# Default largest rho: the coset index must fit the 16-bit symbol packer.
-DEFAULT_MAX_RHO = (1 << 16) - 1
 
 
 def _check(sigma_z: float, delta1: float, alpha: float = 1.0) -> None:
@@ -99,7 +98,7 @@ def choose_rho(sigma_z: float, delta1: float, alpha: float = 1.0, k: float = 3.0
 
 
 def choose_rho_for_variance(
-    sigma_z: float, delta1: float, alpha: float = 1.0, max_excess: float = 0.01, max_rho: int = DEFAULT_MAX_RHO
+    sigma_z: float, delta1: float, alpha: float = 1.0, max_excess: float = 0.01, max_rho: int = MAX_RHO
 ) -> int:
     """Smallest odd ``rho >= 3`` whose expected wrap-around excess is at most ``max_excess`` of the MSE.
 
@@ -248,7 +247,7 @@ def empirical_rho(
     alpha: float = 1.0,
     max_excess: float = 0.01,
     scale: float = 1.0,
-    max_rho: int = DEFAULT_MAX_RHO,
+    max_rho: int = MAX_RHO,
 ) -> int:
     """Smallest odd ``rho >= 3`` whose wrap excess, from a histogram of ``|z| / Delta1``, is within bound.
 
@@ -354,7 +353,7 @@ def choose_parameters(
     estimate: SpreadEstimate | None,
     alpha: float | str = 1.0,
     max_excess: float = 0.01,
-    max_rho: int = DEFAULT_MAX_RHO,
+    max_rho: int = MAX_RHO,
     rule: str = "variance",
     levels: int | None = None,
     coding: str = "fixed",
