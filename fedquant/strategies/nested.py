@@ -25,10 +25,24 @@ A tensor whose ``rho`` reaches ``2M + 1`` goes as DQSG (nesting cannot save bits
 P2 clients learn their per-tensor codecs from ``fedquant.tensor-codecs`` and the server decodes
 each tensor with the codec it assigned.
 
-A fixed ``rho`` (``NestedDecodePlan(rho=...)``, or a spec naming ``rho``) applies to every tensor
-and always nests; :meth:`NestedDecodePlan.authors` is the authors' ``(M, rho) = (3, 3)``.
-``coding=entropy`` in the spec entropy-codes both groups' indices; nested indices then cost
-about their entropy, never more than DQSG's at the same ``M``.
+Two rules choose a tensor's ``rho``: ``rule="variance"`` (default) keeps DQSG's error (wraps add
+at most ``max_excess``, 1 %), ``rule="rate"`` takes the ``rho`` with the largest predicted saving of
+bits against DQSG *at the same error*, wraps included, among those whose wraps add at most
+``max_excess`` (pass e.g. 0.25). A fixed ``rho`` (``NestedDecodePlan(rho=...)``, or a spec naming
+``rho``) applies to every tensor and always nests; :meth:`NestedDecodePlan.authors` is the
+authors' ``(M, rho) = (3, 3)``. ``coding=entropy`` in the spec entropy-codes both groups' indices;
+nested indices then cost about their entropy, never more than DQSG's at the same ``M``.
+
+What to expect (``python -m benchmarks.real_update_pairs``: digits MLP and CNN, 10 clients, 8
+rounds, ``M = 3``; P2's bits per parameter against DQSG's bits at the same MSE, all tensors): the
+default rule saves nothing (-0.2 to +0.3 %: real updates spread 0.3-0.5 fine steps with heavy
+tails, so it asks for ``rho`` 5-7, which costs DQSG's 3 bits). ``rule="rate", max_excess=0.25``
+saves 14.5 % (MLP) and 7.7 % (CNN) with fixed-width indices and 5.2 % / 2.1 % with entropy-coded
+ones on IID clients, at about 6 % more MSE; with label skew (Dirichlet 0.5) every tensor falls back
+to DQSG (no saving, no loss). The authors' (3, 3) sends 2 bits where DQSG sends 3, but its wraps
+multiply the MSE by 1.4 (IID) to 4.2 (skew): against DQSG's fixed-width curve it still saves 18-29 %
+at equal MSE, against entropy-coded DQSG it saves 2.5-6.9 % on IID clients and loses 22 % under
+skew.
 
 Usage: pass an ``ndqsg`` codec to :class:`~fedquant.strategies.QuantizedStrategy` and this plan
 is used by default (``rho`` adapts unless the spec names it; ``alpha`` comes from the spec)::
