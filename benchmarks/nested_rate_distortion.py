@@ -172,7 +172,7 @@ def evaluate(
 
     rows = []
     dq = get_codec("dqsg", levels=levels, bucket_size=bucket_size)
-    fixed, entropy, coded, sq, _, steps = _measure(dq, pairs, bucket_size, seed, dq.num_symbols)
+    fixed, entropy, coded, sq, _, steps = _measure(dq, pairs, bucket_size, seed, dq.quantizer.num_symbols())
     dq_mse = sq / total
     rows.append(
         Row(source, levels, "dqsg", "-", 0, 1.0, spread, fixed / total, entropy / total, coded / total,
