@@ -1,24 +1,40 @@
-"""Real client updates and their NDQSG side information, from a small federated training run.
+"""NDQSG against DQSG on real client updates: bits per parameter at equal MSE, per tensor and overall.
 
-A self-contained FedAvg run (no Flower, no Ray): an MLP 64-128-64-10 on scikit-learn's
-``load_digits`` (1797 8x8 images), partitioned over ``clients`` clients (IID, or label-skewed
-with a Dirichlet ``beta``), every client trains every round (``local_epochs`` of minibatch SGD)
-from the global model. Each round follows NDQSG's Algorithm 2 at the server:
+A self-contained FedAvg run (no Flower, no Ray) of the simulation's own models (``mlp``: 64-128-128-10,
+``cnn``: the LeNet-style CNN of :mod:`simulations.models` on 8x8 images) on scikit-learn's
+``load_digits`` (1797 8x8 images), partitioned over ``clients`` clients (IID, or label-skewed with
+a Dirichlet ``beta``); every client trains every round (``local_epochs`` of minibatch SGD) from
+the global model. Each round follows NDQSG's Algorithm 2 at the server:
 
 * a random half of the clients is P1: their updates are encoded and decoded with the real
   ``dqsg`` codec (``levels = M``) and folded into a running mean, per tensor;
 * every other client (P2), in turn, gives a pair ``(its update, the running mean so far)`` for
-  each encoded tensor (at least ``min_numel`` elements: the two hidden weight matrices), then
+  each tensor (every float tensor is encoded, as in the simulation's ``min-numel = 1``), then
   its DQSG-decoded update joins the mean (an NDQSG decode without wrap-around has exactly that
-  error, see ``fedquant.codecs.dithered``).
+  error).
 
 The global model moves by the mean of the raw updates (the trajectory does not depend on the
-codec). Per round the script also records the spread the server would have estimated from the
-P1 updates (``spread_in_steps``, as ``NestedDecodePlan`` does) next to the spread the P2 pairs
-really had.
+codec). :func:`compare` then replays the rounds through the real server plan
+(:class:`~fedquant.strategies.nested.NestedDecodePlan`: ``rho`` per tensor from the previous
+round's decoded P1 updates, tensors under 1024 elements and tensors whose ``rho`` reaches
+``2M + 1`` sent as DQSG) and encodes every P2 pair with
 
-Run: ``python -m benchmarks.real_update_pairs [--save pairs.pt]``, or
-``python -m benchmarks.nested_rate_distortion --real`` for the DQSG/NDQSG table on these pairs.
+* ``dqsg`` at ``levels = M`` (the baseline: P2 sending DQSG like P1);
+* ``plan``: the codec the plan assigned to that tensor (``ndqsg`` at its ``rho`` or ``dqsg``),
+  decoded against the side information, wrap-arounds included;
+* ``authors``: ``ndqsg`` at the authors' fixed ``(M, rho) = (3, 3)`` on every tensor;
+
+with the same ``coding`` (``fixed`` or ``entropy``), counting bits from the real payload bytes
+(envelope included). Equal MSE: nesting changes the MSE only through wrap-arounds (same fine step),
+so besides the ratio of MSEs each row gives the bits DQSG needs for the *same* MSE as the nested
+codec, interpolated (bits linear in log MSE) on DQSG's own curve over ``levels`` 1..16, and the
+saving against it. A negative saving means NDQSG costs more than DQSG at its error.
+
+Run: ``python -m benchmarks.real_update_pairs`` (both models, IID and label skew ``beta = 0.5``,
+``M = 3``, both codings; about 2 minutes on 2 cores); ``--models mlp --beta 0.5`` etc. Exits 1
+when the plan's NDQSG MSE (at the first ``--max-excess``, default 1 %) exceeds DQSG's by more than
+5 % overall in any case. ``python -m benchmarks.nested_rate_distortion --real`` reads the same
+pairs for its DQSG/NDQSG rule table.
 """
 
 from __future__ import annotations
@@ -26,7 +42,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -34,13 +51,30 @@ if __package__ in (None, ""):
 
 import numpy as np
 import torch
+from fedquant.protocol import KEY_ROLE
 from torch import nn
 
 from fedquant.codecs import get_codec
-from fedquant.codecs.nested_params import spread_in_steps
+from fedquant.codecs.quantizers.nested_rules import AUTHORS_LEVELS, AUTHORS_RHO, cheapest_bits_at, spread_in_steps
 from fedquant.rng import derive_seed
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient
+from fedquant.strategies.nested import ROLE_P1, ROLE_P2, NestedDecodePlan
+from simulations.models import build_model
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+DQSG_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)  # levels of DQSG's rate/MSE curve
+MAX_MSE_EXCESS = 0.05  # the plan's NDQSG may exceed DQSG's MSE by this much overall (design: 1 %)
+
+
+@dataclass
+class RoundUpdates:
+    """One round: accuracy of the global model, P1's decoded updates and P2's pairs, per tensor."""
+
+    server_round: int
+    accuracy: float
+    p1_decoded: dict[str, list[torch.Tensor]]  # flat float32, what the server decoded from P1
+    p2: list[dict[str, Pair]]  # per P2 client in decode order: tensor -> (update, side info), flat
+    measured: float = 0.0  # RMS of (update - side info) / Delta1 over the round's P2 pairs
 
 
 @dataclass
@@ -53,16 +87,15 @@ class RoundSpread:
     measured: float  # RMS of (update - side info) / Delta1 over the round's P2 pairs
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+def _input_shape(model: str) -> tuple[int, ...]:
+    return (1, 8, 8) if model == "cnn" else (64,)
 
 
-def _data(clients: int, beta: float | None, seed: int):
+def _data(clients: int, beta: float | None, seed: int, model: str):
     from sklearn.datasets import load_digits  # noqa: PLC0415 (benchmark-only dependency)
 
     x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
+    x = (x / 16.0).astype(np.float32).reshape(-1, *_input_shape(model))
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     test, train = order[:300], order[300:]
@@ -93,30 +126,30 @@ def _train(model: nn.Module, data, epochs: int, lr: float, batch: int, seed: int
             opt.step()
 
 
-def collect_pairs(
+def collect_rounds(
+    model: str = "mlp",
     rounds: int = 8,
     clients: int = 10,
     levels: int = 3,
     bucket_size: int = 512,
-    min_numel: int = 1024,
+    min_numel: int = 1,
     local_epochs: int = 5,
-    lr: float = 0.3,
+    lr: float = 0.1,
     beta: float | None = None,
     seed: int = 0,
-) -> tuple[list[list[Pair]], list[RoundSpread], list[dict[str, list[torch.Tensor]]]]:
-    """Run the federated training.
-
-    Returns, per round: the P2 ``(update, side_info)`` pairs, the spreads, and the decoded P1
-    updates per tensor (what ``NestedDecodePlan.learn`` gets from the round).
+) -> list[RoundUpdates]:
+    """Run the federated training and record what the server of Algorithm 2 sees each round.
 
     Parameters
     ----------
+    model : {"mlp", "cnn"}
+        The simulation's model (:func:`simulations.models.build_model`).
     rounds, clients : int
         Rounds of FedAvg; clients (all train every round; half are P1).
     levels, bucket_size : int
-        DQSG ``M`` and bucket size of the P1 codec (and of the spread estimate).
+        DQSG ``M`` and bucket size of the P1 codec.
     min_numel : int
-        Tensors with fewer elements are not encoded and give no pairs.
+        Tensors with fewer elements are not encoded and give no pairs (default 1: all, as the simulation).
     local_epochs, lr : int, float
         Local training per round (minibatches of 32).
     beta : float, optional
@@ -124,49 +157,81 @@ def collect_pairs(
     seed : int
         Seeds the partition, the groups, the local minibatches and the dithers.
     """
-    parts, (x_test, y_test) = _data(clients, beta, seed)
-    model = _model()
+    parts, (x_test, y_test) = _data(clients, beta, seed, model)
+    net = build_model(model, _input_shape(model), 10, seed=seed)
     dqsg = get_codec("dqsg", levels=levels, bucket_size=bucket_size)
-    pairs: list[list[Pair]] = []
-    spreads: list[RoundSpread] = []
-    p1_decoded: list[dict[str, list[torch.Tensor]]] = []
+    out: list[RoundUpdates] = []
     rng = np.random.default_rng(seed)
     for server_round in range(1, rounds + 1):
-        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        start = {k: v.detach().clone() for k, v in net.state_dict().items()}
         updates = []
         for p in range(clients):
-            model.load_state_dict(start)
-            _train(model, parts[p], local_epochs, lr, 32, derive_seed(seed, server_round, p) % (1 << 31))
-            updates.append({k: (v.detach() - start[k]) for k, v in model.state_dict().items()})
-        encoded = [k for k, v in start.items() if v.numel() >= min_numel]
+            net.load_state_dict(start)
+            _train(net, parts[p], local_epochs, lr, 32, derive_seed(seed, server_round, p) % (1 << 31))
+            updates.append({k: (v.detach() - start[k]).reshape(-1).float() for k, v in net.state_dict().items()})
+        encoded = [k for k, v in start.items() if v.is_floating_point() and v.numel() >= min_numel]
         order = rng.permutation(clients)
         p1, p2 = order[: clients // 2], order[clients // 2 :]
         decoded: dict[str, list[torch.Tensor]] = {k: [] for k in encoded}
         for p in p1:
             for k in encoded:
                 tensor_seed = derive_seed(seed, server_round, int(p), k)
-                payload = dqsg.encode(updates[p][k], tensor_seed)
-                decoded[k].append(dqsg.decode(payload, tensor_seed, shape=updates[p][k].shape).reshape(-1))
-        p1_decoded.append({k: list(v) for k, v in decoded.items()})
-        estimated = max(spread_in_steps(decoded[k], levels, bucket_size, dqsg_levels=levels) for k in encoded)
+                decoded[k].append(dqsg.decode(dqsg.encode(updates[p][k], tensor_seed), tensor_seed))
+        record = RoundUpdates(server_round, 0.0, {k: list(v) for k, v in decoded.items()}, [])
         sq = count = 0.0
-        pairs.append([])
         for p in p2:
+            pairs = {}
             for k in encoded:
-                x = updates[p][k].reshape(-1).float()
+                x = updates[p][k]
                 y = torch.stack(decoded[k]).mean(0)
-                pairs[-1].append((x, y))
+                pairs[k] = (x, y)
                 step = _steps(x, levels, bucket_size)
                 keep = step > 0
                 sq += float(((x - y)[keep] / step[keep]).double().pow(2).sum())
                 count += int(keep.sum())
                 tensor_seed = derive_seed(seed, server_round, int(p), k)
                 decoded[k].append(dqsg.decode(dqsg.encode(x, tensor_seed), tensor_seed))
-        model.load_state_dict({k: start[k] + torch.stack([u[k] for u in updates]).mean(0) for k in start})
+            record.p2.append(pairs)
+        net.load_state_dict(
+            {k: start[k] + torch.stack([u[k] for u in updates]).mean(0).view_as(start[k]) for k in start}
+        )
         with torch.no_grad():
-            accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
-        spreads.append(RoundSpread(server_round, accuracy, estimated, math.sqrt(sq / max(count, 1))))
-    return pairs, spreads, p1_decoded
+            record.accuracy = float((net(x_test).argmax(1) == y_test).float().mean())
+        record.measured = math.sqrt(sq / max(count, 1))
+        out.append(record)
+    return out
+
+
+def collect_pairs(
+    rounds: int = 8,
+    clients: int = 10,
+    levels: int = 3,
+    bucket_size: int = 512,
+    min_numel: int = 1024,
+    beta: float | None = None,
+    seed: int = 0,
+    model: str = "mlp",
+) -> tuple[list[list[Pair]], list[RoundSpread], list[dict[str, list[torch.Tensor]]]]:
+    """:func:`collect_rounds` as flat lists: per round the P2 pairs, the spreads and P1's decoded updates.
+
+    ``min_numel`` defaults to 1024 here (the weight matrices only), as
+    ``benchmarks.nested_rate_distortion --real`` pools the pairs of all tensors.
+    """
+    rounds_ = collect_rounds(
+        model, rounds, clients, levels, bucket_size, min_numel=min_numel, beta=beta, seed=seed
+    )  # fmt: skip
+    pairs = [[pair for client in r.p2 for pair in client.values()] for r in rounds_]
+    return pairs, spreads_of(rounds_, levels, bucket_size), [r.p1_decoded for r in rounds_]
+
+
+def spreads_of(rounds: list[RoundUpdates], levels: int, bucket_size: int) -> list[RoundSpread]:
+    """Per round the P1 spread estimate (largest over tensors of 1024+ elements) and the measured one."""
+    out = []
+    for r in rounds:
+        big = [u for u in r.p1_decoded.values() if len(u) >= 2 and u[0].numel() >= 1024]
+        estimated = max((spread_in_steps(u, levels, bucket_size, dqsg_levels=levels) for u in big), default=0.0)
+        out.append(RoundSpread(r.server_round, r.accuracy, estimated, r.measured))
+    return out
 
 
 def _steps(x: torch.Tensor, levels: int, bucket_size: int) -> torch.Tensor:
@@ -177,7 +242,7 @@ def _steps(x: torch.Tensor, levels: int, bucket_size: int) -> torch.Tensor:
 
 def format_spreads(spreads: list[RoundSpread]) -> str:
     """Per round: accuracy, the P1 estimate, and the P2 pairs' real spread next to the previous round's estimate
-    x 1.1 (what ``NestedDecodePlan`` chooses this round's ``rho`` from)."""
+    x 1.1 (the margin ``NestedDecodePlan`` chooses this round's ``rho`` with)."""
     lines = [f"{'round':>5} {'test acc':>8} {'est. s/D1 (P1)':>15} {'real s/D1 (P2)':>15} {'prev. est x1.1':>15}"]
     for i, s in enumerate(spreads):
         prev = f"{1.1 * spreads[i - 1].estimated:>15.3f}" if i else f"{'-':>15}"
@@ -185,21 +250,191 @@ def format_spreads(spreads: list[RoundSpread]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- the comparison
+@dataclass
+class Tally:
+    """Bits (from payload bytes) and squared error summed over a tensor's P2 pairs."""
+
+    bits: float = 0.0
+    sq: float = 0.0
+
+    def add(self, payload: bytes, err: torch.Tensor) -> None:
+        self.bits += 8 * len(payload)
+        self.sq += float(err.double().pow(2).sum())
+
+    def merge(self, other: Tally) -> None:
+        self.bits += other.bits
+        self.sq += other.sq
+
+
+@dataclass
+class TensorResult:
+    """One tensor (or ``all``) of one case: DQSG's curve and each nested variant."""
+
+    name: str
+    size: int = 0  # elements of the tensor
+    numel: int = 0  # coordinates encoded over all P2 pairs
+    ladder: dict[int, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    variants: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    rhos: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # per round, 0: sent as DQSG
+
+    def merge(self, other: TensorResult) -> None:
+        self.numel += other.numel
+        for m, t in other.ladder.items():
+            self.ladder[m].merge(t)
+        for v, t in other.variants.items():
+            self.variants[v].merge(t)
+
+    def curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """DQSG's bits per parameter and MSE over the ladder."""
+        levels = sorted(self.ladder)
+        bits = np.array([self.ladder[m].bits / self.numel for m in levels])
+        mse = np.array([self.ladder[m].sq / self.numel for m in levels])
+        return bits, mse
+
+
+def _variants(levels: int, max_excess: list[float], seed: int) -> dict[str, NestedDecodePlan]:
+    """The nested settings compared with DQSG: the plan's rules at each ``max_excess``, and the authors' (3, 3)."""
+    out = {
+        f"{rule} {e:g}": NestedDecodePlan(seed=seed, max_excess=e, rule=rule)
+        for rule in ("variance", "rate")
+        for e in max_excess
+    }
+    out[f"authors ({AUTHORS_LEVELS},{AUTHORS_RHO})"] = NestedDecodePlan.authors(seed=seed)
+    return out
+
+
+def compare(
+    rounds: list[RoundUpdates],
+    levels: int,
+    bucket_size: int,
+    coding: str,
+    max_excess: list[float] = (0.01,),
+    seed: int = 0,
+) -> tuple[list[TensorResult], TensorResult]:
+    """Replay the rounds through each :class:`NestedDecodePlan` variant and encode every P2 pair with it.
+
+    Each variant's plan sees the same decoded P1 updates the server would (and learns each
+    tensor's ``rho`` for the next round from them); its P2 codec per tensor is what
+    ``assign`` gives a P2 client. The authors' variant runs at their ``M = 3`` whatever ``levels``.
+
+    Returns
+    -------
+    tuple of (list of TensorResult, TensorResult)
+        Per tensor (in model order) and ``all`` (every encoded tensor together).
+    """
+    shared = {"bucket_size": bucket_size, "coding": coding}
+    ladder = {m: get_codec("dqsg", levels=m, **shared) for m in sorted({*DQSG_LADDER, levels})}
+    plans = _variants(levels, list(max_excess), seed)
+    nodes = list(range(2 * max(len(r.p2) for r in rounds)))
+    results: dict[str, TensorResult] = {}
+    for r in rounds:
+        assigned = {}
+        for label, plan in plans.items():
+            m = AUTHORS_LEVELS if plan.rho is not None else levels
+            assignments = plan.assign(r.server_round, nodes, get_codec("ndqsg", levels=m, **shared))
+            assigned[label] = next(a for a in assignments.values() if a.config[KEY_ROLE] == ROLE_P2)
+        for i, client in enumerate(r.p2):
+            for name, (x, y) in client.items():
+                res = results.setdefault(name, TensorResult(name, size=x.numel()))
+                res.numel += x.numel()
+                s = derive_seed(seed, r.server_round, i, name)
+                for m, dq in ladder.items():
+                    payload = dq.encode(x, s)
+                    res.ladder[m].add(payload, dq.decode(payload, s) - x)
+                for label, assignment in assigned.items():
+                    c = assignment.codec_for(name)
+                    payload = c.encode(x, s)
+                    side = {"side_info": y} if c.needs_side_info else {}
+                    res.variants[label].add(payload, c.decode(payload, s, **side) - x)
+                    if i == 0:
+                        res.rhos[label].append(c.rho if c.needs_side_info else 0)
+        p1 = ClientAssignment(ladder[levels], {KEY_ROLE: ROLE_P1})
+        for plan in plans.values():
+            for j in range(len(next(iter(r.p1_decoded.values())))):
+                updates = {name: decoded[j] for name, decoded in r.p1_decoded.items()}
+                plan.accepted(r.server_round, DecodedClient(j, p1, updates, 0, 0))
+            plan.round_metrics(r.server_round)  # learns the next round's rho per tensor
+    total = TensorResult("all", size=sum(res.size for res in results.values()))
+    for res in results.values():
+        total.merge(res)
+    return list(results.values()), total
+
+
+def _rho_text(rhos: list[int]) -> str:
+    nested = [r for r in rhos if r]
+    if not nested:
+        return "dqsg"
+    low, high = min(nested), max(nested)
+    span = str(low) if low == high else f"{low}-{high}"
+    return f"{span}({len(nested)}/{len(rhos)})"
+
+
+def format_comparison(label: str, levels: int, coding: str, per_tensor: list[TensorResult], total: TensorResult) -> str:
+    """The table of one case: one row per tensor, then ``all``; per variant rho, bits, MSE ratio and saving.
+
+    ``saving`` is ``1 - bits / (DQSG's bits at the variant's MSE)``: positive when the variant
+    sends fewer bits than DQSG would at the same error. ``rho`` gives the range over the rounds
+    where the tensor was nested and in how many rounds (``dqsg``: never nested).
+    """
+    names = list(total.variants)
+    block = 36
+    lead = f"{label + ' ' + coding:<28} {'tensor':<13} {'size':>6} {'DQSG b/p':>8}"
+    top = " " * len(lead) + "".join(f" | {v:^{block}}" for v in names)
+    head = lead + "".join(f" | {'rho':>12} {'b/p':>6} {'MSE/D':>6} {'saving':>7}" for _ in names)
+    lines = [top, head, "-" * len(head)]
+    for res in [*per_tensor, total]:
+        bits, mse = res.curve()
+        base = res.ladder[levels]
+        line = f"{'':<28} {res.name[:13]:<13} {res.size:>6} {base.bits / res.numel:>8.3f}"
+        for v in names:
+            b, m = res.variants[v].bits / res.numel, res.variants[v].sq / res.numel
+            rho = _rho_text(res.rhos[v]) if res.rhos.get(v) else "-"
+            at = cheapest_bits_at(list(zip(bits, mse, strict=True)), m)
+            line += f" | {rho:>12} {b:>6.3f} {m * res.numel / base.sq:>6.3f} {1 - b / at:>+7.1%}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--levels", type=int, default=3)
-    parser.add_argument("--beta", type=float, default=None, help="Dirichlet label skew (default IID)")
-    parser.add_argument("--save", help="torch.save the pairs here (for nested_rate_distortion --pairs)")
+    parser.add_argument("--bucket-size", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--beta", type=float, nargs="+", default=[0.0, 0.5], help="label skew; 0 for IID")
+    parser.add_argument("--codings", nargs="+", default=["fixed", "entropy"], choices=["fixed", "entropy"])
+    parser.add_argument(
+        "--max-excess", type=float, nargs="+", default=[0.01, 0.1], help="the plan's wrap bounds to compare"
+    )
+    parser.add_argument("--save", help="torch.save the P2 (update, side info) pairs of all cases here")
     args = parser.parse_args(argv)
-    by_round, spreads, _ = collect_pairs(args.rounds, args.clients, args.levels, beta=args.beta)
-    pairs = [pair for round_pairs in by_round for pair in round_pairs]
-    print(format_spreads(spreads))
-    print(f"{len(pairs)} pairs of {sum(x.numel() for x, _ in pairs)} coordinates in all")
+    failures, saved = [], []
+    for model in args.models:
+        for beta in args.beta:
+            label = f"{model} {'IID' if not beta else f'beta={beta:g}'} M={args.levels}"
+            rounds = collect_rounds(
+                model, args.rounds, args.clients, args.levels, args.bucket_size, lr=args.lr, beta=beta or None
+            )  # fmt: skip
+            saved += [pair for r in rounds for client in r.p2 for pair in client.values()]
+            print(f"\n== {label} ==")
+            print(format_spreads(spreads_of(rounds, args.levels, args.bucket_size)))
+            for coding in args.codings:
+                per_tensor, total = compare(rounds, args.levels, args.bucket_size, coding, args.max_excess)
+                print(format_comparison(label, args.levels, coding, per_tensor, total))
+                ratio = total.variants[f"variance {args.max_excess[0]:g}"].sq / total.ladder[args.levels].sq
+                if ratio > 1 + MAX_MSE_EXCESS:
+                    failures.append(f"{label} {coding}: the plan's NDQSG MSE is {ratio:.3f} x DQSG's")
     if args.save:
-        torch.save(pairs, args.save)
-    return 0
+        torch.save(saved, args.save)
+    print()
+    for line in failures:
+        print("FAIL:", line)
+    if not failures:
+        print(f"PASS: the plan's NDQSG stays within {MAX_MSE_EXCESS:.0%} of DQSG's MSE in every case")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

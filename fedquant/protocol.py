@@ -18,6 +18,10 @@ key                          type   meaning
                                     extra decode per tensor); absent means yes
 ``fedquant.role``            str    optional; a decode plan's role for this client (e.g. NDQSG's
                                     ``"p1"`` / ``"p2"`` groups); ``quantize_mod`` ignores it
+``fedquant.tensor-codecs``   str    optional; per-tensor codec specs that override
+                                    ``fedquant.codec``, a JSON object ``{"tensor name": "spec"}``
+                                    (:func:`tensor_codecs_entry`); e.g. NDQSG's ``rho`` per tensor.
+                                    The server decodes each tensor with the codec it named.
 ===========================  =====  ==========================================================
 
 A decode plan may add further ``fedquant.*`` entries per client.
@@ -45,6 +49,9 @@ Per tensor the codec's seed is ``derive_seed(client_seed, tensor_name)``.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 import numpy as np
 from flwr.app import Array
 
@@ -56,6 +63,7 @@ KEY_SEED = "fedquant.seed"
 KEY_MIN_NUMEL = "fedquant.min-numel"
 KEY_ROLE = "fedquant.role"
 KEY_CLIENT_MSE = "fedquant.client-mse"
+KEY_TENSOR_CODECS = "fedquant.tensor-codecs"
 
 METRIC_CLIENT_MSE = "fedquant.quantization-mse"
 METRIC_CLIENT_ENCODE_SECONDS = "fedquant.encode-seconds"
@@ -101,3 +109,24 @@ def tensor_seed(client_seed: int, tensor_name: str) -> int:
 def payload_array(payload: bytes) -> Array:
     """A codec payload as an Array entry (no NumPy header, so ``count_bytes`` counts the payload)."""
     return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
+
+
+def tensor_codecs_entry(specs: Mapping[str, str]) -> str:
+    """The ``fedquant.tensor-codecs`` value for per-tensor codec specs (a JSON object, sorted keys)."""
+    return json.dumps(dict(specs), sort_keys=True, separators=(",", ":"))
+
+
+def parse_tensor_codecs(value: object) -> dict[str, str]:
+    """Per-tensor codec specs from a ``fedquant.tensor-codecs`` value.
+
+    Raises
+    ------
+    ValueError
+        When the value is not a JSON object of strings.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{KEY_TENSOR_CODECS} must be a JSON string, got {type(value).__name__}")
+    specs = json.loads(value)  # json.JSONDecodeError is a ValueError
+    if not isinstance(specs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in specs.items()):
+        raise ValueError(f"{KEY_TENSOR_CODECS} must map tensor names to codec spec strings")
+    return specs

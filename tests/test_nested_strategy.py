@@ -17,25 +17,44 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
-from fedquant.codecs.nested_params import choose_rho_for_variance, optimal_alpha, spread_in_steps
-from fedquant.protocol import KEY_CODEC, KEY_ROLE, KEY_SEED, payload_array
+from fedquant.codecs.quantizers.nested_rules import (
+    SPREAD_MARGIN,
+    SpreadEstimate,
+    choose_parameters,
+    choose_rho_for_variance,
+    empirical_rho,
+    estimate_spread,
+    spread_in_steps,
+)
+from fedquant.protocol import (
+    KEY_CODEC,
+    KEY_ROLE,
+    KEY_SEED,
+    KEY_TENSOR_CODECS,
+    PAYLOAD_STYPE,
+    parse_tensor_codecs,
+    payload_array,
+    tensor_codecs_entry,
+)
 from fedquant.strategies import ClientAssignment, DecodedClient, DecodePlan, NestedDecodePlan, QuantizedStrategy
 from fedquant.strategies.nested import (
     METRIC_ALPHA,
     METRIC_BITS_P1,
     METRIC_BITS_P2,
+    METRIC_NESTED_TENSORS,
     METRIC_P1_DECODED,
     METRIC_P1_FAILED,
     METRIC_P2_DROPPED,
     METRIC_RHO,
+    METRIC_RHO_MAX,
+    METRIC_RHO_MIN,
     METRIC_RHO_RULE,
     METRIC_SPREAD,
     RULE_ESTIMATED,
     RULE_FIXED,
     RULE_INITIAL,
-    SPREAD_MARGIN,
-    empirical_rho,
 )
+from fedquant.wire import read_payload
 from tests.flower_fakes import InProcessGrid
 
 NUM_NODES = 8
@@ -113,7 +132,8 @@ def test_group_split_fraction_at_least_one_and_deterministic():
     assert len(NestedDecodePlan(p1_fraction=0.25).groups(1, nodes)[0]) == 2
     assert NestedDecodePlan(p1_fraction=1.0).groups(1, nodes) == (nodes, [])
     assert NestedDecodePlan().groups(1, [7]) == ([7], [])
-    for bad in ({"p1_fraction": 0}, {"rho": 4}, {"rho": 1}, {"alpha": 0.0}, {"alpha": "best"}, {"initial_rho": 2}):
+    bad_values = ({"p1_fraction": 0}, {"rho": 4}, {"rho": 1}, {"alpha": 0.0}, {"alpha": "best"}, {"initial_rho": 2})
+    for bad in (*bad_values, {"min_numel": 0}, {"rule": "fastest"}):
         with pytest.raises(ValueError):
             NestedDecodePlan(**bad)
 
@@ -142,7 +162,7 @@ def test_each_client_gets_its_role_codec_and_seed():
             # round 1 has no spread estimate: the initial rho 2M+1 = 7 saves nothing, so P2 sends DQSG
             assert node in p2 and config[KEY_ROLE] == "p2"
             assert config[KEY_CODEC] == get_codec("dqsg:levels=3").spec
-        assert isinstance(config[KEY_SEED], int)
+        assert isinstance(config[KEY_SEED], int) and KEY_TENSOR_CODECS not in config  # no per-tensor rho yet
 
 
 # ---------------------------------------------------------------------------- whole rounds
@@ -163,10 +183,10 @@ def test_p2_decoded_against_p1_mean_reproduces_updates_within_the_quantization_e
             bound = _fine_steps(x) / 2 * (1 + 1e-4) + 1e-7
             assert bool(((decoded - x).abs() <= bound).all()), (server_round, reply.node_id)
     m1, m2 = result.train_metrics_clientapp[1], result.train_metrics_clientapp[2]
-    assert (m1[METRIC_RHO], m1[METRIC_RHO_RULE]) == (7, RULE_INITIAL)
-    # round 2: rho from round 1's P1 spread (~0.1 fine steps): the authors' rho = 3
-    assert (m2[METRIC_RHO], m2[METRIC_RHO_RULE]) == (3, RULE_ESTIMATED)
-    assert m2["ndqsg-p2-nested"] == 1  # round 2's P2 replies were nested, decoded against the mean
+    assert (m1[METRIC_RHO], m1[METRIC_RHO_RULE]) == (7, RULE_INITIAL) and METRIC_RHO_MAX not in m1
+    # round 2: "w"'s rho from round 1's P1 spread of "w" (~0.1 fine steps): the authors' rho = 3
+    assert (m2[METRIC_RHO_MIN], m2[METRIC_RHO_MAX], m2[METRIC_RHO_RULE]) == (3, 3, RULE_ESTIMATED)
+    assert m2[METRIC_NESTED_TENSORS] == 1 and m2["ndqsg-p2-nested"] == 1  # "w" nested, decoded against the mean
     assert 0.03 < m1[METRIC_SPREAD] < 0.3
 
 
@@ -218,34 +238,46 @@ def _p1_reply(node_id: int, updates: dict[str, torch.Tensor]) -> DecodedClient:
 
 
 @pytest.mark.parametrize("sigma", [0.02, 0.3, 1.0])
-def test_rho_follows_the_spread_of_the_previous_rounds_p1(sigma):
+def test_rho_per_tensor_from_its_own_spread_and_tiny_tensors_never_decide(sigma):
     gen = torch.Generator().manual_seed(1)
     y = torch.randn(8192, generator=gen)
     p1 = [y + sigma * torch.randn(8192, generator=gen) for _ in range(4)]
     wide = [y + 2 * sigma * torch.randn(1024, generator=gen).repeat(8) for _ in range(4)]
+    tiny = [10 * torch.randn(10, generator=gen) for _ in range(4)]  # a bias: 10 elements, far apart
     codec = get_codec("ndqsg:levels=3")
     plan = NestedDecodePlan()
     plan.assign(1, list(range(8)), codec)
     for i in range(4):
-        plan.accepted(1, _p1_reply(i, {"narrow": p1[i], "wide": wide[i]}))
+        plan.accepted(1, _p1_reply(i, {"narrow": p1[i], "wide": wide[i], "bias": tiny[i]}))
     metrics = plan.round_metrics(1)
+    assert set(plan.estimates) == {"narrow", "wide"}  # under min_numel (1024): no estimate, no say
     narrow = spread_in_steps(p1, 3, 512, dqsg_levels=3)
-    expected = max(narrow, spread_in_steps(wide, 3, 512, dqsg_levels=3))  # the widest tensor sets rho
-    assert metrics[METRIC_SPREAD] == pytest.approx(expected) and expected > narrow
+    wide_spread = spread_in_steps(wide, 3, 512, dqsg_levels=3)
+    assert metrics[METRIC_SPREAD] == pytest.approx(wide_spread) and wide_spread > narrow
+    assert spread_in_steps(tiny, 3, 512, dqsg_levels=3) > wide_spread  # it would have set one global rho
     assignments = plan.assign(2, list(range(8)), codec)
-    p2 = next(a.codec for a in assignments.values() if a.config[KEY_ROLE] == "p2")
+    p2 = next(a for a in assignments.values() if a.config[KEY_ROLE] == "p2")
+    p1_assignment = next(a for a in assignments.values() if a.config[KEY_ROLE] == "p1")
+    assert p1_assignment.tensor_codecs == {}  # P1 sends DQSG everywhere
     round2 = plan.round_metrics(2)
-    rho = round2[METRIC_RHO]
-    gaussian = choose_rho_for_variance(SPREAD_MARGIN * expected, 1.0, 1.0, 0.01)
-    assert rho == max(gaussian, empirical_rho(plan.tail, SPREAD_MARGIN * expected, 1.0, 0.01))
-    # Gaussian spread: the empirical tail rule agrees with the Gaussian one or asks one odd step more
-    # (the leave-one-out differences it reads include the P1 client's own quantization noise)
-    assert rho in (gaussian, gaussian + 2)
-    assert round2[METRIC_RHO_RULE] == RULE_ESTIMATED
-    # P2 nests only where it saves bits (rho < 2M + 1 = 7), and sends DQSG otherwise
-    assert (p2.name, round2["ndqsg-p2-nested"]) == (("ndqsg", 1) if rho < 7 else ("dqsg", 0))
-    if rho < 7:
-        assert p2.rho == rho
+    rhos = {}
+    for name, updates in (("narrow", p1), ("wide", wide)):
+        estimate = estimate_spread(updates, 3, 512, dqsg_levels=3)
+        gaussian = choose_rho_for_variance(SPREAD_MARGIN * estimate.spread, 1.0, 1.0, 0.01)
+        rhos[name] = max(gaussian, empirical_rho(estimate.tail, SPREAD_MARGIN * estimate.spread, 1.0, 0.01))
+        assert plan.tensor_parameters()[name] == (rhos[name], 1.0)
+        # Gaussian spread: the empirical tail rule agrees with the Gaussian one or asks one odd step more
+        # (the leave-one-out differences it reads include the P1 client's own quantization noise)
+        assert rhos[name] in (gaussian, gaussian + 2)
+        # P2 nests a tensor only where it saves bits (rho < 2M + 1 = 7), and sends it as DQSG otherwise
+        assert p2.codec_for(name) == (get_codec("ndqsg", levels=3, rho=rhos[name]) if rhos[name] < 7 else p2.codec)
+    assert rhos["narrow"] <= rhos["wide"]
+    assert p2.codec == get_codec("dqsg:levels=3") and p2.codec_for("bias") == p2.codec  # the default: no estimate
+    assert (round2[METRIC_RHO_MIN], round2[METRIC_RHO_MAX]) == (rhos["narrow"], rhos["wide"])
+    assert round2[METRIC_RHO_RULE] == RULE_ESTIMATED and round2[METRIC_RHO] == 7
+    nested = sum(r < 7 for r in rhos.values())
+    assert round2[METRIC_NESTED_TENSORS] == nested and round2["ndqsg-p2-nested"] == int(nested > 0)
+    assert p2.needs_side_info == (nested > 0)
 
 
 def _student_t3(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -262,7 +294,8 @@ def test_heavy_tailed_spread_gets_a_rho_that_keeps_the_mse():
     decoded = [dqsg.decode(dqsg.encode(x, 10 + i), 10 + i) for i, x in enumerate(p1)]
     plan = NestedDecodePlan()
     plan.learn({"w": decoded}, 3, 512)
-    rho, gaussian = plan.parameters(3)[0], choose_rho_for_variance(SPREAD_MARGIN * plan.spread, 1.0, 1.0, 0.01)
+    rho = plan.tensor_parameters()["w"][0]
+    gaussian = choose_rho_for_variance(SPREAD_MARGIN * plan.spread, 1.0, 1.0, 0.01)
     side = torch.stack(decoded).mean(0)
     p2 = [y + 0.1 * _student_t3(n, gen) for _ in range(4)]
 
@@ -280,22 +313,49 @@ def test_heavy_tailed_spread_gets_a_rho_that_keeps_the_mse():
     assert mse_ratio(rho) < 1.03 and mse_ratio(gaussian) > 1.04
 
 
-def test_rho_grows_with_the_spread_and_fixed_values_win():
-    rhos = []
-    for spread in (0.05, 0.5, 2.0):
-        plan = NestedDecodePlan()
-        plan.spread = spread
-        rhos.append(plan.parameters(3)[0])
-    assert rhos[0] == 3 and rhos[0] < rhos[1] < rhos[2]
+def _estimate(spread: float) -> SpreadEstimate:
+    return SpreadEstimate(spread, np.zeros(16, dtype=np.int64), 4096)
+
+
+def test_fixed_values_win_and_auto_alpha_is_per_tensor():
     fixed = NestedDecodePlan(rho=9, alpha=0.8)
-    fixed.spread = 2.0
-    assert fixed.parameters(3) == (9, 0.8, RULE_FIXED)
+    fixed.estimates = {"w": _estimate(2.0)}
+    assert fixed.parameters(3) == (9, 0.8, RULE_FIXED) and fixed.tensor_parameters() == {}
     auto = NestedDecodePlan(alpha="auto")
     assert auto.parameters(3) == (7, 1.0, RULE_INITIAL)  # no estimate yet
-    auto.spread = 0.5
-    rho, alpha, _ = auto.parameters(3)
-    assert alpha == round(optimal_alpha(SPREAD_MARGIN * 0.5, 1.0), 6) < 1
-    assert rho == choose_rho_for_variance(SPREAD_MARGIN * 0.5, 1.0, alpha, 0.01)
+    auto.estimates = {"w": _estimate(0.5), "v": _estimate(2.0)}
+    chosen = auto.tensor_parameters()
+    assert chosen == {"w": choose_parameters(_estimate(0.5), "auto"), "v": choose_parameters(_estimate(2.0), "auto")}
+    assert chosen["w"][1] < chosen["v"][1] < 1 and chosen["w"][0] < chosen["v"][0]
+
+
+def test_the_rate_rule_gets_the_codecs_levels_and_coding():
+    gen = torch.Generator().manual_seed(2)
+    y = torch.randn(4096, generator=gen)
+    dqsg = get_codec("dqsg:levels=3")
+    p1 = [dqsg.decode(dqsg.encode(y + 0.3 * torch.randn(4096, generator=gen), i), i) for i in range(4)]
+    plan = NestedDecodePlan(rule="rate", max_excess=100.0)
+    plan.learn({"w": p1}, 3, 512)
+    for coding in ("fixed", "entropy"):
+        want = choose_parameters(plan.estimates["w"], 1.0, 100.0, 65535, "rate", 3, coding)
+        assert plan.tensor_parameters(3, coding) == {"w": want}
+        p2 = plan.assign(1, list(range(8)), get_codec(f"ndqsg:levels=3,coding={coding}"))
+        codec = next(a for a in p2.values() if a.config[KEY_ROLE] == "p2").codec_for("w")
+        assert codec.coding == coding and (codec.rho if codec.needs_side_info else 7) == want[0]
+    assert "per tensor by rate" in repr(plan)
+
+
+def test_the_authors_fixed_m_and_rho_nest_every_tensor_from_round_1():
+    plan = NestedDecodePlan.authors(seed=3)
+    assert (plan.rho, plan.alpha, plan.p1_fraction) == (3, 1.0, 0.5)
+    plan.estimates = {"w": _estimate(5.0)}  # a spread that would need a large rho: ignored
+    assignments = plan.assign(1, list(range(1, 9)), get_codec("ndqsg:levels=3,coding=entropy"))
+    p2 = [a for a in assignments.values() if a.config[KEY_ROLE] == "p2"]
+    assert len(p2) == 4
+    for a in p2:
+        assert a.codec == get_codec("ndqsg:levels=3,rho=3,alpha=1.0,coding=entropy") and a.tensor_codecs == {}
+    metrics = plan.round_metrics(1)
+    assert (metrics[METRIC_RHO], metrics[METRIC_RHO_RULE], metrics["ndqsg-p2-nested"]) == (3, RULE_FIXED, 1)
 
 
 # ---------------------------------------------------------------------------- fallback
@@ -358,11 +418,111 @@ def test_p2_sends_dqsg_when_the_adaptive_rho_saves_nothing():
     wide = plan.assign(1, list(range(1, 9)), codec)  # no estimate yet: rho = 2M + 1 = 7
     assert {a.codec.name for a in wide.values()} == {"dqsg"}
     assert plan.round_metrics(1)["ndqsg-p2-nested"] == 0
-    plan.spread, plan.tail = 0.01, None  # a tiny spread: rho = 3, nesting pays
+    plan.estimates = {"w": _estimate(0.01), "v": _estimate(3.0)}  # "w" close (rho = 3, nesting pays), "v" far
     narrow = plan.assign(2, list(range(1, 9)), codec)
-    assert {a.codec.spec for a in narrow.values() if a.config[KEY_ROLE] == "p2"} == {
-        get_codec("ndqsg:levels=3,rho=3,alpha=1.0").spec
-    }
+    for a in narrow.values():
+        if a.config[KEY_ROLE] == "p2":
+            assert a.codec == get_codec("dqsg:levels=3")
+            assert a.tensor_codecs == {"w": get_codec("ndqsg:levels=3,rho=3,alpha=1.0")}  # "v" goes as the default
     assert plan.round_metrics(2)["ndqsg-p2-nested"] == 1
     fixed = NestedDecodePlan(rho=7).assign(1, list(range(1, 9)), codec)  # a user's rho is obeyed
     assert {a.codec.name for a in fixed.values() if a.config[KEY_ROLE] == "p2"} == {"ndqsg"}
+
+
+# ---------------------------------------------------------------------------- per-tensor codecs on the wire
+WIDE_SIGMA = 0.05  # "v": each client ~4 fine steps from the others: rho >= 2M + 1, sent as DQSG
+
+
+def two_tensor_arrays() -> ArrayRecord:
+    zeros = np.zeros(SHAPE, np.float32)
+    return ArrayRecord({"w": Array(zeros), "v": Array(zeros.copy()), "b": Array(np.zeros(16, np.float32))})
+
+
+def make_two_tensor_app() -> ClientApp:
+    app = ClientApp(mods=[quantize_mod])
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        arrays = next(iter(msg.content.array_records.values()))
+        partition = int(context.node_config["partition-id"])
+        trained = {
+            "w": arrays["w"].numpy() + client_update(partition),
+            "v": arrays["v"].numpy() + client_update(partition, WIDE_SIGMA),
+            "b": arrays["b"].numpy() + 0.01,
+        }
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({k: Array(v.astype(np.float32)) for k, v in trained.items()}),
+                "metrics": MetricRecord({"num-examples": 10}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def _round_two(tamper=None):
+    """Round 1 (estimates per tensor), then round 2's messages, the specs of its replies' payloads and result."""
+    strategy = _strategy(decode_plan=Recording())
+    grid = InProcessGrid(make_two_tensor_app(), NUM_NODES)
+    messages = list(strategy.configure_train(1, two_tensor_arrays(), ConfigRecord(), grid))
+    arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    p1, p2 = strategy.decode_plan.groups(2, [m.metadata.dst_node_id for m in messages])
+    replies = {}
+
+    def spy(node_id):
+        def hook(reply: Message) -> Message:  # the server replaces payloads by dense arrays: read them now
+            replies[node_id] = {k: read_payload(a.data).spec for k, a in reply.content["arrays"].items() if k != "b"}
+            return tamper(reply) if tamper is not None and node_id == p2[0] else reply
+
+        return hook
+
+    grid.tamper = {n: spy(n) for n in p1 + p2}
+    result = strategy.aggregate_train(2, grid.send_and_receive(messages))
+    return strategy, messages, (p1, p2), replies, result
+
+
+def test_each_tensor_travels_and_decodes_with_the_codec_the_server_assigned():
+    strategy, messages, (p1, p2), replies, (_, metrics) = _round_two()
+    nested, plain = get_codec("ndqsg:levels=3,rho=3,alpha=1.0"), get_codec("dqsg:levels=3")
+    for message in messages:
+        node, config = message.metadata.dst_node_id, message.content["config"]
+        if node in p2:  # "w" nested at its own rho, "v" (wide) and "b" with the default
+            assert parse_tensor_codecs(config[KEY_TENSOR_CODECS]) == {"w": nested.spec}
+            assert config[KEY_CODEC] == plain.spec
+        else:
+            assert KEY_TENSOR_CODECS not in config and config[KEY_CODEC] == plain.spec
+    assert set(replies) == set(p1 + p2)
+    for node, specs in replies.items():
+        assert specs == {"w": (nested if node in p2 else plain).spec, "v": plain.spec}
+    assert metrics["rejected-replies"] == 0 and metrics[METRIC_NESTED_TENSORS] == 1
+    assert metrics[METRIC_RHO_MIN] == 3 and metrics[METRIC_RHO_MAX] >= 7  # "v" would need 2M + 1 or more
+    for reply in strategy.decode_plan.seen[2]:  # every tensor within its fine rounding error: no wrap
+        for name, sigma in (("w", SIGMA_Z), ("v", WIDE_SIGMA)):
+            x = torch.from_numpy(client_update(reply.node_id - 101, sigma))
+            assert bool(((reply.updates[name] - x).abs() <= _fine_steps(x) / 2 * (1 + 1e-4) + 1e-7).all())
+
+
+@pytest.mark.parametrize("wrong", ["dqsg:levels=3", "ndqsg:levels=3,rho=5"])
+def test_a_reply_that_ignores_its_tensor_codec_is_rejected_alone(wrong, flwr_log):
+    def swap_w(reply: Message) -> Message:  # a P2 client that sends "w" with another codec
+        record = reply.content["arrays"]
+        payload = get_codec(wrong).encode(torch.zeros(SHAPE), seed=0)
+        bad = Array(dtype="uint8", shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)
+        reply.content["arrays"] = ArrayRecord({k: (bad if k == "w" else v) for k, v in record.items()})
+        return reply
+
+    strategy, _, (p1, p2), _, (arrays, metrics) = _round_two(swap_w)
+    assert metrics["rejected-replies"] == 1 and metrics["rejected-payload"] == 1
+    assert metrics[METRIC_P1_DECODED] == len(p1) and arrays is not None
+    assert {r.node_id for r in strategy.decode_plan.seen[2]} == set(p1 + p2) - {p2[0]}
+    assert any(str(p2[0]) in r.getMessage() and "'w'" in r.getMessage() for r in flwr_log)
+
+
+def test_tensor_codecs_entry_round_trips_and_rejects_what_is_not_a_name_to_spec_map():
+    specs = {"conv.weight": "ndqsg:levels=3,rho=5", "fc,1": "dqsg:levels=3"}
+    assert parse_tensor_codecs(tensor_codecs_entry(specs)) == specs
+    for bad in ("[1, 2]", '{"w": 3}', "not json", 7):
+        with pytest.raises(ValueError):
+            parse_tensor_codecs(bad)

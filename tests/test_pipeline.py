@@ -21,7 +21,7 @@ def _decode(codec: Codec, payload: bytes, seed: int, x: torch.Tensor) -> torch.T
     return codec.decode(payload, seed, shape=x.shape, dtype=x.dtype, **side)
 
 
-CASES = [(name, coding) for name in available_codecs() for coding in (getattr(codec_class(name), "codings", ("fixed",)) or (None,))]
+CASES = [(name, coding) for name in available_codecs() for coding in (codec_class(name).codings or (None,))]
 
 
 def test_every_codec_is_a_quantizer_with_fixed_and_entropy_coding():

@@ -25,9 +25,11 @@ from fedquant.protocol import (
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
+    KEY_TENSOR_CODECS,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
     is_encoded,
+    parse_tensor_codecs,
     payload_array,
     tensor_seed,
 )
@@ -67,7 +69,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
 
     After the ClientApp trained, each float tensor with at least ``fedquant.min-numel``
     elements is replaced by the payload of its update ``trained - received`` (float32), encoded
-    with seed ``derive_seed(fedquant.seed, tensor_name)``; smaller and non-float tensors go as
+    with seed ``derive_seed(fedquant.seed, tensor_name)`` by the codec ``fedquant.codec``, or the
+    one ``fedquant.tensor-codecs`` names for that tensor; smaller and non-float tensors go as
     they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
     the decoded update over all encoded elements; not for codecs that need decoder side
     information, or when the server sets ``fedquant.client-mse`` to False) and
@@ -101,6 +104,9 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
         client_seed = int(config[KEY_SEED])
         min_numel = int(config[KEY_MIN_NUMEL])
         measure_mse = bool(config.get(KEY_CLIENT_MSE, True))
+        tensor_codecs = {
+            name: _codec(spec) for name, spec in parse_tensor_codecs(config.get(KEY_TENSOR_CODECS, "{}")).items()
+        }
     except (KeyError, ValueError, TypeError) as err:
         return _error(msg, f"{MOD_NAME}: bad fedquant config: {err}")
     try:  # a compressed model (server's downlink_codec) becomes float arrays before training
@@ -123,9 +129,6 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     start = time.perf_counter()
     device = encode_device()
     out: dict[str, Array] = {}
-    # Legacy codec classes (families not yet ported to the pipeline) keep no client state.
-    stateful = getattr(codec, "stateful", False)
-    transforms = [t.name for t in codec.stateful_transforms] if stateful else []
     new_state: dict[str, dict[str, torch.Tensor]] = {}
     sq_error, encoded_numel = 0.0, 0
     with kernel_threads():  # as many kernel threads as this client's torch uses
@@ -140,19 +143,21 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
                 return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
             update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
             seed = tensor_seed(client_seed, name)
+            tensor_codec = tensor_codecs.get(name, codec)
             residual = None
-            if stateful:
+            if tensor_codec.stateful:
+                transforms = [t.name for t in tensor_codec.stateful_transforms]
                 previous = load_state(ctxt.state, name, old.shape, transforms)
-                payload, new_state[name] = codec.encode_stateful(update, seed, previous)
+                payload, new_state[name] = tensor_codec.encode_stateful(update, seed, previous)
                 residual = new_state[name].get(ErrorFeedback.name)
             else:
-                payload = codec.encode(update, seed)
+                payload = tensor_codec.encode(update, seed)
             if measure_mse and residual is not None:
                 # The new residual is exactly the codec's error on what it encoded (update + old residual).
                 sq_error += float(torch.sum(residual.double() ** 2))
                 encoded_numel += numel
-            elif measure_mse and not codec.needs_side_info:
-                decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
+            elif measure_mse and not tensor_codec.needs_side_info:
+                decoded = tensor_codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
                 sq_error += float(torch.sum((decoded - update).double() ** 2))
                 encoded_numel += numel
             out[name] = payload_array(payload)

@@ -67,11 +67,24 @@ class ClientAssignment:
         Extra ConfigRecord entries for this client (keys should start with ``fedquant.``).
     rank : int
         Decode order: replies with a lower rank are decoded first; equal ranks keep arrival order.
+    tensor_codecs : Mapping[str, Codec]
+        Per-tensor overrides of ``codec`` by tensor name (sent as ``fedquant.tensor-codecs``; e.g.
+        NDQSG's ``rho`` per tensor). Tensors not named use ``codec``.
     """
 
     codec: Codec
     config: Mapping[str, ConfigValue] = field(default_factory=dict)
     rank: int = 0
+    tensor_codecs: Mapping[str, Codec] = field(default_factory=dict)
+
+    def codec_for(self, name: str) -> Codec:
+        """The codec of tensor ``name``: its override, else ``codec``."""
+        return self.tensor_codecs.get(name, self.codec)
+
+    @property
+    def needs_side_info(self) -> bool:
+        """Whether any of the client's tensors is decoded against side information."""
+        return self.codec.needs_side_info or any(c.needs_side_info for c in self.tensor_codecs.values())
 
 
 @dataclass(frozen=True)

@@ -7,51 +7,69 @@ only the fine bin's position inside its coarse bin, ``log2(rho)`` bits instead o
 mean of every update decoded before it in the round (P1's mean for the first, as the authors'
 ``AggregationNode`` does), which resolves the nested ambiguity.
 
-``rho`` must reach the clients in ``configure_train``, before the round's replies exist. It is
-chosen from the spread ``sigma_z / Delta1`` of the previous round's decoded P1 updates
-(:func:`~fedquant.codecs.nested_params.spread_in_steps`, times a 1.1 margin since it came out
-5-8 % low in a synthetic check) so that wrap-arounds add at most ``max_excess`` (1 %) to the
-MSE, by two criteria, the larger ``rho`` wins:
+This module only orchestrates (groups, roles, which codec each tensor of each client uses,
+fallbacks, metrics); the maths that turns decoded updates into ``rho`` and ``alpha`` lives with
+the codec in :mod:`fedquant.codecs.quantizers.nested_rules`.
 
-* Gaussian ``z``: :func:`~fedquant.codecs.nested_params.choose_rho_for_variance` on the spread
-  (not §5.5's fixed ``k = 3`` margin, which lets the MSE grow by up to ~45 % when ``sigma_z``
-  nears ``Delta1``);
-* the empirical tail: real client updates are heavy-tailed (on the digits MLP of
-  ``benchmarks/real_update_pairs.py`` wraps were 10^3-10^4 times more frequent than the
-  Gaussian model predicts at the same spread), so the plan also keeps a histogram of P1's
-  leave-one-out differences in fine steps (:func:`empirical_rho`) and requires the wrap excess
-  computed from it to stay under the same bound. These differences include the P1 client's own
-  quantization noise, so on Gaussian spreads this criterion asks for the same ``rho`` or one odd
-  step more.
+``rho`` per tensor. ``rho`` must reach the clients in ``configure_train``, before the round's
+replies exist, so each tensor's ``rho`` comes from the previous round's decoded P1 updates of that
+tensor (:func:`~fedquant.codecs.quantizers.nested_rules.estimate_spread`, then
+:func:`~fedquant.codecs.quantizers.nested_rules.choose_parameters`: wrap-arounds add at most
+``max_excess``, 1 %, to the MSE under a Gaussian model and under the measured tail). Tensors spread
+very differently (on the digits LeNet weights 0.3-0.6 fine steps, biases 1.3-1.8), so one ``rho``
+for all would be set by the widest. Tensors with fewer than ``min_numel`` elements (biases) do not
+get an estimate of their own: too few coordinates to trust a tail, and too few to matter for the
+rate. They, and tensors never seen yet (round 1), use the default ``initial_rho`` (``2M + 1``).
+A tensor whose ``rho`` reaches ``2M + 1`` goes as DQSG (nesting cannot save bits there, see
+:func:`~fedquant.codecs.quantizers.nested_rules.nesting_saves_bits`): the fallback is per tensor.
+P2 clients learn their per-tensor codecs from ``fedquant.tensor-codecs`` and the server decodes
+each tensor with the codec it assigned.
 
-What to expect: the bits saved depend on the spread. On synthetic ``y + z`` updates with
-``sigma_z`` well under ``Delta1`` the plan settles on ``rho = 3`` (2-bit indices against DQSG's
-3 at ``M = 3``) at DQSG's error. On real client updates of a small MLP (digits, 10 clients,
-``python -m benchmarks.nested_rate_distortion --real``) the spread was 0.3-0.7 fine steps at
-``M = 3`` with heavy tails, and keeping DQSG's error needed ``rho`` 7-23: as many or more bits
-than DQSG (``ndqsg-rho`` and ``bits-per-param-p1/-p2`` in the metrics show it per round).
+Two rules choose a tensor's ``rho``: ``rule="variance"`` (default) keeps DQSG's error (wraps add
+at most ``max_excess``, 1 %), ``rule="rate"`` takes the ``rho`` with the largest predicted saving of
+bits against DQSG *at the same error*, wraps included, among those whose wraps add at most
+``max_excess`` (pass e.g. 0.25). A fixed ``rho`` (``NestedDecodePlan(rho=...)``, or a spec naming
+``rho``) applies to every tensor and always nests; :meth:`NestedDecodePlan.authors` is the
+authors' ``(M, rho) = (3, 3)``. ``coding=entropy`` in the spec entropy-codes both groups' indices;
+nested indices then cost about their entropy, never more than DQSG's at the same ``M``.
+
+What to expect (``python -m benchmarks.real_update_pairs``: digits MLP and CNN, 10 clients, 8
+rounds, ``M = 3``; P2's bits per parameter against DQSG's bits at the same MSE, all tensors): the
+default rule saves nothing (-0.2 to +0.3 %: real updates spread 0.3-0.5 fine steps with heavy
+tails, so it asks for ``rho`` 5-7, which costs DQSG's 3 bits). ``rule="rate", max_excess=0.25``
+saves 14.5 % (MLP) and 7.7 % (CNN) with fixed-width indices and 5.2 % / 2.1 % with entropy-coded
+ones on IID clients, at about 6 % more MSE; with label skew (Dirichlet 0.5) every tensor falls back
+to DQSG (no saving, no loss). The authors' (3, 3) sends 2 bits where DQSG sends 3, but its wraps
+multiply the MSE by 1.4 (IID) to 4.2 (skew): against DQSG's fixed-width curve it still saves 18-29 %
+at equal MSE, against entropy-coded DQSG it saves 2.5-6.9 % on IID clients and loses 22 % under
+skew.
 
 Usage: pass an ``ndqsg`` codec to :class:`~fedquant.strategies.QuantizedStrategy` and this plan
 is used by default (``rho`` adapts unless the spec names it; ``alpha`` comes from the spec)::
 
-    QuantizedStrategy(FedAvg(), codec="ndqsg:levels=3")
+    QuantizedStrategy(FedAvg(), codec="ndqsg:levels=3,coding=entropy")
     QuantizedStrategy(FedAvg(), codec="ndqsg:levels=3",
                       decode_plan=NestedDecodePlan(p1_fraction=0.25, rho=None, alpha="auto"))
 
 Metrics added to each round's train MetricRecord (all numbers):
 
 =========================  ============================================================
-``ndqsg-rho``              the P2 clients' ``rho`` this round
-``ndqsg-alpha``            their ``alpha``
+``ndqsg-rho``              ``rho`` of the P2 tensors without their own estimate (all of
+                           them with a fixed ``rho``)
+``ndqsg-rho-min``,         smallest and largest per-tensor ``rho`` of this round (only when
+``ndqsg-rho-max``          some tensor has its own estimate)
+``ndqsg-alpha``            ``alpha`` of the tensors without their own estimate
 ``ndqsg-rho-rule``         how ``rho`` was chosen: 0 fixed by the user, 1 the initial
-                           default (no estimate yet), 2 from the estimated spread
-``ndqsg-spread``           ``sigma_z / Delta1`` estimated from this round's decoded P1
-                           updates (used for the next round; absent with < 2 of them)
+                           default (no estimate yet), 2 per tensor from the estimated spreads
+``ndqsg-spread``           largest ``sigma_z / Delta1`` estimated from this round's decoded P1
+                           updates over tensors of ``min_numel`` elements or more (used for
+                           the next round; absent with < 2 of them)
+``ndqsg-nested-tensors``   tensors with their own ``rho`` that P2 sends nested this round
 ``ndqsg-p1-decoded``       P1 replies decoded
 ``ndqsg-p1-failed``        1 when P1 clients were sampled but none was decoded, else 0
 ``ndqsg-p2-dropped``       P2 replies dropped because nothing had been decoded before them
-``ndqsg-p2-nested``        1 when P2 sent nested indices, 0 when the adaptive ``rho`` reached
-                           ``2M + 1`` and P2 sent DQSG instead (nesting would save nothing)
+``ndqsg-p2-nested``        1 when P2 sent any tensor nested, 0 when every ``rho`` reached
+                           ``2M + 1`` and P2 sent DQSG only (nesting would save nothing)
 ``bits-per-param-p1``      ``8 * bytes / parameters`` over the accepted replies of P1
 ``bits-per-param-p2``      the same for P2 (0.0 for a group without accepted replies)
 =========================  ============================================================
@@ -70,7 +88,6 @@ against their mean as usual.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -80,15 +97,17 @@ import torch
 from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.codecs.dithered import MAX_RHO
-from fedquant.codecs.nested_params import (
-    choose_rho_for_variance,
-    leave_one_out_steps,
-    optimal_alpha,
-    spread_in_steps,
-)
 from fedquant.codecs.params import parse_spec
-from fedquant.protocol import KEY_ROLE
+from fedquant.codecs.quantizers.nested_rules import (
+    AUTHORS_RHO,
+    MAX_RHO,
+    RULES,
+    SpreadEstimate,
+    choose_parameters,
+    estimate_spread,
+    nesting_saves_bits,
+)
+from fedquant.protocol import DEFAULT_MIN_NUMEL, KEY_ROLE
 from fedquant.rng import derive_seed
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation, names_plan
 
@@ -96,9 +115,12 @@ ROLE_P1 = "p1"
 ROLE_P2 = "p2"
 
 METRIC_RHO = "ndqsg-rho"
+METRIC_RHO_MIN = "ndqsg-rho-min"
+METRIC_RHO_MAX = "ndqsg-rho-max"
 METRIC_ALPHA = "ndqsg-alpha"
 METRIC_RHO_RULE = "ndqsg-rho-rule"
 METRIC_SPREAD = "ndqsg-spread"
+METRIC_NESTED_TENSORS = "ndqsg-nested-tensors"
 METRIC_P1_DECODED = "ndqsg-p1-decoded"
 METRIC_P1_FAILED = "ndqsg-p1-failed"
 METRIC_P2_DROPPED = "ndqsg-p2-dropped"
@@ -107,16 +129,8 @@ METRIC_BITS_P1 = "bits-per-param-p1"
 METRIC_BITS_P2 = "bits-per-param-p2"
 
 RULE_FIXED, RULE_INITIAL, RULE_ESTIMATED = 0, 1, 2
-RULE_NAMES = {RULE_FIXED: "fixed", RULE_INITIAL: "initial default", RULE_ESTIMATED: "estimated spread"}
+RULE_NAMES = {RULE_FIXED: "fixed", RULE_INITIAL: "initial default", RULE_ESTIMATED: "estimated spread per tensor"}
 
-# Histogram of |z| / Delta1 for the empirical wrap criterion: bins of 1/64 fine step up to 256
-# steps (larger values land in the last bin, which only makes rho larger).
-TAIL_BIN = 1.0 / 64
-TAIL_MAX = 256.0
-
-# spread_in_steps came out 5-8 % below the nested clients' real spread in a synthetic check
-# (decoded maxima, hence steps, are a little larger than the raw ones).
-SPREAD_MARGIN = 1.1
 LOG_PREFIX = "NestedDecodePlan"
 
 
@@ -128,6 +142,8 @@ class _RoundState:
     p1_nodes: int
     levels: int
     bucket_size: int
+    tensor_rho: dict[str, int] = field(default_factory=dict)
+    nested_tensors: int = 0
     p1_updates: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     p1_decoded: int = 0
     p2_dropped: int = 0
@@ -149,28 +165,31 @@ class NestedDecodePlan(DecodePlan):
         Fraction of the sampled clients in P1, in (0, 1]; ``round(p1_fraction * n)`` clients, at
         least one (P1 provides the side information). Default 0.5 (the authors' ratio).
     rho : int, optional
-        Fixed odd ``rho >= 3`` for P2. None (default): chosen each round from the spread of the
-        previous round's decoded P1 updates (see the module docstring), ``initial_rho`` until
-        an estimate exists (round 1, or while fewer than 2 P1 updates were ever decoded).
+        Fixed odd ``rho >= 3`` for every P2 tensor. None (default): chosen per tensor each round
+        from the spread of the previous round's decoded P1 updates of that tensor (see the module
+        docstring); ``initial_rho`` for tensors without an estimate.
     alpha : float or "auto"
         P2's shrinkage in (0, 1]. Default 1.0: conditionally unbiased, the same error variance
-        as DQSG. ``"auto"`` uses :func:`~fedquant.codecs.nested_params.optimal_alpha` on the
-        estimated spread (1.0 until there is one); it lowers the MSE but biases each P2
+        as DQSG. ``"auto"`` uses :func:`~fedquant.codecs.quantizers.nested_rules.optimal_alpha`
+        on each tensor's estimated spread (1.0 without one); it lowers the MSE but biases each P2
         update towards the mean, and collapses towards 0 (P2 contributing nothing of its own)
         when the spread is small.
     initial_rho : int, optional
-        ``rho`` before any estimate; default ``2M + 1`` with ``M`` the codec's ``levels``: the
-        coarse cell then spans ``(2M+1) Delta1 = 2 kappa + Delta1``, so decoding is correct while
-        side information and update differ by less than the client's bucket maximum ``kappa``,
-        and the fixed-width payload is as large as DQSG's (no saving). Not risk-free: on the
-        digits MLP of ``benchmarks/real_update_pairs.py`` (M = 3) 1e-5 (IID) to 1e-3 (label
-        skew) of the coordinates wrapped in round 1, adding 0.2 % and 7.6 % to the MSE.
+        ``rho`` of tensors without an estimate; default ``2M + 1`` with ``M`` the codec's
+        ``levels``, which sends them as DQSG (no saving, no wrap-around risk).
     max_excess : float
-        Largest expected share of MSE added by wrap-arounds (``choose_rho_for_variance``),
-        default 0.01.
+        Largest expected share of MSE added by wrap-arounds, default 0.01.
     seed : int
         Base seed of the group split (``derive_seed(seed, round, "ndqsg-groups")``); the split
         depends only on it, the round and the set of sampled node ids.
+    min_numel : int
+        Tensors with fewer elements get no ``rho`` of their own (default 1024): they neither set
+        nor share another tensor's ``rho`` and go with ``initial_rho``.
+    rule : {"variance", "rate"}
+        How each tensor's ``rho`` is chosen (:func:`~fedquant.codecs.quantizers.nested_rules.choose_parameters`):
+        ``"variance"`` (default) keeps DQSG's error (wraps add at most ``max_excess``);
+        ``"rate"`` picks the ``rho`` that saves the most bits against DQSG at the same error, wraps
+        included, among those whose wraps add at most ``max_excess``.
     """
 
     def __init__(
@@ -181,6 +200,8 @@ class NestedDecodePlan(DecodePlan):
         initial_rho: int | None = None,
         max_excess: float = 0.01,
         seed: int = 0,
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        rule: str = "variance",
     ) -> None:
         if not (isinstance(p1_fraction, (int, float)) and 0 < p1_fraction <= 1):
             raise ValueError(f"p1_fraction must be in (0, 1], got {p1_fraction!r}")
@@ -195,27 +216,46 @@ class NestedDecodePlan(DecodePlan):
             raise ValueError(f"max_excess must be > 0, got {max_excess!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
+            raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.p1_fraction = float(p1_fraction)
         self.rho = rho
         self.alpha = alpha if alpha == "auto" else float(alpha)
         self.initial_rho = initial_rho
         self.max_excess = float(max_excess)
         self.seed = seed
-        self.spread: float | None = None  # latest sigma_z / Delta1 estimate from P1 (without margin)
-        self.tail: np.ndarray | None = None  # histogram of |z| / Delta1 behind it (see learn)
+        self.min_numel = min_numel
+        self.rule = rule
+        self.estimates: dict[str, SpreadEstimate] = {}  # per tensor, from the latest P1 updates of it
         self._rounds: dict[int, _RoundState] = {}
 
     @classmethod
     def from_spec(cls, spec: str, seed: int = 0) -> NestedDecodePlan:
         """The plan for an ``ndqsg`` spec: ``rho`` fixed only if the spec names it, ``alpha`` from the spec."""
-        name, params = parse_spec(spec)
+        _, params = parse_spec(spec.rsplit("+", 1)[-1])
         codec = get_codec(spec)
         if not names_plan(codec, cls):
             raise ValueError(f"NestedDecodePlan needs an ndqsg codec spec, got {spec!r}")
         return cls(rho=codec.rho if "rho" in params else None, alpha=codec.alpha, seed=seed)
 
+    @classmethod
+    def authors(cls, seed: int = 0) -> NestedDecodePlan:
+        """The authors' setting: ``rho = 3`` for every tensor, ``alpha = 1``, half the clients in P1.
+
+        Use it with ``ndqsg:levels=3`` for their ``(M, rho) = (3, 3)``; it always nests, whatever
+        the spread (wraps included).
+        """
+        return cls(p1_fraction=0.5, rho=AUTHORS_RHO, alpha=1.0, seed=seed)
+
+    @property
+    def spread(self) -> float | None:
+        """The largest estimated ``sigma_z / Delta1`` over tensors (without margin), or None."""
+        return max((e.spread for e in self.estimates.values()), default=None)
+
     def __repr__(self) -> str:
-        rho = self.rho if self.rho is not None else "adaptive"
+        rho = self.rho if self.rho is not None else f"per tensor by {self.rule}"
         return f"NestedDecodePlan(p1_fraction={self.p1_fraction}, rho={rho}, alpha={self.alpha})"
 
     # ------------------------------------------------------------------ configure_train
@@ -236,76 +276,89 @@ class NestedDecodePlan(DecodePlan):
         return p1, [n for n in nodes if n not in chosen]
 
     def parameters(self, levels: int) -> tuple[int, float, int]:
-        """``(rho, alpha, rule)`` for the next round, from the fixed values or the latest estimate."""
-        spread = None if self.spread is None else SPREAD_MARGIN * self.spread
-        if self.alpha == "auto":
-            alpha = optimal_alpha(spread, 1.0) if spread is not None else 1.0
-        else:
-            alpha = self.alpha
-        alpha = round(alpha, 6)  # the spec carries it as text: client and server must agree exactly
+        """``(rho, alpha, rule)`` of the tensors without their own estimate (all of them with a fixed ``rho``)."""
+        _, alpha = choose_parameters(None, self.alpha)
         if self.rho is not None:
             return self.rho, alpha, RULE_FIXED
-        if spread is None:
-            return (self.initial_rho or 2 * levels + 1), alpha, RULE_INITIAL
-        rho = choose_rho_for_variance(spread, 1.0, alpha, self.max_excess, MAX_RHO)
-        if self.tail is not None:
-            rho = max(rho, empirical_rho(self.tail, spread, alpha, self.max_excess))
-        return rho, alpha, RULE_ESTIMATED
+        return (self.initial_rho or 2 * levels + 1), alpha, RULE_INITIAL
 
-    def learn(self, p1_updates: Mapping[str, Sequence[torch.Tensor]], levels: int, bucket_size: int) -> float | None:
-        """Update the spread estimate (and tail histogram) from one round's decoded P1 updates, per tensor.
+    def tensor_parameters(self, levels: int | None = None, coding: str = "fixed") -> dict[str, tuple[int, float]]:
+        """``{tensor: (rho, alpha)}`` for the tensors with their own estimate (empty with a fixed ``rho``).
 
-        Keeps the previous estimate when no tensor has at least 2 updates. Returns the new
-        spread ``sigma_z / Delta1`` (the largest over tensors: one ``rho`` serves them all), or None.
+        ``levels`` and ``coding`` (the codec's) are needed by the ``"rate"`` rule.
         """
-        spreads, tail = [], np.zeros(int(TAIL_MAX / TAIL_BIN), dtype=np.int64)
-        for updates in p1_updates.values():
-            if len(updates) < 2 or updates[0].numel() == 0:
+        if self.rho is not None:
+            return {}
+        out = {}
+        for name, estimate in self.estimates.items():
+            rho, alpha = choose_parameters(
+                estimate, self.alpha, self.max_excess, MAX_RHO, self.rule, levels, coding
+            )  # fmt: skip
+            out[name] = (rho, alpha)
+        return out
+
+    def learn(
+        self, p1_updates: Mapping[str, Sequence[torch.Tensor]], levels: int, bucket_size: int
+    ) -> dict[str, SpreadEstimate]:
+        """Update the per-tensor estimates from one round's decoded P1 updates.
+
+        Tensors with fewer than ``min_numel`` elements or fewer than 2 updates are skipped; a
+        tensor without a new estimate keeps its previous one. Returns this round's new estimates.
+        """
+        new = {}
+        for name, updates in p1_updates.items():
+            if not updates or updates[0].numel() < self.min_numel:
                 continue
-            d = bucket_size or updates[0].numel()
-            spread = spread_in_steps(list(updates), levels, d, dqsg_levels=levels)
-            ratios = _loo_ratios(updates, levels, d)
-            if not math.isfinite(spread) or ratios.size == 0:
-                continue
-            spreads.append(spread)
-            tail += np.bincount(np.minimum(ratios / TAIL_BIN, tail.size - 1).astype(np.int64), minlength=tail.size)
-        if not spreads:
-            return None
-        self.spread, self.tail = max(spreads), tail
-        return self.spread
+            estimate = estimate_spread(list(updates), levels, bucket_size, dqsg_levels=levels)
+            if estimate is not None:
+                new[name] = estimate
+        self.estimates.update(new)
+        return new
 
     def assign(self, server_round: int, node_ids: Sequence[int], codec: Codec) -> dict[int, ClientAssignment]:
-        """P1 gets ``dqsg`` (rank 0, role ``p1``), P2 ``ndqsg`` with the round's ``rho``/``alpha`` (rank 1, ``p2``).
+        """P1 gets ``dqsg`` (rank 0, role ``p1``), P2 ``ndqsg`` per tensor (rank 1, ``p2``).
 
-        When ``rho`` is not fixed by the user and comes out at ``2M + 1`` or more, nesting cannot
-        save anything: the coset index needs at least DQSG's index width (for ``|q1| <= M`` it *is*
-        the DQSG index) and only adds wrap-around risk. P2 then sends DQSG too (decoded without side
-        information) and ``ndqsg-p2-nested`` is 0 for the round.
+        P2's default codec serves tensors without their own estimate; each tensor with one gets
+        ``ndqsg`` at its own ``rho``/``alpha`` as a per-tensor codec. When an adaptive ``rho``
+        comes out at ``2M + 1`` or more, nesting cannot save anything (the coset index needs at
+        least DQSG's index width and only adds wrap-around risk): that tensor goes as DQSG,
+        decoded without side information.
         """
         if not names_plan(codec, type(self)):
             raise ValueError(f"{LOG_PREFIX} needs the strategy's codec to be ndqsg, got {codec.spec!r}")
+        levels = codec.levels
         p1, p2 = self.groups(server_round, node_ids)
-        rho, alpha, rule = self.parameters(codec.levels)
-        shared = {"levels": codec.levels, "bucket_size": codec.bucket_size, "coding": codec.coding}
+        shared = {"levels": levels, "bucket_size": codec.bucket_size, "coding": codec.coding}
         dqsg = get_codec("dqsg", **shared)
-        nested = rule == RULE_FIXED or rho < 2 * codec.levels + 1
-        ndqsg = get_codec("ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
-        state = _RoundState(rho, alpha, rule, len(p1), codec.levels, codec.bucket_size, p2_nested=nested)
+        rho, alpha, rule = self.parameters(levels)
+
+        def p2_codec(rho: int, alpha: float) -> Codec:
+            nested = self.rho is not None or nesting_saves_bits(rho, levels)
+            return get_codec("ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
+
+        default = p2_codec(rho, alpha)
+        chosen = self.tensor_parameters(levels, codec.coding)
+        per_tensor = {name: p2_codec(r, a) for name, (r, a) in sorted(chosen.items())}
+        overrides = {name: c for name, c in per_tensor.items() if c != default}
+        state = _RoundState(rho, alpha, RULE_ESTIMATED if chosen else rule, len(p1), levels, codec.bucket_size)
+        state.tensor_rho = {name: r for name, (r, _) in chosen.items()}
+        state.nested_tensors = sum(c.needs_side_info for c in per_tensor.values())
+        state.p2_nested = default.needs_side_info or state.nested_tensors > 0
         self._rounds[server_round] = state
-        spread = "none yet" if self.spread is None else f"{self.spread:.3g} (x{SPREAD_MARGIN} margin)"
         log(
             INFO,
-            "%s: round %s: %d clients P1 (%s), %d P2 (%s); rho from %s, spread %s",
-            LOG_PREFIX, server_round, len(p1), dqsg.spec, len(p2), ndqsg.spec, RULE_NAMES[rule], spread,
+            "%s: round %s: %d clients P1 (%s), %d P2 (%s, %d tensors nested at their own rho %s); rho from %s",
+            LOG_PREFIX, server_round, len(p1), dqsg.spec, len(p2), default.spec, state.nested_tensors,
+            state.tensor_rho or "-", RULE_NAMES[state.rule],
         )  # fmt: skip
         out = {n: ClientAssignment(dqsg, {KEY_ROLE: ROLE_P1}, rank=0) for n in p1}
-        out.update({n: ClientAssignment(ndqsg, {KEY_ROLE: ROLE_P2}, rank=1) for n in p2})
+        out.update({n: ClientAssignment(default, {KEY_ROLE: ROLE_P2}, rank=1, tensor_codecs=overrides) for n in p2})
         return out
 
     # ------------------------------------------------------------------ aggregate_train
     def admit(self, server_round: int, node_id: int, assignment: ClientAssignment, side: SideInformation) -> str | None:
         """Drop a nested (P2) reply when nothing was decoded before it (see the module's fallback note)."""
-        if not assignment.codec.needs_side_info or side.replies > 0:
+        if not assignment.needs_side_info or side.replies > 0:
             return None
         state = self._rounds.get(server_round)
         if state is not None:
@@ -316,7 +369,7 @@ class NestedDecodePlan(DecodePlan):
         )
 
     def accepted(self, server_round: int, reply: DecodedClient) -> None:
-        """Count the group's bytes; keep P1's decoded updates for the next round's spread estimate."""
+        """Count the group's bytes; keep P1's decoded updates for the next round's spread estimates."""
         state = self._rounds.get(server_round)
         role = _role(reply.assignment)
         if state is None or role not in (ROLE_P1, ROLE_P2):
@@ -329,7 +382,7 @@ class NestedDecodePlan(DecodePlan):
                 state.p1_updates.setdefault(name, []).append(update)
 
     def round_metrics(self, server_round: int) -> dict[str, int | float]:
-        """The round's NDQSG metrics; updates the spread estimate from this round's P1 updates."""
+        """The round's NDQSG metrics; updates the spread estimates from this round's P1 updates."""
         state = self._rounds.pop(server_round, None)
         if state is None:
             return {}
@@ -339,17 +392,21 @@ class NestedDecodePlan(DecodePlan):
             METRIC_RHO: state.rho,
             METRIC_ALPHA: state.alpha,
             METRIC_RHO_RULE: state.rule,
+            METRIC_NESTED_TENSORS: state.nested_tensors,
             METRIC_P1_DECODED: state.p1_decoded,
             METRIC_P1_FAILED: int(state.p1_nodes > 0 and state.p1_decoded == 0),
             METRIC_P2_DROPPED: state.p2_dropped,
             METRIC_P2_NESTED: int(state.p2_nested),
         }
+        if state.tensor_rho:
+            metrics[METRIC_RHO_MIN] = min(state.tensor_rho.values())
+            metrics[METRIC_RHO_MAX] = max(state.tensor_rho.values())
         for role, key in ((ROLE_P1, METRIC_BITS_P1), (ROLE_P2, METRIC_BITS_P2)):
             params = state.group_params[role]
             metrics[key] = 8.0 * state.group_bytes[role] / params if params else 0.0
-        spread = self.learn(state.p1_updates, state.levels, state.bucket_size)
-        if spread is not None:
-            metrics[METRIC_SPREAD] = spread
+        new = self.learn(state.p1_updates, state.levels, state.bucket_size)
+        if new:
+            metrics[METRIC_SPREAD] = max(e.spread for e in new.values())
         if metrics[METRIC_P1_FAILED]:
             log(
                 WARNING,
@@ -357,40 +414,3 @@ class NestedDecodePlan(DecodePlan):
                 LOG_PREFIX, server_round, state.p2_dropped,
             )  # fmt: skip
         return metrics
-
-
-def _loo_ratios(updates: Sequence[torch.Tensor], levels: int, bucket_size: int) -> np.ndarray:
-    """``|g_p - mean of the others| / Delta1`` per coordinate (as ``spread_in_steps`` forms them), flat."""
-    return leave_one_out_steps(updates, levels, bucket_size).abs().numpy()
-
-
-def empirical_rho(
-    tail: np.ndarray, spread: float, alpha: float = 1.0, max_excess: float = 0.01, scale: float = 1.0
-) -> int:
-    """Smallest odd ``rho >= 3`` whose wrap excess, from a histogram of ``|z| / Delta1``, is within bound.
-
-    For a coordinate with ``|z| = r Delta1`` the decoder wraps with probability
-    ``clip(alpha r + 1/2 - rho/2, 0, 1)`` (the fine rounding error is uniform on ``[-1/2, 1/2]``)
-    and then errs by about ``alpha rho Delta1``. The rule keeps the mean of
-    ``P(wrap) (alpha rho)**2`` over the histogram (bins of ``TAIL_BIN`` from 0, counts) under
-    ``max_excess`` times the MSE without wrap, ``(1 - alpha**2)**2 spread**2 + alpha**2 / 12``.
-    ``scale`` multiplies every ``r`` (the plan's safety margin; ``spread`` should include it).
-
-    Returns
-    -------
-    int
-        Odd ``rho``; at most the first odd value beyond every non-empty bin (where no wrap is left).
-    """
-    total = int(tail.sum())
-    if total == 0:
-        return 3
-    centers = (np.arange(tail.size) + 0.5) * TAIL_BIN * scale
-    weights = tail / total
-    bound = max_excess * ((1 - alpha**2) ** 2 * spread**2 + alpha**2 / 12)
-    largest = float(centers[np.nonzero(tail)[0][-1]])
-    last = min(MAX_RHO, 2 * math.ceil(alpha * largest + 1) + 1)
-    for rho in range(3, last + 1, 2):
-        wrap = np.clip(alpha * centers + 0.5 - rho / 2, 0.0, 1.0)
-        if float(weights @ wrap) * (alpha * rho) ** 2 <= bound:
-            return rho
-    return last

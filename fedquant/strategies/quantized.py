@@ -31,8 +31,10 @@ from fedquant.protocol import (
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_SEED,
+    KEY_TENSOR_CODECS,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
+    tensor_codecs_entry,
 )
 from fedquant.rng import derive_seed
 from fedquant.strategies.admission import (
@@ -278,6 +280,7 @@ class QuantizedStrategy(Strategy):
                 KEY_SEED: plan.seeds[node_id],
                 KEY_MIN_NUMEL: self.min_numel,
                 KEY_CLIENT_MSE: self.client_mse,
+                **_tensor_codecs_config(assignment),
                 **assignment.config,
                 **downlink_entries,
             }
@@ -350,7 +353,7 @@ class QuantizedStrategy(Strategy):
 
         accepted: set[int] = set()
         side = self.decode_plan.side_information()
-        needs_side = any(a.codec.needs_side_info for a in plan.assignments.values())
+        needs_side = any(a.needs_side_info for a in plan.assignments.values())
 
         def accept(node_id: int, decoded: DecodedReply) -> None:
             reply = by_node[node_id]
@@ -429,7 +432,13 @@ class QuantizedStrategy(Strategy):
             return None
         try:
             return decode_reply(
-                reply.content, plan.received(node_id), assignment.codec, plan.seeds[node_id], self.min_numel, side
+                reply.content,
+                plan.received(node_id),
+                assignment.codec,
+                plan.seeds[node_id],
+                self.min_numel,
+                side,
+                tensor_codecs=assignment.tensor_codecs,
             )
         except RejectedReply as err:
             self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
@@ -514,6 +523,13 @@ class QuantizedStrategy(Strategy):
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
+
+
+def _tensor_codecs_config(assignment: ClientAssignment) -> dict[str, str]:
+    """The ``fedquant.tensor-codecs`` entry of an assignment with per-tensor codecs, else nothing."""
+    if not assignment.tensor_codecs:
+        return {}
+    return {KEY_TENSOR_CODECS: tensor_codecs_entry({name: c.spec for name, c in assignment.tensor_codecs.items()})}
 
 
 def _with_config_entries(

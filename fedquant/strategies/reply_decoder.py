@@ -108,6 +108,7 @@ def decode_reply(
     client_seed: int,
     min_numel: int,
     side: SideInformation,
+    tensor_codecs: Mapping[str, Codec] | None = None,
 ) -> DecodedReply:
     """Check one reply against what its client received and rebuild dense arrays.
 
@@ -125,6 +126,8 @@ def decode_reply(
         The round's encoding threshold.
     side : SideInformation
         Side information for codecs that need it (read only here).
+    tensor_codecs : mapping of str to Codec, optional
+        Per-tensor codecs the server assigned (override ``codec`` for the tensors they name).
 
     Raises
     ------
@@ -140,7 +143,8 @@ def decode_reply(
     for name, sent in received.items():
         array = record[name]
         if is_encoded(sent.dtype, sent.size, min_numel):
-            value, updates[name] = _decode_entry(name, array, sent, codec, tensor_seed(client_seed, name), side)
+            tensor_codec = (tensor_codecs or {}).get(name, codec)
+            value, updates[name] = _decode_entry(name, array, sent, tensor_codec, tensor_seed(client_seed, name), side)
             dense[name] = Array(np.ascontiguousarray(value))
             squared_norm += float(torch.linalg.vector_norm(updates[name], dtype=torch.float64)) ** 2
         else:
