@@ -329,12 +329,13 @@ class NestedDecodePlan(DecodePlan):
         levels = codec.levels
         p1, p2 = self.groups(server_round, node_ids)
         shared = {"levels": levels, "bucket_size": codec.bucket_size, "coding": codec.coding}
-        dqsg = get_codec("dqsg", **shared)
+        transforms = codec.spec.removesuffix(codec.quantizer.spec)  # "ef+rht+" stays in front of both groups
+        dqsg = get_codec(transforms + "dqsg", **shared)
         rho, alpha, rule = self.parameters(levels)
 
         def p2_codec(rho: int, alpha: float) -> Codec:
             nested = self.rho is not None or nesting_saves_bits(rho, levels)
-            return get_codec("ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
+            return get_codec(transforms + "ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
 
         default = p2_codec(rho, alpha)
         chosen = self.tensor_parameters(levels, codec.coding)
