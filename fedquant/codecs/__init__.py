@@ -32,8 +32,8 @@ _QUANTIZERS: dict[str, str] = {
     "bingrad-pb": "fedquant.codecs.bingrad:BinGradPBCodec",
     "orq": "fedquant.codecs.orq:ORQCodec",
     "linear": "fedquant.codecs.orq:LinearCodec",
-    "dqsg": "fedquant.codecs.dithered:DQSGCodec",
-    "ndqsg": "fedquant.codecs.dithered:NDQSGCodec",
+    "dqsg": "fedquant.codecs.quantizers.dither:DQSGQuantizer",
+    "ndqsg": "fedquant.codecs.quantizers.dither:NDQSGQuantizer",
 }
 _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
