@@ -25,7 +25,8 @@ in which independent butterflies run differs. The numba path works in two passes
    ``STRIP_FLOATS`` floats) is copied to a buffer and runs all of them there (butterflies of
    contiguous rows, which vectorize).
 
-Both passes run in parallel (over tiles, over strips) from ``PARALLEL_MIN`` elements on.
+Both passes run in parallel (over tiles, over strips) through
+:func:`fedquant.codecs.kernels.common.parallel_kernel`, serially below ``PARALLEL_MIN`` elements.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import _GAMMA, _MIX1, _MIX2, _S27, _S30, PARALLEL_MIN
+from fedquant.codecs.kernels.common import _GAMMA, _MIX1, _MIX2, _S27, _S30, parallel_kernel
 from fedquant.rng import uniform
 
 TILE_LOG2 = 13
@@ -148,66 +149,60 @@ def _flip_signs(seg, key, o):
 
 
 @njit(cache=True)
-def _low_tiles(src, out, tiles, scales, key, inverse, t0, t1):
-    """Load, scale (and sign, forward) tiles ``t0 .. t1`` from ``src`` into ``out``; run their stages.
+def _low_tile(src, out, tiles, scales, key, inverse, t):
+    """Load, scale (and sign, forward) tile ``t`` from ``src`` into ``out``; run its stages.
 
     ``tiles[t] = (offset, length, whole)``, ``scales[t]`` its block's ``c``: ``whole`` is 1 when
     the tile is its whole block (the inverse then flips the signs here, there is no high pass).
     """
-    n_src = src.size
-    for t in range(t0, t1):
-        o = tiles[t, 0]
-        length = tiles[t, 1]
-        c = scales[t]
-        seg = out[o : o + length]
-        m = min(max(n_src - o, 0), length)
-        xs = src[o : o + m]
-        for i in range(m):
-            seg[i] = xs[i] * c
-        for i in range(m, length):
-            seg[i] = _ZERO32
-        if not inverse:
-            _flip_signs(seg, key, o)
-        _tile_stages(seg, length)
-        if inverse and tiles[t, 2]:
-            _flip_signs(seg, key, o)
+    o = tiles[t, 0]
+    length = tiles[t, 1]
+    c = scales[t]
+    seg = out[o : o + length]
+    m = min(max(src.size - o, 0), length)
+    xs = src[o : o + m]
+    for i in range(m):
+        seg[i] = xs[i] * c
+    for i in range(m, length):
+        seg[i] = _ZERO32
+    if not inverse:
+        _flip_signs(seg, key, o)
+    _tile_stages(seg, length)
+    if inverse and tiles[t, 2]:
+        _flip_signs(seg, key, o)
 
 
 @njit(cache=True)
-def _high_strips(out, strips, key, inverse, s0, s1):
-    """The stages ``h >= TILE`` of strips ``s0 .. s1``; ``strips[s] = (block offset, rows, column, width)``.
+def _high_strip(out, strips, key, inverse, s, buf):
+    """The stages ``h >= TILE`` of strip ``s``; ``strips[s] = (block offset, rows, column, width)``.
 
     A strip's rows lie ``TILE`` floats apart, a power of two that maps them all to the same cache
-    sets; they are copied into a contiguous buffer, transformed there and copied back.
+    sets; they are copied into the contiguous ``buf``, transformed there and copied back.
     """
-    buf = np.empty(0, np.float32)
-    for s in range(s0, s1):
-        o = strips[s, 0]
-        rows = strips[s, 1]
-        col = o + strips[s, 2]
-        w = strips[s, 3]
-        if buf.size < rows * w:
-            buf = np.empty(rows * w, np.float32)
-        for r in range(rows):
-            buf[r * w : (r + 1) * w] = out[col + r * TILE : col + r * TILE + w]
-        _stages(buf, rows * w, w)
-        for r in range(rows):
-            row = buf[r * w : (r + 1) * w]
-            if inverse:
-                _flip_signs(row, key, col + r * TILE)
-            out[col + r * TILE : col + r * TILE + w] = row
+    o = strips[s, 0]
+    rows = strips[s, 1]
+    col = o + strips[s, 2]
+    w = strips[s, 3]
+    for r in range(rows):
+        buf[r * w : (r + 1) * w] = out[col + r * TILE : col + r * TILE + w]
+    _stages(buf, rows * w, w)
+    for r in range(rows):
+        row = buf[r * w : (r + 1) * w]
+        if inverse:
+            _flip_signs(row, key, col + r * TILE)
+        out[col + r * TILE : col + r * TILE + w] = row
 
 
-@njit(cache=True, parallel=True)
-def _low_parallel(src, out, tiles, scales, key, inverse):
+@parallel_kernel(count_arg=1)
+def _low_pass(src, out, tiles, scales, key, inverse):
     for t in prange(tiles.shape[0]):
-        _low_tiles(src, out, tiles, scales, key, inverse, t, t + 1)
+        _low_tile(src, out, tiles, scales, key, inverse, t)
 
 
-@njit(cache=True, parallel=True)
-def _high_parallel(out, strips, key, inverse):
+@parallel_kernel(count_arg=0)
+def _high_pass(out, strips, key, inverse):
     for s in prange(strips.shape[0]):
-        _high_strips(out, strips, key, inverse, s, s + 1)
+        _high_strip(out, strips, key, inverse, s, np.empty(strips[s, 1] * strips[s, 3], np.float32))
 
 
 @lru_cache(maxsize=256)
@@ -265,13 +260,9 @@ def fwht_numba(src: np.ndarray, blocks: tuple[int, ...], key: int, inverse: bool
         return out
     tiles, scales, strips = _work(tuple(blocks))
     ukey = np.uint64(key)
-    if total < PARALLEL_MIN:  # the thread pool costs more than the work
-        _low_tiles(src, out, tiles, scales, ukey, inverse, 0, tiles.shape[0])
-        _high_strips(out, strips, ukey, inverse, 0, strips.shape[0])
-    else:
-        _low_parallel(src, out, tiles, scales, ukey, inverse)
-        if strips.shape[0]:
-            _high_parallel(out, strips, ukey, inverse)
+    _low_pass(src, out, tiles, scales, ukey, inverse)
+    if strips.shape[0]:
+        _high_pass(out, strips, ukey, inverse)
     return out
 
 
