@@ -152,11 +152,13 @@ def _flip_signs(seg, key, o):
 def _low_tile(src, out, tiles, scales, key, inverse, t):
     """Load, scale (and sign, forward) tile ``t`` from ``src`` into ``out``; run its stages.
 
-    ``tiles[t] = (offset, length, whole)``, ``scales[t]`` its block's ``c``: ``whole`` is 1 when
-    the tile is its whole block (the inverse then flips the signs here, there is no high pass).
+    ``tiles[t] = (offset, length, block)``, ``scales[t]`` its blocks' ``c``: a tile holds
+    ``length / block`` whole blocks of ``block`` elements (the inverse then flips the signs here,
+    there is no high pass), or, with ``block > length``, a tile-sized part of a larger block.
     """
     o = tiles[t, 0]
     length = tiles[t, 1]
+    block = tiles[t, 2]
     c = scales[t]
     seg = out[o : o + length]
     m = min(max(src.size - o, 0), length)
@@ -167,8 +169,10 @@ def _low_tile(src, out, tiles, scales, key, inverse, t):
         seg[i] = _ZERO32
     if not inverse:
         _flip_signs(seg, key, o)
-    _tile_stages(seg, length)
-    if inverse and tiles[t, 2]:
+    step = min(block, length)
+    for b in range(0, length, step):
+        _tile_stages(seg[b : b + step], step)
+    if inverse and block <= length:
         _flip_signs(seg, key, o)
 
 
@@ -215,9 +219,13 @@ def _work(blocks: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for k in blocks:
         size = 1 << k
         if k <= TILE_LOG2:
-            tiles.append((o, size, 1))
+            last = tiles[-1] if tiles else None
+            if last is not None and last[2] == size and last[1] + size <= TILE and last[0] + last[1] == o:
+                tiles[-1] = (last[0], last[1] + size, size)  # small blocks share a tile
+            else:
+                tiles.append((o, size, size))
         else:
-            tiles += [(o + t, TILE, 0) for t in range(0, size, TILE)]
+            tiles += [(o + t, TILE, size) for t in range(0, size, TILE)]
             rows = size >> TILE_LOG2
             width = min(TILE, max(MIN_STRIP, STRIP_FLOATS // rows))
             strips += [(o, rows, c, width) for c in range(0, TILE, width)]
