@@ -11,15 +11,17 @@ orthonormal randomized Hadamard transform ``y = H_k D x / sqrt(L)``:
   ``H H = L I``, so this undoes the forward transform up to float32 rounding).
 
 ``D_ii`` is -1 where the uniform ``i`` of the counter-based stream of :mod:`fedquant.rng` (``i``
-the element's position in the laid-out tensor, its uniform drawn inline by
-:func:`fedquant.codecs.kernels.common.uniform24`) is at least 1/2.
+the element's position in the laid-out tensor) is at least 1/2, i.e. where the top bit of its
+SplitMix64 hash is set: the numba kernels hash inline and xor that bit into the float's sign,
+the torch twin compares :func:`fedquant.rng.uniform` with 1/2.
 
 Both paths perform these float32 operations (one multiply, sign flips, the additions of the
 stages in ascending ``h``) on every element, so they give bit-identical results; only the order
 in which independent butterflies run differs. The numba path works in two passes over memory:
 
-1. **low pass**: each cache tile of ``TILE = 2**TILE_LOG2`` elements (or a whole smaller block)
-   is loaded, scaled and signed, and runs all stages with ``h < TILE`` while in cache;
+1. **low pass**: each cache tile of ``TILE = 2**TILE_LOG2`` elements (a part of a larger block,
+   or whole smaller blocks of one size) is loaded, scaled and signed, and runs all stages with
+   ``h < TILE`` while in cache (the first three in one sweep, then two per sweep);
 2. **high pass** (blocks larger than a tile): the block is a ``(rows, TILE)`` matrix and the
    remaining stages are a Hadamard transform down the rows; each strip of columns (about
    ``STRIP_FLOATS`` floats) is copied to a buffer and runs all of them there (butterflies of
@@ -40,6 +42,7 @@ from numba import njit, prange
 from fedquant.codecs.kernels.common import _GAMMA, _MIX1, _MIX2, _S27, _S30, parallel_kernel
 from fedquant.rng import uniform
 
+#: A tile: 32 KiB of float32, the L1 data cache.
 TILE_LOG2 = 13
 TILE = 1 << TILE_LOG2
 #: Floats a strip of the high pass holds (256 KiB: in L2), at least ``MIN_STRIP`` columns wide.

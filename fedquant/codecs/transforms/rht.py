@@ -32,14 +32,14 @@ weights; on Gaussian data every layout is within 0.5% of no rotation at 2**20, 1
     n, data        codec           none          pad           blocks 2^9    2^10          2^12          2^16
     2^20, t2       qsgd:levels=7   0.296 @4.06   0.0353 @4.06  0.0189 @4.06  0.0207 @4.06  0.0240 @4.06  0.0309 @4.06
     2^20, t2       dqsg 2,entropy  6.78  @0.67   0.217  @1.70  0.116  @1.80  0.127  @1.79  0.147  @1.78  0.190  @1.75
-    1.5*2^20, t2   qsgd:levels=7   0.362 @4.06   0.0273 @5.42  -             0.0255 @4.06  -             0.0348 @4.06
-    1.5*2^20, gau  dqsg 2,entropy  0.222 @1.69   0.168  @2.25  -             0.223  @1.69  -             0.224  @1.69
-    25M, t2        qsgd:levels=7   0.323 @4.06   0.0270 @5.45  -             0.0223 @4.06  -             0.0318 @4.06
-    25M, t2        dqsg 2,entropy  6.34  @0.67   0.165  @2.27  -             0.137  @1.79  -             0.195  @1.72
+    1.5*2^20, t2   qsgd:levels=7   0.362 @4.06   0.0273 @5.42  0.0234 @4.06  0.0255 @4.06  -             0.0348 @4.06
+    1.5*2^20, gau  dqsg 2,entropy  0.222 @1.69   0.168  @2.25  0.224  @1.68  0.223  @1.69  -             0.224  @1.69
+    25M, t2        qsgd:levels=7   0.323 @4.06   0.0270 @5.45  0.0205 @4.06  0.0223 @4.06  -             0.0318 @4.06
+    25M, t2        dqsg 2,entropy  6.34  @0.67   0.165  @2.27  0.125  @1.80  0.137  @1.79  -             0.195  @1.72
     8192, real     qsgd:levels=7   0.0663 @4.14  0.0360 @4.14  0.0350 @4.14  0.0356 @4.14  0.0362 @4.14  = pad
     8192, real     dqsg 2,entropy  0.587 @1.16   0.221  @1.78  0.215  @1.80  0.218  @1.78  0.222  @1.77  = pad
-    1000, t2       qsgd:levels=7   0.352 @4.69   0.0307 @4.78  (one padded block of 1024 for every layout)
-    10, gauss      qsgd:levels=7   0.0119 @69.6  0.0088 @72.0  (one padded block of 16; the envelope dominates)
+    1000, t2       qsgd:levels=7   0.352 @4.69   0.0307 @4.78  0.0285 @4.78  = pad (one padded block of 1024)
+    10, gauss      qsgd:levels=7   0.0119 @69.6  0.0088 @72.0  = pad for every layout (16; the envelope dominates)
 
 * **Padding** the whole tensor to one power of two costs up to twice the bits (``1.5 * 2**20``:
   33% more) for a proportionally smaller error: a bad trade (one more bit per coordinate buys
