@@ -37,6 +37,7 @@ _QUANTIZERS: dict[str, str] = {
 }
 _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
+    "rht": "fedquant.codecs.transforms.rht:RandomizedHadamard",
 }
 EF_PREFIX = "ef+"
 
