@@ -526,3 +526,13 @@ def test_tensor_codecs_entry_round_trips_and_rejects_what_is_not_a_name_to_spec_
     for bad in ("[1, 2]", '{"w": 3}', "not json", 7):
         with pytest.raises(ValueError):
             parse_tensor_codecs(bad)
+
+
+@pytest.mark.parametrize("transforms", ["ef+", "rht+", "ef+rht+"])
+def test_both_groups_keep_the_codecs_transforms(transforms):
+    codec = get_codec(transforms + "ndqsg:levels=3,rho=5")
+    plan = NestedDecodePlan.from_spec(codec.spec)
+    assignments = plan.assign(1, list(range(1, 9)), codec)
+    specs = {a.codec.spec for a in assignments.values()}
+    assert {s.removeprefix(transforms).split(":")[0] for s in specs} == {"dqsg", "ndqsg"}
+    assert all(s.startswith(transforms) for s in specs)
