@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from fedquant import PayloadError
-from fedquant.codecs import get_codec, level_codec
-from fedquant.codecs import levels as L
+from fedquant.codecs import get_codec
 from fedquant.codecs.kernels import levels as cpu_kernels
-from fedquant.codecs.rounding import gather_levels, random_round
+from fedquant.codecs.kernels import levels_torch as L
+from fedquant.codecs.kernels.levels_torch import gather_levels, random_round
 from fedquant.rng import stream_key
 from fedquant.wire import read_payload, write_payload
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
@@ -159,7 +159,7 @@ def test_recursion_tree_places_every_interior_level_once_after_its_neighbours():
 # ---------------------------------------------------------------- unbiasedness (Monte Carlo)
 def _exact_variance(codec, x: torch.Tensor) -> torch.Tensor:
     """Per-element variance (hi - v)(v - lo) of rounding ``x`` onto the codec's levels."""
-    levels = codec.select_levels(x).double()
+    levels = codec.quantizer.select_levels(x).double()
     rows = torch.nn.functional.pad(x.double(), (0, (-x.numel()) % codec.bucket_size)).view(levels.shape[0], -1)
     k = torch.clamp(torch.searchsorted(levels, rows, right=True) - 1, 0, levels.shape[1] - 2)
     return ((levels.gather(1, k + 1) - rows) * (rows - levels.gather(1, k))).reshape(-1)[: x.numel()]
@@ -185,7 +185,7 @@ def test_unbiased_monte_carlo_many_trials(name):
     # tensor (counter = element index, so every copy gets its own uniforms).
     codec = get_codec(name, levels=6, bucket_size=64)
     x = sample_tensor((128,), seed=12) * torch.linspace(0.1, 3.0, 128)
-    levels = codec.select_levels(x)
+    levels = codec.quantizer.select_levels(x)
     var = _exact_variance(codec, x)
     trials = 20000
     idx = cpu_kernels.random_round(x.repeat(trials).numpy(), levels.repeat(trials, 1).numpy(), 64, np.uint64(7))
@@ -199,7 +199,7 @@ def test_unbiased_monte_carlo_many_trials(name):
 def test_values_on_the_levels_come_back_exactly():
     codec = get_codec("orq:levels=4,bucket_size=8")
     x = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 0.0, 5.0, 5.0])
-    levels = codec.select_levels(x)
+    levels = codec.quantizer.select_levels(x)
     assert levels[0].tolist() == [0.0, 1.0, 2.0, 3.0]  # four distinct values, four levels
     for seed in range(5):
         assert torch.equal(codec.decode(codec.encode(x, seed=seed), seed=seed), x)
@@ -212,8 +212,8 @@ def test_numba_and_torch_select_the_same_levels_and_indices(name, s):
     codec = get_codec(name, levels=s, bucket_size=100)
     x = sample_tensor((1234,), seed=5) * torch.rand(1234, generator=torch.Generator().manual_seed(5))
     x[:50] = 0.0  # ties
-    cpu = torch.from_numpy(codec._levels_cpu(x.numpy()))
-    assert torch.equal(cpu, codec._levels_torch(x))
+    cpu = torch.from_numpy(codec.quantizer._levels_kernel(x.numpy()))
+    assert torch.equal(cpu, codec.quantizer._levels_torch(x))
     idx_cpu = cpu_kernels.random_round(x.numpy(), cpu.numpy(), 100, np.uint64(stream_key(9)))
     idx_torch = random_round(x, cpu, 100, 9).numpy()
     assert np.array_equal(idx_cpu, idx_torch)
@@ -228,8 +228,8 @@ def test_parallel_kernels_equal_the_torch_path(name):
     n = cpu_kernels.PARALLEL_MIN + 1001  # parallel loops, short last bucket
     codec = get_codec(name, levels=8)
     x = sample_tensor((n,), seed=6)
-    levels = codec.select_levels(x)
-    assert torch.equal(levels, codec._levels_torch(x))
+    levels = codec.quantizer.select_levels(x)
+    assert torch.equal(levels, codec.quantizer._levels_torch(x))
     idx = cpu_kernels.random_round(x.numpy(), levels.numpy(), 512, np.uint64(stream_key(3)))
     assert np.array_equal(idx, random_round(x, levels, 512, 3).numpy())
     data = cpu_kernels.pack_indices(idx, 3)
@@ -261,15 +261,25 @@ def test_fast_index_packing_matches_the_wire_packer(width):
 
 @pytest.mark.parametrize(
     "spec",
-    ["orq", "orq:levels=8,refine=2,clip=2.5", "linear:levels=5,level_dtype=float16", "bingrad-b", "bingrad-pb"],
+    [
+        "orq",
+        "orq:levels=8,refine=2,clip=2.5",
+        "linear:levels=5,level_dtype=float16",
+        "bingrad-b",
+        "bingrad-pb",
+        "orq:coding=entropy",
+        "bingrad-b:coding=entropy",
+    ],
 )
-def test_torch_path_end_to_end_gives_the_same_bytes(spec, monkeypatch):
-    # The path CUDA tensors take (batched torch levels and rounding), run on the CPU.
+def test_torch_path_end_to_end_gives_the_same_bytes(spec):
+    # The path CUDA tensors take (batched torch levels, rounding and gather), run on the CPU.
     codec = get_codec(spec, bucket_size=300)
     x = sample_tensor((7, 1001), seed=12)
     expected = codec.encode(x, seed=5)
-    monkeypatch.setattr(level_codec, "use_cpu_kernels", lambda t: False)
+    values = codec.decode(expected, seed=5)
+    codec.quantizer.force_torch = True
     assert codec.encode(x, seed=5) == expected
+    assert torch.equal(codec.decode(expected, seed=5), values)
 
 
 @cuda
@@ -285,7 +295,7 @@ def test_cuda_encode_gives_the_cpu_bytes(spec):
 def test_short_last_bucket_uses_only_its_own_values(name):
     codec = get_codec(name, bucket_size=16)
     x = torch.cat([sample_tensor((32,), seed=1), torch.tensor([100.0, 101.0, 102.0])])
-    for levels in (codec.select_levels(x), codec._levels_torch(x)):
+    for levels in (codec.quantizer.select_levels(x), codec.quantizer._levels_torch(x)):
         assert levels.shape[0] == 3
         assert levels[2].min() >= 100.0 and levels[2].max() <= 102.0
 
@@ -311,10 +321,27 @@ def test_entropy_coding_decodes_the_same_values_in_fewer_bytes(name):
         assert len(b) < len(a) + 64
 
 
+@pytest.mark.parametrize("name", ["orq", "linear", "bingrad-b", "bingrad-pb"])
+@pytest.mark.parametrize("shape", [(1,), (7, 100), (1500,)])
+def test_entropy_coding_round_trips_onto_the_sent_levels(name, shape):
+    # Every decoded value is one of its bucket's levels as they travel, and the index decoded is
+    # the one the fixed-width payload of the same seed carries.
+    codec = get_codec(name, bucket_size=64, coding="entropy", level_dtype="float16")
+    x = sample_tensor(shape, seed=21)
+    y = codec.decode(codec.encode(x, seed=4), seed=4)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    fixed = get_codec(name, bucket_size=64, level_dtype="float16")
+    assert torch.equal(y, fixed.decode(fixed.encode(x, seed=4), seed=4))
+    levels = codec.quantizer.wire_levels(codec.quantizer.select_levels(x.reshape(-1)).numpy()).astype(np.float32)
+    values = y.reshape(-1).numpy()
+    for b, lv in enumerate(levels):
+        assert np.isin(values[64 * b : 64 * (b + 1)], lv).all()
+
+
 def test_float16_end_levels_round_outward_and_range_is_checked():
     codec = get_codec("orq:levels=5,level_dtype=float16")
     x = sample_tensor((4096,), seed=3) * 0.1234567
-    wire = codec._wire_levels(codec.select_levels(x).numpy()).astype(np.float32)
+    wire = codec.quantizer.wire_levels(codec.quantizer.select_levels(x).numpy()).astype(np.float32)
     rows = x.view(-1, 512).numpy()
     assert np.all(wire[:, 0] <= rows.min(axis=1)) and np.all(wire[:, -1] >= rows.max(axis=1))
     assert np.all(np.diff(wire, axis=1) >= 0)
@@ -350,6 +377,8 @@ def test_rejects_out_of_range_level_indices_even_with_a_valid_crc():
         "linear:levels=3,bucket_size=7",
         "orq:levels=200",
         "orq:coding=entropy",
+        "linear:coding=entropy,levels=2",
+        "bingrad-b:coding=entropy,level_dtype=float16",
         "bingrad-pb:coding=entropy,bucket_size=100",
     ],
 )

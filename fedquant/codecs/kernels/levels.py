@@ -79,19 +79,6 @@ def _prefix(w):
     return p
 
 
-@njit(cache=True)
-def _uniform_block(key, offset, n):
-    out = np.empty(n, np.float64)
-    for i in range(n):
-        out[i] = _uniform_at(key, offset + i)
-    return out
-
-
-def uniform_cpu(key: int, n: int, offset: int = 0) -> np.ndarray:
-    """The inline stream as float64 (for tests against :func:`fedquant.rng.uniform`)."""
-    return _uniform_block(np.uint64(key), offset, n)
-
-
 # ---------------------------------------------------------------- per-bucket bodies
 @njit(cache=True)
 def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
