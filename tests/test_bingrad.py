@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from fedquant.codecs import get_codec
-from fedquant.codecs.kernels import levels as cpu_kernels
+from fedquant.codecs.kernels import levels as kernels
 from fedquant.codecs.kernels import levels_torch as L
+from fedquant.codecs.kernels.common import PARALLEL_MIN
 from fedquant.codecs.kernels.levels_torch import nearest_of_two
+from fedquant.rng import stream_key
 from fedquant.wire import read_payload
 from fedquant.wire.bitpack import packed_size
 from tests.helpers import cuda, sample_tensor
@@ -148,7 +150,7 @@ def test_pb_is_unbiased_inside_and_clips_outside():
 
 
 # ---------------------------------------------------------------- parity, CUDA, wire
-@pytest.mark.parametrize("n", [1000, cpu_kernels.PARALLEL_MIN + 77])
+@pytest.mark.parametrize("n", [1000, PARALLEL_MIN + 77])
 def test_numba_and_torch_give_the_same_levels_and_bits(n):
     x = sample_tensor((n,), seed=9) * torch.rand(n, generator=torch.Generator().manual_seed(9))
     x[:40] = 0.0
@@ -157,7 +159,7 @@ def test_numba_and_torch_give_the_same_levels_and_bits(n):
         levels = codec.quantizer.select_levels(x)
         assert torch.equal(levels, codec.quantizer._levels_torch(x)), name
     levels = get_codec("bingrad-b", bucket_size=256).quantizer.select_levels(x)
-    bits = cpu_kernels.nearest_of_two(x.numpy(), levels.numpy(), 256)
+    bits = kernels.round_symbols(x.numpy(), levels.numpy(), 256, np.uint64(stream_key(1)), True)
     assert np.array_equal(bits, nearest_of_two(x, levels, 256).numpy())
 
 

@@ -154,14 +154,10 @@ class LevelQuantizer(Quantizer):
         levels = wire.astype(np.float32)
         d = self.bucket_size
         if self.uses_kernels(x):
-            key = np.uint64(stream_key(seed))
-            if self.rounding == "nearest":
-                indices = kernels.nearest_of_two(x.numpy(), levels, d)
-            else:
-                indices = kernels.random_round(x.numpy(), levels, d, key)
+            args = (x.numpy(), levels, d, np.uint64(stream_key(seed)), self.rounding == "nearest")
             if packed_width is not None:
-                return Quantized([wire], packed=kernels.pack_indices(indices, packed_width))
-            return Quantized([wire], symbols=indices)
+                return Quantized([wire], packed=kernels.round_pack(*args, packed_width))
+            return Quantized([wire], symbols=kernels.round_symbols(*args))
         on_device = torch.from_numpy(levels).to(x.device)
         if self.rounding == "nearest":
             indices = twin.nearest_of_two(x, on_device, d)
@@ -177,19 +173,22 @@ class LevelQuantizer(Quantizer):
         levels = self._rows(side, numel)
         if not self.uses_kernels():
             return twin.gather_levels(torch.from_numpy(symbols), torch.from_numpy(levels), self.bucket_size)
-        # One symbol per byte (s <= 256): the gather kernel reads them as 8-bit "packed" indices.
-        return self._gather(np.ascontiguousarray(symbols, dtype=np.uint8), 8, levels, numel)
+        # Symbols come checked below s <= 256, so they fit one byte each.
+        codes = np.ascontiguousarray(symbols, dtype=np.uint8)
+        return self._checked(*kernels.gather(codes, levels.reshape(-1), levels.shape[1], self.bucket_size))
 
     def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
         if not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed, side_info)
-        return self._gather(packed, width, self._rows(side, numel), numel)
+        levels = self._rows(side, numel)
+        return self._checked(
+            *kernels.unpack_gather(packed, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, width)
+        )
 
-    def _gather(self, data: np.ndarray, width: int, levels: np.ndarray, numel: int) -> torch.Tensor:
-        values, bad = kernels.decode_levels(data, width, levels, self.bucket_size, numel)
+    def _checked(self, values: np.ndarray, bad: int) -> torch.Tensor:
         if bad:
             raise PayloadError(
-                f"{self.name} payload holds {bad} level indices >= {self.num_levels()}, the number of levels"
+                f"{self.name} payload holds {int(bad)} level indices >= {self.num_levels()}, the number of levels"
             )
         return torch.from_numpy(values)
 
