@@ -14,8 +14,8 @@ from flwr.clientapp import ClientApp
 
 from fedquant.clients import quantize_mod
 from fedquant.clients.quantize_mod import encode_device
+from fedquant.protocol import STATE_TRANSFORMS_KEY
 from fedquant.rng import derive_seed
-from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
 from simulations import vce_dispatch
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
@@ -58,10 +58,10 @@ def train_fn(msg: Message, context: Context) -> Message:
     device = pick_device()
     model = _model(cfg, data, msg.content.array_records["arrays"])
     server_round = int(cfg.get("server-round", 0))
-    if server_round == 1 and STATE_RESIDUAL_KEY in context.state:
+    if server_round == 1 and STATE_TRANSFORMS_KEY in context.state:
         # A new federation starts (a sweep runs several on the same nodes): forget the
-        # error-feedback residuals of the previous one.
-        del context.state[STATE_RESIDUAL_KEY]
+        # state of the transforms (error-feedback residuals) of the previous one.
+        del context.state[STATE_TRANSFORMS_KEY]
     loss = train(
         model,
         data,

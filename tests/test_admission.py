@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
@@ -25,9 +25,9 @@ from flwr.serverapp.strategy import (
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
+from fedquant.protocol import KEY_ROLE, payload_array, tensor_seed
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, NestedDecodePlan, QuantizedStrategy
-from fedquant.strategies.protocol import KEY_ROLE, PAYLOAD_STYPE, tensor_seed
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
 
 NUM_NODES = 4
@@ -175,7 +175,7 @@ def _poisoned(codec_spec: str, scale: float = POISON):
         update = torch.from_numpy(np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32)) * scale
         payload = codec.encode(update, seed)
         record = reply.content["arrays"]
-        array = Array(dtype="uint8", shape=(len(payload),), stype=PAYLOAD_STYPE, data=payload)
+        array = payload_array(payload)
         reply.content["arrays"] = ArrayRecord({k: (array if k == "fc.weight" else v) for k, v in record.items()})
         return reply
 

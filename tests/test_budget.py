@@ -8,9 +8,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
+from fedquant.protocol import KEY_CODEC
 from fedquant.strategies import QuantizedStrategy
 from fedquant.strategies.budget import UploadBudget, probe_reply_bytes, rate_ladder, setting_value
-from fedquant.strategies.protocol import KEY_CODEC
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, global_loss, initial_arrays, make_client_app
 
 NUM_NODES = 4
@@ -25,6 +25,8 @@ def test_rate_ladders():
     assert _levels(rate_ladder(get_codec("qsgd:levels=16"))) == [16, 15, 8, 7, 4, 3, 2, 1]
     assert _levels(rate_ladder(get_codec("orq:levels=9"))) == [9, 8, 7, 4, 3]  # ORQ needs >= 3 levels
     assert [c.spec for c in rate_ladder(get_codec("fp32"))] == ["fp32", "fp16"]
+    assert [c.spec for c in rate_ladder(get_codec("ef+fp32"))] == ["ef+fp32", "ef+fp16"]  # transforms kept
+    assert _levels(rate_ladder(get_codec("ef+fp32"))) == [32, 16]
     assert [c.spec for c in rate_ladder(get_codec("signsgd"))] == [get_codec("signsgd").spec]
     assert [c.spec for c in rate_ladder(get_codec("ndqsg"))] == [get_codec("ndqsg").spec]  # its plan tunes it
     ef = rate_ladder(get_codec("ef+qsgd:levels=4"))

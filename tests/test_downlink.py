@@ -16,9 +16,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedquant.clients import quantize_mod
 from fedquant.clients.downlink import decode_train_message
 from fedquant.codecs import get_codec
-from fedquant.strategies import QuantizedStrategy
-from fedquant.strategies.downlink import DownlinkCompressor
-from fedquant.strategies.downlink_wire import (
+from fedquant.downlink_wire import (
     KEY_DOWNLINK_BASE,
     KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_REFERENCE,
@@ -27,7 +25,9 @@ from fedquant.strategies.downlink_wire import (
     DownlinkError,
     rebuild_model,
 )
-from fedquant.strategies.protocol import PAYLOAD_STYPE
+from fedquant.protocol import PAYLOAD_STYPE
+from fedquant.strategies import QuantizedStrategy
+from fedquant.strategies.downlink import DownlinkCompressor
 from tests.flower_fakes import (
     MIN_NUMEL,
     InProcessGrid,

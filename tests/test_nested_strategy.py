@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
 from fedquant.codecs.nested_params import choose_rho_for_variance, optimal_alpha, spread_in_steps
+from fedquant.protocol import KEY_CODEC, KEY_ROLE, KEY_SEED, payload_array
 from fedquant.strategies import ClientAssignment, DecodedClient, DecodePlan, NestedDecodePlan, QuantizedStrategy
 from fedquant.strategies.nested import (
     METRIC_ALPHA,
@@ -35,7 +36,6 @@ from fedquant.strategies.nested import (
     SPREAD_MARGIN,
     empirical_rho,
 )
-from fedquant.strategies.protocol import KEY_CODEC, KEY_ROLE, KEY_SEED, PAYLOAD_STYPE
 from tests.flower_fakes import InProcessGrid
 
 NUM_NODES = 8
@@ -302,7 +302,7 @@ def test_rho_grows_with_the_spread_and_fixed_values_win():
 def _truncated(reply: Message) -> Message:
     record = reply.content["arrays"]
     data = record["w"].data[:-9]
-    bad = Array(dtype="uint8", shape=(len(data),), stype=PAYLOAD_STYPE, data=data)
+    bad = payload_array(data)
     reply.content["arrays"] = ArrayRecord({k: (bad if k == "w" else v) for k, v in record.items()})
     return reply
 

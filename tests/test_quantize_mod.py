@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +16,7 @@ from flwr.common.constant import ErrorCode
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
-from fedquant.rng import derive_seed
-from fedquant.strategies.protocol import (
+from fedquant.protocol import (
     CLIENT_METRICRECORD_NAME,
     KEY_CLIENT_MSE,
     KEY_CODEC,
@@ -20,8 +25,9 @@ from fedquant.strategies.protocol import (
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
     PAYLOAD_STYPE,
-    STATE_RESIDUAL_KEY,
+    STATE_TRANSFORMS_KEY,
 )
+from fedquant.rng import derive_seed
 from tests.flower_fakes import set_task_identity
 
 CLIENT_SEED = 4242
@@ -219,8 +225,8 @@ def test_error_feedback_residual_lives_in_context_state():
     fp16, context = get_codec("fp16"), _context()
     received = _received()
     first = quantize_mod(_train_message(_fq_config("ef+fp16")), context, _app(step=0.3))
-    stored = context.state.array_records[STATE_RESIDUAL_KEY]
-    assert list(stored.keys()) == ["w", "w64"]
+    stored = context.state.array_records[STATE_TRANSFORMS_KEY]
+    assert list(stored.keys()) == ["ef/w", "ef/w64"]  # per transform and tensor
     residual1 = {}
     for name in ("w", "w64"):
         update = _trained(received, 0.3)[name].numpy().astype(np.float32) - received[name].numpy().astype(np.float32)
@@ -228,7 +234,7 @@ def test_error_feedback_residual_lives_in_context_state():
         assert first.content["arrays"][name].data == fp16.encode(torch.from_numpy(update), seed)  # no residual yet
         sent = fp16.decode(first.content["arrays"][name].data, seed, shape=update.shape, dtype=torch.float32)
         residual1[name] = update - sent.numpy()
-        np.testing.assert_array_equal(stored[name].numpy(), residual1[name])
+        np.testing.assert_array_equal(stored[f"ef/{name}"].numpy(), residual1[name])
         assert np.abs(residual1[name]).max() > 0  # fp16 rounding left something to feed back
     assert first.content["metrics"][METRIC_CLIENT_MSE] == pytest.approx(
         float(np.mean(np.concatenate([r.ravel() for r in residual1.values()]).astype(np.float64) ** 2)), rel=1e-6
@@ -249,3 +255,42 @@ def test_encode_device_is_the_clients_gpu_when_it_has_one(monkeypatch):
     assert encode_device().type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert encode_device().type == "cuda"
+
+
+# Records which fedquant modules import server code: flwr's own package __init__ loads
+# flwr.serverapp for everyone, so sys.modules alone cannot tell; the import statements can.
+_IMPORT_SPY = """
+import builtins, json, sys
+
+real_import = builtins.__import__
+server_imports = set()
+
+def spy(name, globals=None, locals=None, fromlist=(), level=0):
+    importer = (globals or {}).get("__name__") or ""
+    wanted = [name] + [name + "." + item for item in fromlist or ()]
+    if importer.startswith("fedquant") and any(w.startswith("flwr.serverapp") for w in wanted):
+        server_imports.add(importer)
+    return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = spy
+
+def snapshot():
+    strategies = sorted(m for m in sys.modules if m.startswith("fedquant.strategies"))
+    return {"strategies": strategies, "server_imports": sorted(server_imports)}
+
+import fedquant.clients
+client = snapshot()
+import fedquant.strategies
+print(json.dumps({"client": client, "server": snapshot()}))
+"""
+
+
+def test_importing_the_client_loads_no_server_code():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_SPY], capture_output=True, check=True, env=env, cwd=root)
+    seen = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    assert seen["client"] == {"strategies": [], "server_imports": []}
+    # The spy sees the server's imports once it is loaded (so the empty lists above mean something).
+    assert "fedquant.strategies.quantized" in seen["server"]["strategies"]
+    assert "fedquant.strategies.quantized" in seen["server"]["server_imports"]

@@ -19,21 +19,22 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 
 import fedquant.codecs as codecs_module
 from fedquant.clients import quantize_mod
-from fedquant.codecs import Codec, get_codec
+from fedquant.codecs import get_codec
+from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.metrics import HistoryRecorder, dense_float32_bytes, result_rows
-from fedquant.rng import derive_seed
-from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
-from fedquant.strategies.protocol import (
+from fedquant.protocol import (
     KEY_CLIENT_MSE,
     KEY_CODEC,
     KEY_MIN_NUMEL,
     KEY_ROLE,
     KEY_SEED,
-    PAYLOAD_STYPE,
+    STATE_TRANSFORMS_KEY,
+    payload_array,
     tensor_seed,
 )
+from fedquant.rng import derive_seed
+from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
 from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
-from fedquant.wire.body import BodyReader, BodyWriter
 from fedquant.wire.payload import write_payload
 from tests.flower_fakes import (
     MIN_NUMEL,
@@ -179,7 +180,8 @@ def test_compressing_codecs_train_the_model(spec):
         assert metrics["compression-ratio"] > 4 and metrics["quantization-mse"] > 0
     assert global_loss(result.arrays, NUM_NODES) < 0.95 * global_loss(initial_arrays(), NUM_NODES)
     if spec.startswith("ef+"):  # each client kept its residual for the encoded tensor
-        assert all(list(c.state["fedquant.ef-residual"].keys()) == ["fc.weight"] for c in grid.contexts.values())
+        keys = [list(c.state[STATE_TRANSFORMS_KEY].keys()) for c in grid.contexts.values()]
+        assert keys == [["ef/fc.weight"]] * len(grid.contexts)
 
 
 def test_simulated_upload_seconds_is_the_slowest_client():
@@ -224,36 +226,32 @@ def _payload(reply: Message) -> bytes:
     return reply.content["arrays"]["fc.weight"].data
 
 
-def _as_payload(data: bytes) -> Array:
-    return Array(dtype="uint8", shape=(len(data),), stype=PAYLOAD_STYPE, data=data)
-
-
 def _seed_of(reply: Message, name="fc.weight") -> int:
     return tensor_seed(derive_seed(11, 1, reply.metadata.src_node_id), name)
 
 
 def _truncated(r):
-    return _replace_entry(r, "fc.weight", _as_payload(_payload(r)[:-9]))
+    return _replace_entry(r, "fc.weight", payload_array(_payload(r)[:-9]))
 
 
 def _corrupted(r):
     data = bytearray(_payload(r))
     data[len(data) // 2] ^= 0xFF
-    return _replace_entry(r, "fc.weight", _as_payload(bytes(data)))
+    return _replace_entry(r, "fc.weight", payload_array(bytes(data)))
 
 
 def _other_codec(r):
     data = get_codec("fp16").encode(torch.zeros(16, 64), _seed_of(r))
-    return _replace_entry(r, "fc.weight", _as_payload(data))
+    return _replace_entry(r, "fc.weight", payload_array(data))
 
 
 def _other_shape(r):
-    return _replace_entry(r, "fc.weight", _as_payload(get_codec("fp32").encode(torch.zeros(64, 16), _seed_of(r))))
+    return _replace_entry(r, "fc.weight", payload_array(get_codec("fp32").encode(torch.zeros(64, 16), _seed_of(r))))
 
 
 def _nan_values(r):
     body = np.full(16 * 64, np.nan, dtype="<f4").tobytes()
-    return _replace_entry(r, "fc.weight", _as_payload(write_payload("fp32", torch.float32, (16, 64), [body])))
+    return _replace_entry(r, "fc.weight", payload_array(write_payload("fp32", torch.float32, (16, 64), [body])))
 
 
 def _dense_instead_of_payload(r):
@@ -261,7 +259,7 @@ def _dense_instead_of_payload(r):
 
 
 def _payload_for_plain_entry(r):
-    return _replace_entry(r, "fc.bias", _as_payload(get_codec("fp32").encode(torch.zeros(16), 1)))
+    return _replace_entry(r, "fc.bias", payload_array(get_codec("fp32").encode(torch.zeros(16), 1)))
 
 
 def _plain_entry_nan(r):
@@ -331,7 +329,7 @@ def test_update_that_overflows_the_model_dtype_is_rejected():
     received = {"w": np.zeros((4, 300), dtype=np.float16)}
     update = torch.full((4, 300), 1e5)  # finite in float32, beyond float16's 65504
     content = RecordDict(
-        {"arrays": ArrayRecord({"w": _as_payload(get_codec("fp32").encode(update, tensor_seed(5, "w")))})}
+        {"arrays": ArrayRecord({"w": payload_array(get_codec("fp32").encode(update, tensor_seed(5, "w")))})}
     )
     with pytest.raises(RejectedReply, match="overflows float16"):
         decode_reply(content, received, get_codec("fp32"), 5, 1, SideInformation())
@@ -402,21 +400,26 @@ def test_no_surviving_reply_keeps_the_current_model():
 
 
 # ---------------------------------------------------------------------------- decode hook
-class FakeSideCodec(Codec):
-    """Sends x as float32; decodes to body + side_info and logs the side information it got."""
+class FakeSideQuantizer(Quantizer):
+    """Sends x as float32; decodes to the values + side_info and logs the side information it got."""
 
     name = "fakeside"
+    codings = ()
     needs_side_info = True
     seen: list[torch.Tensor] = []
 
-    def _encode(self, flat, seed):
-        out = BodyWriter()
-        out.add_array(flat.cpu().numpy(), "<f4")
-        return out
+    def num_symbols(self) -> int:
+        return 0
 
-    def _decode(self, body: BodyReader, numel, seed, side_info):
-        FakeSideCodec.seen.append(side_info.clone())
-        return torch.from_numpy(body.take_array("<f4", numel, "values").astype(np.float32)) + side_info
+    def side_fields(self, numel: int) -> list[SideField]:
+        return [SideField("values", "<f4", numel)]
+
+    def quantize(self, flat, seed, packed_width) -> Quantized:
+        return Quantized([flat.cpu().numpy()])
+
+    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+        FakeSideQuantizer.seen.append(side_info.clone())
+        return torch.from_numpy(side[0].astype(np.float32)) + side_info
 
 
 class TwoGroups(DecodePlan):
@@ -433,9 +436,42 @@ class TwoGroups(DecodePlan):
         }
 
 
+class SpecPlan(DecodePlan):
+    """A plan that remembers what it was built from."""
+
+    @classmethod
+    def from_spec(cls, spec, seed=0):
+        plan = cls()
+        plan.built_from = (spec, seed)
+        return plan
+
+
+class PlannedQuantizer(FakeSideQuantizer):
+    """A codec that names its own default decode plan."""
+
+    name = "planned"
+    decode_plan = "tests.test_quantized_strategy:SpecPlan"
+
+
+def test_the_codec_names_its_default_plan(monkeypatch):
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "planned", "tests.test_quantized_strategy:PlannedQuantizer")
+    assert _wrap(codec=" planned ").decode_plan.built_from == (" planned ", 11)  # the spec as given, the seed
+    codec = get_codec("planned")
+    assert _wrap(codec=codec).decode_plan.built_from == (codec.spec, 11)
+    assert type(_wrap(codec="fp16").decode_plan) is DecodePlan  # fp16 names none
+    own = TwoGroups()
+    assert _wrap(codec="planned", decode_plan=own).decode_plan is own  # an explicit plan wins
+    monkeypatch.setattr(PlannedQuantizer, "decode_plan", "tests.test_quantized_strategy:FakeSideQuantizer")
+    with pytest.raises(ValueError, match="not a DecodePlan"):
+        _wrap(codec="planned")
+    monkeypatch.setattr(PlannedQuantizer, "decode_plan", "tests.no_such_module:Plan")
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        _wrap(codec="planned")
+
+
 def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):
-    monkeypatch.setitem(codecs_module._REGISTRY, "fakeside", "tests.test_quantized_strategy:FakeSideCodec")
-    FakeSideCodec.seen = []
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", "tests.test_quantized_strategy:FakeSideQuantizer")
+    FakeSideQuantizer.seen = []
     strategy = _wrap(codec="fakeside", decode_plan=TwoGroups())
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
     messages = list(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
@@ -452,7 +488,7 @@ def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):
     arrival = [updates[n] for n in (104, 103, 102, 101)]  # P2 arrives first, yet P1 is decoded first
     arrays, metrics = strategy.aggregate_train(1, arrival)
     assert metrics["rejected-replies"] == 0
-    seen = [s.reshape(16, 64).numpy() for s in FakeSideCodec.seen]
+    seen = [s.reshape(16, 64).numpy() for s in FakeSideQuantizer.seen]
     assert len(seen) == 2
     p1_mean = (true_update[101] + true_update[102]) / 2
     np.testing.assert_allclose(seen[0], p1_mean, atol=1e-6)  # 104 decoded against P1's mean

@@ -25,9 +25,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
+from fedquant.downlink_wire import KEY_DOWNLINK_BASE, NO_REFERENCE
 from fedquant.strategies import QuantizedStrategy
 from fedquant.strategies.budget import probe_reply_bytes
-from fedquant.strategies.downlink_wire import KEY_DOWNLINK_BASE, NO_REFERENCE
 from simulations import client_app as sim_client
 from simulations.data import load_test_set
 from simulations.links import parse_uplink

@@ -2,7 +2,7 @@
 
 ``quantize_mod`` calls :func:`decode_train_message` before the ClientApp runs, so the ClientApp
 sees float arrays as usual. The rebuilt model and its id are kept in ``context.state``: the next
-train message may be a difference to it (see :mod:`fedquant.strategies.downlink_wire`).
+train message may be a difference to it (see :mod:`fedquant.downlink_wire`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedquant.codecs import get_codec
-from fedquant.strategies.downlink_wire import (
+from fedquant.downlink_wire import (
     KEY_DOWNLINK_BASE,
     KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_REFERENCE,

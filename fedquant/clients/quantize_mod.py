@@ -14,11 +14,12 @@ from flwr.common.constant import ErrorCode
 from flwr.supercore import log
 
 from fedquant.clients.downlink import decode_train_message
-from fedquant.clients.state import load_residual, store_residuals
+from fedquant.clients.state import load_state, store_state
 from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.threads import kernel_threads
-from fedquant.strategies.downlink_wire import METRIC_DOWNLINK_REFERENCE, DownlinkError
-from fedquant.strategies.protocol import (
+from fedquant.codecs.transforms.error_feedback import ErrorFeedback
+from fedquant.downlink_wire import METRIC_DOWNLINK_REFERENCE, DownlinkError
+from fedquant.protocol import (
     CLIENT_METRICRECORD_NAME,
     KEY_CLIENT_MSE,
     KEY_CODEC,
@@ -26,9 +27,8 @@ from fedquant.strategies.protocol import (
     KEY_SEED,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
-    PAYLOAD_DTYPE,
-    PAYLOAD_STYPE,
     is_encoded,
+    payload_array,
     tensor_seed,
 )
 
@@ -71,10 +71,11 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     they are. The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of
     the decoded update over all encoded elements; not for codecs that need decoder side
     information, or when the server sets ``fedquant.client-mse`` to False) and
-    ``fedquant.encode-seconds``. With an error-feedback codec (``ef+...``) the residual of each
-    tensor is kept in ``context.state`` and the MSE is that of the codec on ``update + residual``
-    (the new residual), not against the update alone. Updates are encoded on the client's GPU
-    when it has one (:func:`encode_device`).
+    ``fedquant.encode-seconds``. With a codec that keeps client state (``ef+...``: error
+    feedback) each tensor's state is kept in ``context.state`` (:mod:`fedquant.clients.state`)
+    and the MSE is that of the codec on ``update + residual`` (the new residual), not against
+    the update alone. Updates are encoded on the client's GPU when it has one
+    (:func:`encode_device`).
 
     When the server compresses the model it sends (``QuantizedStrategy(downlink_codec=...)``),
     the mod first rebuilds the dense model (:mod:`fedquant.clients.downlink`), so the ClientApp
@@ -122,7 +123,10 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     start = time.perf_counter()
     device = encode_device()
     out: dict[str, Array] = {}
-    residuals: dict[str, torch.Tensor] = {}
+    # Legacy codec classes (families not yet ported to the pipeline) keep no client state.
+    stateful = getattr(codec, "stateful", False)
+    transforms = [t.name for t in codec.stateful_transforms] if stateful else []
+    new_state: dict[str, dict[str, torch.Tensor]] = {}
     sq_error, encoded_numel = 0.0, 0
     with kernel_threads():  # as many kernel threads as this client's torch uses
         for name, sent in received.items():
@@ -136,21 +140,23 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
                 return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
             update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
             seed = tensor_seed(client_seed, name)
-            if hasattr(codec, "encode_with_feedback"):
-                residual = load_residual(ctxt.state, name, old.shape)
-                residual = residual.to(device) if residual is not None else None
-                payload, residuals[name] = codec.encode_with_feedback(update, seed, residual)
-                if measure_mse:  # the new residual is exactly the codec's error on what it encoded
-                    sq_error += float(torch.sum(residuals[name].double() ** 2))
-                    encoded_numel += numel
+            residual = None
+            if stateful:
+                previous = load_state(ctxt.state, name, old.shape, transforms)
+                payload, new_state[name] = codec.encode_stateful(update, seed, previous)
+                residual = new_state[name].get(ErrorFeedback.name)
             else:
                 payload = codec.encode(update, seed)
-            if measure_mse and not codec.needs_side_info and name not in residuals:
+            if measure_mse and residual is not None:
+                # The new residual is exactly the codec's error on what it encoded (update + old residual).
+                sq_error += float(torch.sum(residual.double() ** 2))
+                encoded_numel += numel
+            elif measure_mse and not codec.needs_side_info:
                 decoded = codec.decode(payload, seed, shape=old.shape, dtype=torch.float32, device=device)
                 sq_error += float(torch.sum((decoded - update).double() ** 2))
                 encoded_numel += numel
-            out[name] = Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
-    store_residuals(ctxt.state, residuals)
+            out[name] = payload_array(payload)
+    store_state(ctxt.state, new_state)
     reply.content[record_name] = ArrayRecord(out)
 
     metrics = next(iter(reply.content.metric_records.values()), None)

@@ -1,35 +1,56 @@
-"""Error-feedback residuals kept in a ClientApp's ``context.state`` between rounds.
+"""The state of a codec's client-side transforms (error feedback), kept in ``context.state`` between rounds.
 
-``context.state[STATE_RESIDUAL_KEY]`` is one ArrayRecord whose entries are the float32 residuals,
-keyed by tensor name. A ClientApp object does not survive between rounds; its Context does.
+A ClientApp object does not survive between rounds; its Context does. ``context.state``
+holds one ArrayRecord under :data:`~fedquant.protocol.STATE_TRANSFORMS_KEY` whose entries are
+float32 tensors keyed ``"<transform>/<tensor>"`` (``"ef/fc.weight"``: the error-feedback
+residual of ``fc.weight``). Transform names hold no ``/``, so the key splits at its first one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedquant.strategies.protocol import STATE_RESIDUAL_KEY
+from fedquant.protocol import STATE_TRANSFORMS_KEY
 
 
-def load_residual(state: RecordDict, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """The stored float32 residual of tensor ``name``; None when none (or one of another shape) is stored."""
-    record = state.array_records.get(STATE_RESIDUAL_KEY)
-    if record is not None and name in record:
-        value = record[name].numpy()
-        if value.shape == tuple(shape) and value.dtype == np.float32:
-            return torch.from_numpy(value.copy())
-    return None
+def state_entry(transform: str, tensor_name: str) -> str:
+    """The ArrayRecord key of ``transform``'s state for tensor ``tensor_name``."""
+    return f"{transform}/{tensor_name}"
 
 
-def store_residuals(state: RecordDict, residuals: dict[str, torch.Tensor]) -> None:
-    """Store (replace) the residuals of the given tensors; others stay as they are."""
-    if not residuals:
+def load_state(
+    state: RecordDict, tensor_name: str, shape: tuple[int, ...], transforms: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """The stored state of one tensor per transform name (what ``Codec.encode_stateful`` takes).
+
+    A transform without a stored float32 tensor of ``shape`` is left out (it starts afresh).
+    """
+    record = state.array_records.get(STATE_TRANSFORMS_KEY)
+    out: dict[str, torch.Tensor] = {}
+    if record is None:
+        return out
+    for transform in transforms:
+        key = state_entry(transform, tensor_name)
+        if key in record:
+            value = record[key].numpy()
+            if value.shape == tuple(shape) and value.dtype == np.float32:
+                out[transform] = torch.from_numpy(value.copy())
+    return out
+
+
+def store_state(state: RecordDict, tensor_states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Store (replace) the state of the given tensors, ``{tensor: {transform: value}}``; others stay."""
+    if not any(tensor_states.values()):
         return
-    record = state.array_records.get(STATE_RESIDUAL_KEY)
+    record = state.array_records.get(STATE_TRANSFORMS_KEY)
     if record is None:
         record = ArrayRecord()
-        state[STATE_RESIDUAL_KEY] = record
-    for name, residual in residuals.items():
-        record[name] = Array(np.ascontiguousarray(residual.detach().cpu().to(torch.float32).numpy()))
+        state[STATE_TRANSFORMS_KEY] = record
+    for tensor_name, per_transform in tensor_states.items():
+        for transform, value in per_transform.items():
+            value = value.detach().cpu().to(torch.float32).numpy()
+            record[state_entry(transform, tensor_name)] = Array(np.ascontiguousarray(value))

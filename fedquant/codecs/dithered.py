@@ -316,6 +316,7 @@ class NDQSGCodec(Codec):
     }
     unbiased = False
     needs_side_info = True
+    decode_plan = "fedquant.strategies.nested:NestedDecodePlan"
     paper = "Abdi & Fekri 2019 (NDQSG)"
     wire = "float32 fine step per bucket + coset indices at ceil(log2(rho)) bits or entropy coded; side info"
 

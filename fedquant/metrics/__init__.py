@@ -15,7 +15,6 @@ from fedquant.metrics.bandwidth import (
     UPLINK_BYTES_DENSE,
     content_bytes,
     dense_float32_bytes,
-    message_bytes,
 )
 from fedquant.metrics.history import HistoryRecorder, result_rows
 from fedquant.metrics.links import SIMULATED_DOWNLOAD_SECONDS, SIMULATED_ROUND_SECONDS
@@ -38,6 +37,5 @@ __all__ = [
     "HistoryRecorder",
     "content_bytes",
     "dense_float32_bytes",
-    "message_bytes",
     "result_rows",
 ]

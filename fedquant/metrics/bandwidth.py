@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 
 # Exact metric keys the strategy adds to the train MetricRecord (see DESIGN.md).
 UPLINK_BYTES = "uplink-bytes"
@@ -72,11 +72,6 @@ def rejected_reason_key(reason: str) -> str:
 def content_bytes(content: RecordDict) -> int:
     """Bytes held by all ArrayRecords of a message's content (``count_bytes`` summed)."""
     return sum(record.count_bytes() for record in content.array_records.values())
-
-
-def message_bytes(message: Message) -> int:
-    """Bytes held by a message's ArrayRecords; 0 for a message that carries an error."""
-    return 0 if message.has_error() else content_bytes(message.content)
 
 
 @lru_cache(maxsize=4096)
@@ -195,8 +190,3 @@ class RoundTraffic:
         if with_upload_seconds:
             out[SIMULATED_UPLOAD_SECONDS] = max(self.upload_seconds, default=0.0)
         return out
-
-
-def sum_message_bytes(messages: Iterable[Message]) -> int:
-    """Bytes held by the ArrayRecords of several messages."""
-    return sum(message_bytes(m) for m in messages)

@@ -4,12 +4,12 @@
 >>> strategy = QuantizedStrategy(FedAvg(), codec="qsgd:levels=16", seed=0)
 """
 
+from fedquant.protocol import DEFAULT_MIN_NUMEL
 from fedquant.strategies.admission import AdmissionRules
 from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
 from fedquant.strategies.downlink import DownlinkCompressor
 from fedquant.strategies.nested import NestedDecodePlan
-from fedquant.strategies.protocol import DEFAULT_MIN_NUMEL
 from fedquant.strategies.quantized import QuantizedStrategy
 
 __all__ = [

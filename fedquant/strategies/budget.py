@@ -31,10 +31,9 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.codecs.error_feedback import ErrorFeedback
 from fedquant.metrics.links import transfer_seconds
+from fedquant.protocol import is_encoded
 from fedquant.strategies.decode_plan import ClientAssignment
-from fedquant.strategies.protocol import is_encoded
 
 DEADLINE_MET_FRACTION = "deadline-met-fraction"
 UPLINK_BUDGET_MET = "uplink-budget-met"
@@ -45,31 +44,39 @@ CHOSEN_SETTING_MAX = "chosen-setting-max"
 COARSEST_FRACTION = "chosen-coarsest-fraction"
 
 
-def rate_ladder(codec: Codec | ErrorFeedback) -> list[Codec | ErrorFeedback]:
-    """The settings of ``codec``'s family the controller may choose, finest (``codec``) first."""
-    if isinstance(codec, ErrorFeedback):
-        return [ErrorFeedback(c) for c in rate_ladder(codec.inner)]
+FLOAT_BITS = {"fp32": 32.0, "fp16": 16.0}
+
+
+def _quantizer(codec: Codec):
+    return getattr(codec, "quantizer", codec)  # a legacy codec class (not yet ported) is its own quantizer
+
+
+def rate_ladder(codec: Codec) -> list[Codec]:
+    """The settings of ``codec``'s family the controller may choose, finest (``codec``) first.
+
+    Every setting keeps ``codec``'s transforms (``ef+qsgd:levels=16`` -> ``ef+qsgd:levels=15``, ...).
+    """
     if codec.needs_side_info:  # a decode plan (NDQSG's groups) tunes these codecs itself
         return [codec]
+    quantizer = _quantizer(codec)
     if "levels" in codec.config:
         top = int(codec.config["levels"])
-        low = int(codec.params["levels"].minimum or 1)
+        low = int(quantizer.params["levels"].minimum or 1)
         below = {v for k in range(1, top.bit_length() + 1) for v in (2**k, 2**k - 1) if low <= v < top}
         return [codec] + [get_codec(codec.spec, levels=v) for v in sorted(below, reverse=True)]
-    if codec.name == "fp32":
-        return [codec, get_codec("fp16")]
+    if quantizer.name == "fp32":
+        return [codec, get_codec(codec.spec.removesuffix(quantizer.spec) + "fp16")]
     return [codec]
 
 
-def setting_value(codec: Codec | ErrorFeedback) -> float:
+def setting_value(codec: Codec) -> float:
     """The number that names a setting in the metrics: ``levels``, or bits for the float codecs."""
-    inner = codec.inner if isinstance(codec, ErrorFeedback) else codec
-    if "levels" in inner.config:
-        return float(inner.config["levels"])
-    return {"fp32": 32.0, "fp16": 16.0}.get(inner.name, 0.0)
+    if "levels" in codec.config:
+        return float(codec.config["levels"])
+    return FLOAT_BITS.get(_quantizer(codec).name, 0.0)
 
 
-def probe_reply_bytes(codec: Codec | ErrorFeedback, model: ArrayRecord, min_numel: int) -> int:
+def probe_reply_bytes(codec: Codec, model: ArrayRecord, min_numel: int) -> int:
     """Bytes of the reply ``quantize_mod`` would send for ``model`` with ``codec`` (a seeded Gaussian update)."""
     generator = torch.Generator().manual_seed(0)
     total = 0
@@ -121,7 +128,7 @@ class UploadBudget:
         self.bandwidth = bandwidth
         self.bytes_budget = bytes_budget
         self.min_numel = min_numel
-        self._ladders: dict[str, list[Codec | ErrorFeedback]] = {}
+        self._ladders: dict[str, list[Codec]] = {}
         self._prior: dict[tuple[str, tuple], int] = {}
         self._ratios: dict[str, deque[float]] = {}
         self.window = window
@@ -132,7 +139,7 @@ class UploadBudget:
     def __repr__(self) -> str:
         return f"UploadBudget(deadline_seconds={self.deadline_seconds}, bytes_budget={self.bytes_budget})"
 
-    def predict(self, codec: Codec | ErrorFeedback, model: ArrayRecord) -> float:
+    def predict(self, codec: Codec, model: ArrayRecord) -> float:
         """Predicted reply bytes of ``codec`` for ``model``: the probe size times the learned correction."""
         layout = tuple((k, a.dtype, tuple(a.shape)) for k, a in model.items())
         key = (codec.spec, layout)
@@ -170,7 +177,7 @@ class UploadBudget:
         self._coarsest[server_round] = {n: index[n] == len(ladders[n]) - 1 for n in out}
         return out
 
-    def _correction(self, codec: Codec | ErrorFeedback) -> float:
+    def _correction(self, codec: Codec) -> float:
         ratios = self._ratios.get(codec.spec)
         return max(ratios) if ratios else 1.0
 
@@ -207,7 +214,7 @@ class UploadBudget:
             metrics[UPLINK_BUDGET_MET] = float(sum(answered.values()) <= self.bytes_budget)
         return metrics
 
-    def _ladder_codec(self, spec: str) -> Codec | ErrorFeedback:
+    def _ladder_codec(self, spec: str) -> Codec:
         for ladder in self._ladders.values():
             for codec in ladder:
                 if codec.spec == spec:

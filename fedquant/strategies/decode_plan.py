@@ -27,10 +27,24 @@ running mean of the updates decoded so far (zeros before the first) to every cod
 side information. A two-group scheme (NDQSG's Algorithm 2: group P1 with DQSG first, then group
 P2 with nested quantization decoded against the running mean) only overrides ``assign`` (codec
 and role per client, with a lower ``rank`` for P1) and keeps the rest.
+
+A codec names its own default plan, so the strategy holds no codec names: the codec's
+``decode_plan`` attribute (its quantizer's) is ``"module:Class"`` or None. Without a
+``decode_plan`` argument, :class:`~fedquant.strategies.QuantizedStrategy` builds
+:func:`default_plan`, which imports that class and calls ``Class.from_spec(spec, seed=seed)``.
+What a plan class must offer to be named by a codec:
+
+* be a subclass of :class:`DecodePlan`;
+* a classmethod ``from_spec(spec: str, seed: int = 0) -> DecodePlan``. ``spec`` is the codec
+  spec string the user passed to the strategy (the codec's canonical ``spec`` when given a codec
+  instance), so a plan can tell the parameters the user fixed from the defaults (NDQSG's plan
+  adapts ``rho`` unless the string names it); ``seed`` is the strategy's base seed. The
+  inherited :meth:`DecodePlan.from_spec` returns ``cls()``.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -187,5 +201,58 @@ class DecodePlan:
         """Extra entries for the round's train MetricRecord, once every reply was decoded."""
         return {}
 
+    @classmethod
+    def from_spec(cls, spec: str, seed: int = 0) -> DecodePlan:
+        """The plan for a strategy whose codec names this class (see the module notes).
+
+        Parameters
+        ----------
+        spec : str
+            The codec spec as the user gave it (a codec instance's canonical ``spec``).
+        seed : int
+            The strategy's base seed.
+        """
+        return cls()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def plan_class(path: str) -> type[DecodePlan]:
+    """The DecodePlan subclass named by a codec's ``decode_plan`` (``"module:Class"``).
+
+    Raises
+    ------
+    ValueError
+        If the path does not name a DecodePlan subclass.
+    """
+    module, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"decode plan {path!r} cannot be loaded: {err}") from err
+    if not (isinstance(cls, type) and issubclass(cls, DecodePlan)):
+        raise ValueError(f"decode plan {path!r} is not a DecodePlan subclass")
+    return cls
+
+
+def names_plan(codec: Codec, cls: type[DecodePlan]) -> bool:
+    """Whether ``codec``'s default plan is ``cls`` or a base of it (a plan's check of its codec)."""
+    path = getattr(codec, "decode_plan", None)  # legacy codec classes (not yet ported) lack it
+    return path is not None and issubclass(cls, plan_class(path))
+
+
+def default_plan(spec: str, codec: Codec, seed: int = 0) -> DecodePlan:
+    """The plan ``codec`` names (``Class.from_spec(spec, seed=seed)``), or :class:`DecodePlan`.
+
+    Parameters
+    ----------
+    spec : str
+        The codec spec as the user gave it (``codec.spec`` for a codec instance).
+    codec : Codec
+        The strategy's codec, built from ``spec``.
+    seed : int
+        The strategy's base seed.
+    """
+    path = getattr(codec, "decode_plan", None)  # legacy codec classes (not yet ported) lack it
+    return DecodePlan() if path is None else plan_class(path).from_spec(spec, seed=seed)

@@ -88,9 +88,9 @@ from fedquant.codecs.nested_params import (
     spread_in_steps,
 )
 from fedquant.codecs.params import parse_spec
+from fedquant.protocol import KEY_ROLE
 from fedquant.rng import derive_seed
-from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
-from fedquant.strategies.protocol import KEY_ROLE
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation, names_plan
 
 ROLE_P1 = "p1"
 ROLE_P2 = "p2"
@@ -210,7 +210,7 @@ class NestedDecodePlan(DecodePlan):
         """The plan for an ``ndqsg`` spec: ``rho`` fixed only if the spec names it, ``alpha`` from the spec."""
         name, params = parse_spec(spec)
         codec = get_codec(spec)
-        if codec.name != "ndqsg":
+        if not names_plan(codec, cls):
             raise ValueError(f"NestedDecodePlan needs an ndqsg codec spec, got {spec!r}")
         return cls(rho=codec.rho if "rho" in params else None, alpha=codec.alpha, seed=seed)
 
@@ -282,7 +282,7 @@ class NestedDecodePlan(DecodePlan):
         the DQSG index) and only adds wrap-around risk. P2 then sends DQSG too (decoded without side
         information) and ``ndqsg-p2-nested`` is 0 for the round.
         """
-        if codec.name != "ndqsg":
+        if not names_plan(codec, type(self)):
             raise ValueError(f"{LOG_PREFIX} needs the strategy's codec to be ndqsg, got {codec.spec!r}")
         p1, p2 = self.groups(server_round, node_ids)
         rho, alpha, rule = self.parameters(codec.levels)

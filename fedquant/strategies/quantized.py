@@ -24,6 +24,16 @@ from fedquant.metrics.bandwidth import (
 )
 from fedquant.metrics.history import EVALUATE_PREFIX, TRAIN_PREFIX, HistoryRecorder
 from fedquant.metrics.links import link_metrics, transfer_seconds
+from fedquant.protocol import (
+    CLIENT_METRICRECORD_NAME,
+    DEFAULT_MIN_NUMEL,
+    KEY_CLIENT_MSE,
+    KEY_CODEC,
+    KEY_MIN_NUMEL,
+    KEY_SEED,
+    METRIC_CLIENT_ENCODE_SECONDS,
+    METRIC_CLIENT_MSE,
+)
 from fedquant.rng import derive_seed
 from fedquant.strategies.admission import (
     REASON_DUPLICATE,
@@ -36,19 +46,14 @@ from fedquant.strategies.admission import (
     weight_key_of,
 )
 from fedquant.strategies.budget import UploadBudget
-from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
-from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
-from fedquant.strategies.nested import NestedDecodePlan
-from fedquant.strategies.protocol import (
-    CLIENT_METRICRECORD_NAME,
-    DEFAULT_MIN_NUMEL,
-    KEY_CLIENT_MSE,
-    KEY_CODEC,
-    KEY_MIN_NUMEL,
-    KEY_SEED,
-    METRIC_CLIENT_ENCODE_SECONDS,
-    METRIC_CLIENT_MSE,
+from fedquant.strategies.decode_plan import (
+    ClientAssignment,
+    DecodedClient,
+    DecodePlan,
+    SideInformation,
+    default_plan,
 )
+from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply
 
 LOG_PREFIX = "QuantizedStrategy"
@@ -78,7 +83,7 @@ class QuantizedStrategy(Strategy):
 
     Use ``quantize_mod`` on the clients. In ``configure_train`` the wrapper adds to each
     client's ConfigRecord the codec spec, the client's seed for the round and the encoding
-    threshold (keys in :mod:`fedquant.strategies.protocol`). In ``aggregate_train`` it checks and
+    threshold (keys in :mod:`fedquant.protocol`). In ``aggregate_train`` it checks and
     decodes every reply, rebuilds dense arrays ``received + decoded update``, hands those to the
     wrapped strategy and adds the round's bandwidth metrics to its MetricRecord. Evaluation
     passes through unchanged.
@@ -110,10 +115,12 @@ class QuantizedStrategy(Strategy):
         that arrived (the slowest sampled client).
     decode_plan : DecodePlan, optional
         Per-client codec assignment, decode order and side information (see
-        :mod:`fedquant.strategies.decode_plan`); the default gives every client ``codec``,
-        except for an ``ndqsg`` codec, which gets NDQSG's two-group scheme
-        :class:`~fedquant.strategies.nested.NestedDecodePlan` (``rho`` adapted each round unless
-        the spec string names it; a Codec instance fixes its own ``rho``; ``alpha`` from the spec).
+        :mod:`fedquant.strategies.decode_plan`). Default: the plan the codec names
+        (``codec.decode_plan``, built from the spec as given), e.g. NDQSG's two-group scheme
+        :class:`~fedquant.strategies.nested.NestedDecodePlan` for ``ndqsg`` (``rho`` adapted each
+        round unless the spec string names it; a Codec instance fixes its own ``rho``); for a
+        codec that names none, :class:`~fedquant.strategies.decode_plan.DecodePlan` (every client
+        gets ``codec``).
     recorder : HistoryRecorder, optional
         Receives every round's train (``train/``) and evaluate (``evaluate/``) metrics.
     client_mse : bool
@@ -195,7 +202,7 @@ class QuantizedStrategy(Strategy):
         self.min_numel = min_numel
         self.uplink_bandwidth = uplink_bandwidth
         if decode_plan is None:
-            decode_plan = _default_plan(codec, self.codec, seed)
+            decode_plan = default_plan(codec if isinstance(codec, str) else self.codec.spec, self.codec, seed)
         self.decode_plan = decode_plan
         self.recorder = recorder
         self.client_mse = bool(client_mse)
@@ -507,13 +514,6 @@ class QuantizedStrategy(Strategy):
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
-
-
-def _default_plan(requested: str | Codec, codec: Codec, seed: int) -> DecodePlan:
-    """The plan used without ``decode_plan``: NDQSG's two groups for ``ndqsg``, else the default."""
-    if codec.name != "ndqsg":
-        return DecodePlan()
-    return NestedDecodePlan.from_spec(requested if isinstance(requested, str) else codec.spec, seed=seed)
 
 
 def _with_config_entries(

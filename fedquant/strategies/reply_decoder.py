@@ -11,8 +11,8 @@ import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.codecs import Codec
+from fedquant.protocol import FLOAT_DTYPES, PAYLOAD_DTYPE, PAYLOAD_STYPE, is_encoded, tensor_seed
 from fedquant.strategies.decode_plan import SideInformation
-from fedquant.strategies.protocol import FLOAT_DTYPES, PAYLOAD_DTYPE, PAYLOAD_STYPE, is_encoded, tensor_seed
 
 NUMPY_STYPE = "numpy.ndarray"
 # Largest .npy header accepted on a tensor that travels as is (np.save writes 128 bytes or a

@@ -31,7 +31,9 @@ import torch
 from fedquant.errors import PayloadError
 
 MAGIC = b"FQ"
-FORMAT_VERSION = 1
+#: 2: the codec pipeline (every quantizer's spec names its ``coding``; transforms such as ``rht+``
+#: prefix the spec). Version 1 payloads are rejected with a message naming both versions.
+FORMAT_VERSION = 2
 MAX_NDIM = 8
 MAX_SPEC_LEN = 512
 DTYPE_CODES: dict[torch.dtype, int] = {

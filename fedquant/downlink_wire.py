@@ -1,8 +1,8 @@
 """What a compressed train message carries downstream, and how a model is rebuilt from it.
 
-Both halves import this module: the server (:mod:`fedquant.strategies.downlink`) rebuilds the
-model a client will decode with the very function the client runs
-(:mod:`fedquant.clients.downlink`), so the two views cannot drift apart.
+Both halves import this module (it imports neither): the server
+(:mod:`fedquant.strategies.downlink`) rebuilds the model a client will decode with the very
+function the client runs (:mod:`fedquant.clients.downlink`), so the two views cannot drift apart.
 
 Server -> client (ConfigRecord entries, only when the strategy has a ``downlink_codec``):
 
@@ -17,7 +17,7 @@ key                               type   meaning
 ================================  =====  =====================================================
 
 The message's ArrayRecord keeps the model's keys. An entry with ``stype == PAYLOAD_STYPE`` holds
-a codec payload (float tensors that pass :func:`~fedquant.strategies.protocol.is_encoded`); every
+a codec payload (float tensors that pass :func:`~fedquant.protocol.is_encoded`); every
 other entry is the model's value as it is.
 
 Client -> server: the reply's MetricRecord gains ``fedquant.downlink-reference``, the id of the
@@ -32,7 +32,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedquant.codecs import Codec
-from fedquant.strategies.protocol import PAYLOAD_DTYPE, PAYLOAD_STYPE, tensor_seed
+from fedquant.protocol import PAYLOAD_STYPE, tensor_seed
 
 KEY_DOWNLINK_CODEC = "fedquant.downlink-codec"
 KEY_DOWNLINK_SEED = "fedquant.downlink-seed"
@@ -50,11 +50,6 @@ STATE_HELD_KEY = "fedquant.downlink-held"
 
 class DownlinkError(ValueError):
     """A compressed train message that cannot be rebuilt (e.g. a difference to a model not held)."""
-
-
-def payload_array(payload: bytes) -> Array:
-    """A codec payload as an Array entry (no NumPy header, so ``count_bytes`` counts the payload)."""
-    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
 
 
 def rebuild_model(wire: ArrayRecord, base: ArrayRecord | None, codec: Codec, seed: int) -> ArrayRecord:

@@ -1,6 +1,8 @@
 """What the server and the clients agree on: config keys, the payload marker, the encoding rule.
 
-Everything fedquant puts into a train message or a reply is named here, in one place.
+Everything fedquant puts into a train message or a reply is named here, in one place (the
+entries of downlink compression in :mod:`fedquant.downlink_wire`). Both halves import this
+module and it imports neither: ``import fedquant.clients`` loads no server code.
 
 Server -> client (entries added to the train message's ConfigRecord by ``QuantizedStrategy``):
 
@@ -44,6 +46,7 @@ Per tensor the codec's seed is ``derive_seed(client_seed, tensor_name)``.
 from __future__ import annotations
 
 import numpy as np
+from flwr.app import Array
 
 from fedquant.rng import derive_seed
 
@@ -63,8 +66,9 @@ CLIENT_METRICRECORD_NAME = "fedquant"
 PAYLOAD_STYPE = "fedquant.payload"
 PAYLOAD_DTYPE = "uint8"
 
-# Error-feedback residuals live in ``context.state`` under this key (an ArrayRecord).
-STATE_RESIDUAL_KEY = "fedquant.ef-residual"
+# The state of a codec's client-side transforms (error-feedback residuals) lives in
+# ``context.state`` under this key: one ArrayRecord, see :mod:`fedquant.clients.state`.
+STATE_TRANSFORMS_KEY = "fedquant.transform-state"
 
 # QSGD's authors left tensors under 10K elements unquantized (ImageNet-size models). fedquant's
 # default is lower so that the hidden layers of small models (a 64x32 MLP layer has 2048
@@ -92,3 +96,8 @@ def is_encoded(dtype: str | np.dtype, numel: int, min_numel: int) -> bool:
 def tensor_seed(client_seed: int, tensor_name: str) -> int:
     """The codec seed of one tensor: ``derive_seed(client_seed, tensor_name)``."""
     return derive_seed(client_seed, tensor_name)
+
+
+def payload_array(payload: bytes) -> Array:
+    """A codec payload as an Array entry (no NumPy header, so ``count_bytes`` counts the payload)."""
+    return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
