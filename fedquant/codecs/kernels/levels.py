@@ -268,13 +268,14 @@ def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes):
             for k in range(hi - i):
                 cs[k] = 1 if np.float64(xs[k]) >= mid else 0
         else:
-            cs[:] = 0
+            # A fresh array, so that LLVM knows it aliases nothing and vectorizes the count.
+            count = np.zeros(hi - i, np.int32)
             for q in range(1, s - 1):
                 level = row[q]
                 for k in range(hi - i):
-                    cs[k] += 1 if xs[k] >= level else 0
+                    count[k] += 1 if xs[k] >= level else 0
             for k in range(hi - i):
-                kk = min(np.int64(cs[k]), top)
+                kk = min(np.int64(count[k]), top)
                 lo = np.float64(row[kk])
                 gap = np.float64(row[min(kk + 1, s - 1)]) - lo
                 u = np.float64(uniform24(key, i + k))
