@@ -172,7 +172,8 @@ class LevelQuantizer(Quantizer):
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
         levels = self._rows(side, numel)
         if not self.uses_kernels():
-            return twin.gather_levels(torch.from_numpy(symbols), torch.from_numpy(levels), self.bucket_size)
+            indices = torch.from_numpy(symbols.astype(np.int64))
+            return twin.gather_levels(indices, torch.from_numpy(levels), self.bucket_size)
         # Symbols come checked below s <= 256, so they fit one byte each.
         codes = np.ascontiguousarray(symbols, dtype=np.uint8)
         return self._checked(*kernels.gather(codes, levels.reshape(-1), levels.shape[1], self.bucket_size))
