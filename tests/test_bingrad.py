@@ -9,9 +9,8 @@ import torch
 from fedquant.codecs import get_codec
 from fedquant.codecs.kernels import levels as kernels
 from fedquant.codecs.kernels import levels_torch as L
-from fedquant.codecs.kernels.common import PARALLEL_MIN
+from fedquant.codecs.kernels.common import PARALLEL_MIN, kernel_key
 from fedquant.codecs.kernels.levels_torch import nearest_of_two
-from fedquant.rng import stream_key
 from fedquant.wire import read_payload
 from fedquant.wire.bitpack import packed_size
 from tests.helpers import cuda, sample_tensor
@@ -159,7 +158,7 @@ def test_numba_and_torch_give_the_same_levels_and_bits(n):
         levels = codec.quantizer.select_levels(x)
         assert torch.equal(levels, codec.quantizer._levels_torch(x)), name
     levels = get_codec("bingrad-b", bucket_size=256).quantizer.select_levels(x)
-    bits = kernels.round_symbols(x.numpy(), levels.numpy(), 256, np.uint64(stream_key(1)), True)
+    bits = kernels.round_symbols(x.numpy(), levels.numpy(), 256, kernel_key(1), True)
     assert np.array_equal(bits, nearest_of_two(x, levels, 256).numpy())
 
 

@@ -10,9 +10,8 @@ from fedquant import PayloadError
 from fedquant.codecs import get_codec
 from fedquant.codecs.kernels import levels as kernels
 from fedquant.codecs.kernels import levels_torch as L
-from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN
+from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, kernel_key
 from fedquant.codecs.kernels.levels_torch import gather_levels, nearest_of_two, random_round
-from fedquant.rng import stream_key
 from fedquant.wire import read_payload, write_payload
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size
 from tests import test_codecs_common as common
@@ -212,7 +211,7 @@ def _kernel_round_trip(x: torch.Tensor, levels: torch.Tensor, d: int, seed: int,
     """Indices, packed bytes and decoded values of the numba kernels, each checked against the torch twin."""
     s = levels.shape[1]
     width = bit_width(s)
-    args = (x.numpy(), levels.numpy(), d, np.uint64(stream_key(seed)), nearest)
+    args = (x.numpy(), levels.numpy(), d, kernel_key(seed), nearest)
     idx = kernels.round_symbols(*args)
     expected = (nearest_of_two(x, levels, d) if nearest else random_round(x, levels, d, seed)).numpy()
     assert np.array_equal(idx, expected)
@@ -260,7 +259,7 @@ def test_every_index_width_packs_as_the_wire_packer(s):
 def test_serial_and_parallel_versions_agree():
     x = sample_tensor((5 * CHUNK + 77,), seed=7).numpy()
     levels = np.sort(np.random.default_rng(7).standard_normal((-(-x.size // 300), 5)).astype(np.float32), axis=1)
-    args = (x, levels, 300, np.uint64(stream_key(2)), False)
+    args = (x, levels, 300, kernel_key(2), False)
     for kernel, call in [
         (kernels.orq_levels, (x, 300, 9, *(np.array(a, np.int64) for a in zip(*L.level_schedule(9), strict=True)))),
         (kernels.linear_levels, (x, 300, 9)),

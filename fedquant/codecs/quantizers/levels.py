@@ -56,10 +56,10 @@ from fedquant.codecs.buckets import num_buckets
 from fedquant.codecs.clipping import clip_sigma
 from fedquant.codecs.kernels import levels as kernels
 from fedquant.codecs.kernels import levels_torch as twin
+from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.errors import PayloadError
-from fedquant.rng import stream_key
 
 FP16_MAX = 65504.0
 LEVEL_DTYPES = {"float32": "<f4", "float16": "<f2"}
@@ -154,7 +154,7 @@ class LevelQuantizer(Quantizer):
         levels = wire.astype(np.float32)
         d = self.bucket_size
         if self.uses_kernels(x):
-            args = (x.numpy(), levels, d, np.uint64(stream_key(seed)), self.rounding == "nearest")
+            args = (x.numpy(), levels, d, kernel_key(seed), self.rounding == "nearest")
             if packed_width is not None:
                 return Quantized([wire], packed=kernels.round_pack(*args, packed_width))
             return Quantized([wire], symbols=kernels.round_symbols(*args))
