@@ -158,7 +158,7 @@ def test_numba_and_torch_give_the_same_levels_and_bits(n):
         levels = codec.quantizer.select_levels(x)
         assert torch.equal(levels, codec.quantizer._levels_torch(x)), name
     levels = get_codec("bingrad-b", bucket_size=256).quantizer.select_levels(x)
-    bits = kernels.round_symbols(x.numpy(), levels.numpy(), 256, kernel_key(1), True)
+    bits = kernels.round_pack(x.numpy(), levels.numpy(), 256, kernel_key(1), True, 8)
     assert np.array_equal(bits, nearest_of_two(x, levels, 256).numpy())
 
 

@@ -189,7 +189,7 @@ def test_unbiased_monte_carlo_many_trials(name):
     var = _exact_variance(codec, x)
     trials = 20000
     many = levels.repeat(trials, 1)
-    idx = kernels.round_symbols(x.repeat(trials).numpy(), many.numpy(), 64, np.uint64(7), False)
+    idx = kernels.round_pack(x.repeat(trials).numpy(), many.numpy(), 64, np.uint64(7), False, 8)
     y = gather_levels(torch.from_numpy(idx), many, 64).view(trials, -1).double()
     mean = y.mean(0)
     assert torch.all((mean - x.double()).abs() <= 6 * torch.sqrt(var / trials) + 1e-7)
@@ -212,7 +212,7 @@ def _kernel_round_trip(x: torch.Tensor, levels: torch.Tensor, d: int, seed: int,
     s = levels.shape[1]
     width = bit_width(s)
     args = (x.numpy(), levels.numpy(), d, kernel_key(seed), nearest)
-    idx = kernels.round_symbols(*args)
+    idx = kernels.round_pack(*args, 8)  # one byte per index: the symbols of the entropy coder
     expected = (nearest_of_two(x, levels, d) if nearest else random_round(x, levels, d, seed)).numpy()
     assert np.array_equal(idx, expected)
     packed = kernels.round_pack(*args, width)
@@ -220,7 +220,7 @@ def _kernel_round_trip(x: torch.Tensor, levels: torch.Tensor, d: int, seed: int,
     flat = levels.reshape(-1).numpy()
     values, bad = kernels.unpack_gather(packed, x.numel(), flat, s, d, width)
     assert bad == 0 and torch.equal(torch.from_numpy(values), gather_levels(torch.from_numpy(idx), levels, d))
-    values, bad = kernels.gather(idx, flat, s, d)
+    values, bad = kernels.unpack_gather(idx, x.numel(), flat, s, d, 8)
     assert bad == 0 and torch.equal(torch.from_numpy(values), gather_levels(torch.from_numpy(idx), levels, d))
     return idx
 
@@ -266,7 +266,7 @@ def test_serial_and_parallel_versions_agree():
         (kernels.two_means_levels, (x, 300)),
         (kernels.partially_biased_levels, (x, 300, 20)),
         (kernels.round_pack, (*args, 3)),
-        (kernels.round_symbols, args),
+        (kernels.round_pack, (*args, 8)),
     ]:
         assert np.array_equal(kernel.parallel(*call), kernel.serial(*call)), kernel.__name__
     packed = kernels.round_pack(*args, 3)
@@ -294,7 +294,7 @@ def test_decode_kernel_gathers_the_right_bucket_row_and_counts_bad_indices(n, d,
     spots = [0, n // 2, n - 1]
     forged = idx.copy()
     forged[spots] = 255
-    values, bad = kernels.gather(forged, levels.reshape(-1), s, d)
+    values, bad = kernels.unpack_gather(forged, n, levels.reshape(-1), s, d, 8)
     assert bad == 3 and np.all(values[spots] == 0.0)
     assert np.array_equal(np.delete(values, spots), np.delete(expected, spots))
     if (1 << width) > s:

@@ -12,11 +12,12 @@ hence these kernels.
 Rounding onto the levels and decoding work on chunks of ``CHUNK`` elements (a multiple of 8, so
 every chunk starts on a byte boundary of the packed stream) and pack or unpack them with the
 shared chunk packer of :mod:`fedquant.codecs.kernels.common` (LSB first, the layout of
-:mod:`fedquant.wire.bitpack`): :func:`round_pack` and :func:`round_symbols` encode,
-:func:`unpack_gather` and :func:`gather` decode. Random numbers are :func:`fedquant.rng.uniform`
-computed inline (:func:`~fedquant.codecs.kernels.common.uniform24`), so the torch twin's
-``random_round`` gives the same indices. Every kernel runs in parallel from ``PARALLEL_MIN``
-elements on (:func:`~fedquant.codecs.kernels.common.parallel_kernel`).
+:mod:`fedquant.wire.bitpack`): :func:`round_pack` encodes, :func:`unpack_gather` decodes; at
+width 8 they write and read one byte per index, the unpacked symbols of the entropy coder.
+Random numbers are :func:`fedquant.rng.uniform` computed inline
+(:func:`~fedquant.codecs.kernels.common.uniform24`), so the torch twin's ``random_round``
+gives the same indices. Every kernel runs in parallel from ``PARALLEL_MIN`` elements on
+(:func:`~fedquant.codecs.kernels.common.parallel_kernel`).
 """
 
 from __future__ import annotations
@@ -300,7 +301,7 @@ def round_pack(x, levels, d, key, nearest, width):
     nearest : bool
         Deterministic nearest of two levels instead of unbiased random rounding.
     width : int
-        Bits per index.
+        Bits per index; 8 gives one byte per index, the unpacked symbols for the entropy coder.
 
     Returns
     -------
@@ -315,18 +316,6 @@ def round_pack(x, levels, d, key, nearest, width):
         codes = np.empty(CHUNK, np.uint8)
         _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
         pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
-    return out
-
-
-@parallel_kernel
-def round_symbols(x, levels, d, key, nearest):
-    """Like :func:`round_pack` but returns the unpacked indices (uint8), for the entropy coder."""
-    n = x.size
-    out = np.empty(n, np.uint8)
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
     return out
 
 
@@ -357,7 +346,7 @@ def _chunk_gather(codes, flat_levels, s, d, c0, c1, out):
 def unpack_gather(data, n, flat_levels, s, d, width):
     """Decode ``n`` indices packed at ``width`` bits into their buckets' levels.
 
-    ``data`` must hold exactly ``ceil(n * width / 8)`` bytes and ``flat_levels`` the
+    ``data`` (uint8) must hold exactly ``ceil(n * width / 8)`` bytes and ``flat_levels`` the
     ``ceil(n / d) * s`` levels, bucket by bucket (the caller checks). Returns
     ``(values, number of indices >= s)``; a bad index decodes to 0.
     """
@@ -370,18 +359,4 @@ def unpack_gather(data, n, flat_levels, s, d, width):
         codes = np.empty(CHUNK, np.uint8)
         unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
         bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
-    return out, bad.sum()
-
-
-@parallel_kernel
-def gather(codes, flat_levels, s, d):
-    """Decode unpacked indices (from the entropy decoder); as :func:`unpack_gather`."""
-    n = codes.size
-    out = np.empty(n, np.float32)
-    nchunks = (n + CHUNK - 1) // CHUNK
-    bad = np.zeros(nchunks, np.int64)
-    for c in prange(nchunks):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        bad[c] = _chunk_gather(codes[c0:c1], flat_levels, s, d, c0, c1, out)
     return out, bad.sum()

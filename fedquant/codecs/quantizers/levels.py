@@ -157,7 +157,7 @@ class LevelQuantizer(Quantizer):
             args = (x.numpy(), levels, d, kernel_key(seed), self.rounding == "nearest")
             if packed_width is not None:
                 return Quantized([wire], packed=kernels.round_pack(*args, packed_width))
-            return Quantized([wire], symbols=kernels.round_symbols(*args))
+            return Quantized([wire], symbols=kernels.round_pack(*args, 8))  # one byte per index
         on_device = torch.from_numpy(levels).to(x.device)
         if self.rounding == "nearest":
             indices = twin.nearest_of_two(x, on_device, d)
@@ -174,9 +174,11 @@ class LevelQuantizer(Quantizer):
         if not self.uses_kernels():
             indices = torch.from_numpy(symbols.astype(np.int64))
             return twin.gather_levels(indices, torch.from_numpy(levels), self.bucket_size)
-        # Symbols come checked below s <= 256, so they fit one byte each.
+        # Symbols come checked below s <= 256: one byte each, "packed" at width 8.
         codes = np.ascontiguousarray(symbols, dtype=np.uint8)
-        return self._checked(*kernels.gather(codes, levels.reshape(-1), levels.shape[1], self.bucket_size))
+        return self._checked(
+            *kernels.unpack_gather(codes, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, 8)
+        )
 
     def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
         if not self.uses_kernels():
