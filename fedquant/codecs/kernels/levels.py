@@ -313,9 +313,12 @@ def round_pack(x, levels, d, key, nearest, width):
     for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        codes = np.empty(CHUNK, np.uint8)
-        _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
-        pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+        if width == 8:  # one byte per index: nothing to pack
+            _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
+        else:
+            codes = np.empty(CHUNK, np.uint8)
+            _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
+            pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
     return out
 
 
@@ -356,7 +359,10 @@ def unpack_gather(data, n, flat_levels, s, d, width):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        codes = np.empty(CHUNK, np.uint8)
-        unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
-        bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
+        if width == 8:
+            bad[c] = _chunk_gather(data[c0:c1], flat_levels, s, d, c0, c1, out)
+        else:
+            codes = np.empty(CHUNK, np.uint8)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
+            bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
     return out, bad.sum()
