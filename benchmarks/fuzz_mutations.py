@@ -84,14 +84,14 @@ def _tensors():
 
 def coded_offset(codec, numel: int) -> int:
     """Byte offset of the index section in a body: after the per-bucket scales, steps or levels."""
-    from fedquant.codecs.level_codec import LEVEL_DTYPES, LevelCodec
+    from fedquant.codecs.quantizers.levels import LEVEL_DTYPES, LevelQuantizer
 
     size = getattr(codec, "bucket_size", None)
     if size is None:
         return 0  # fp32 / fp16: no index section
     nb = -(-numel // (size if size > 0 else max(numel, 1)))
-    if isinstance(codec, LevelCodec):
-        return nb * codec.num_levels() * np.dtype(LEVEL_DTYPES[codec.level_dtype]).itemsize
+    if isinstance(getattr(codec, "quantizer", None), LevelQuantizer):
+        return nb * codec.quantizer.num_levels() * np.dtype(LEVEL_DTYPES[codec.level_dtype]).itemsize
     return nb * 4
 
 

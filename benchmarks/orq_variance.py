@@ -107,7 +107,7 @@ def optimal_variance(w: np.ndarray, s: int) -> float:
 def codec_levels(spec: str, w: np.ndarray) -> np.ndarray:
     """The levels a codec selects for each row of ``w`` (rows are its buckets)."""
     codec = get_codec(spec, bucket_size=w.shape[1])
-    return codec.select_levels(torch.from_numpy(np.ascontiguousarray(w).reshape(-1))).numpy()
+    return codec.quantizer.select_levels(torch.from_numpy(np.ascontiguousarray(w).reshape(-1))).numpy()
 
 
 def variance_table() -> bool:

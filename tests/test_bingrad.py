@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from fedquant.codecs import get_codec
-from fedquant.codecs import levels as L
-from fedquant.codecs.kernels import levels as cpu_kernels
-from fedquant.codecs.rounding import nearest_of_two
+from fedquant.codecs.kernels import levels as kernels
+from fedquant.codecs.kernels import levels_torch as L
+from fedquant.codecs.kernels.common import PARALLEL_MIN, kernel_key
+from fedquant.codecs.kernels.levels_torch import nearest_of_two
 from fedquant.wire import read_payload
 from fedquant.wire.bitpack import packed_size
 from tests.helpers import cuda, sample_tensor
@@ -65,7 +66,7 @@ def test_two_means_of_one_or_equal_values():
 def test_bingrad_b_decodes_to_the_nearer_level():
     codec = get_codec("bingrad-b:bucket_size=64")
     x = sample_tensor((300,), seed=3)
-    levels = codec.select_levels(x)
+    levels = codec.quantizer.select_levels(x)
     y = codec.decode(codec.encode(x))
     rows = torch.nn.functional.pad(x, (0, 20)).view(5, 64)
     expect = torch.where(rows >= levels[:, :1].add(levels[:, 1:]) / 2, levels[:, 1:], levels[:, :1])
@@ -133,7 +134,7 @@ def test_pb_default_sweeps_are_close_to_convergence():
 def test_pb_is_unbiased_inside_and_clips_outside():
     codec = get_codec("bingrad-pb:bucket_size=64")
     x = sample_tensor((64,), seed=8)
-    b0, b1 = codec.select_levels(x)[0].tolist()
+    b0, b1 = codec.quantizer.select_levels(x)[0].tolist()
     inside = (x >= b0) & (x <= b1)
     trials = 2000
     total = torch.zeros(64, dtype=torch.float64)
@@ -148,16 +149,16 @@ def test_pb_is_unbiased_inside_and_clips_outside():
 
 
 # ---------------------------------------------------------------- parity, CUDA, wire
-@pytest.mark.parametrize("n", [1000, cpu_kernels.PARALLEL_MIN + 77])
+@pytest.mark.parametrize("n", [1000, PARALLEL_MIN + 77])
 def test_numba_and_torch_give_the_same_levels_and_bits(n):
     x = sample_tensor((n,), seed=9) * torch.rand(n, generator=torch.Generator().manual_seed(9))
     x[:40] = 0.0
     for name in ("bingrad-b", "bingrad-pb"):
         codec = get_codec(name, bucket_size=256)
-        levels = codec.select_levels(x)
-        assert torch.equal(levels, codec._levels_torch(x)), name
-    levels = get_codec("bingrad-b", bucket_size=256).select_levels(x)
-    bits = cpu_kernels.nearest_of_two(x.numpy(), levels.numpy(), 256)
+        levels = codec.quantizer.select_levels(x)
+        assert torch.equal(levels, codec.quantizer._levels_torch(x)), name
+    levels = get_codec("bingrad-b", bucket_size=256).quantizer.select_levels(x)
+    bits = kernels.round_pack(x.numpy(), levels.numpy(), 256, kernel_key(1), True, 8)
     assert np.array_equal(bits, nearest_of_two(x, levels, 256).numpy())
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from fedquant import PayloadError
-from fedquant.codecs import get_codec, level_codec
-from fedquant.codecs import levels as L
-from fedquant.codecs.kernels import levels as cpu_kernels
-from fedquant.codecs.rounding import gather_levels, random_round
-from fedquant.rng import stream_key
+from fedquant.codecs import get_codec
+from fedquant.codecs.kernels import levels as kernels
+from fedquant.codecs.kernels import levels_torch as L
+from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, kernel_key
+from fedquant.codecs.kernels.levels_torch import gather_levels, nearest_of_two, random_round
 from fedquant.wire import read_payload, write_payload
-from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
+from fedquant.wire.bitpack import bit_width, pack_bits, packed_size
 from tests import test_codecs_common as common
 from tests.helpers import cuda, sample_tensor
 
@@ -159,7 +159,7 @@ def test_recursion_tree_places_every_interior_level_once_after_its_neighbours():
 # ---------------------------------------------------------------- unbiasedness (Monte Carlo)
 def _exact_variance(codec, x: torch.Tensor) -> torch.Tensor:
     """Per-element variance (hi - v)(v - lo) of rounding ``x`` onto the codec's levels."""
-    levels = codec.select_levels(x).double()
+    levels = codec.quantizer.select_levels(x).double()
     rows = torch.nn.functional.pad(x.double(), (0, (-x.numel()) % codec.bucket_size)).view(levels.shape[0], -1)
     k = torch.clamp(torch.searchsorted(levels, rows, right=True) - 1, 0, levels.shape[1] - 2)
     return ((levels.gather(1, k + 1) - rows) * (rows - levels.gather(1, k))).reshape(-1)[: x.numel()]
@@ -185,11 +185,12 @@ def test_unbiased_monte_carlo_many_trials(name):
     # tensor (counter = element index, so every copy gets its own uniforms).
     codec = get_codec(name, levels=6, bucket_size=64)
     x = sample_tensor((128,), seed=12) * torch.linspace(0.1, 3.0, 128)
-    levels = codec.select_levels(x)
+    levels = codec.quantizer.select_levels(x)
     var = _exact_variance(codec, x)
     trials = 20000
-    idx = cpu_kernels.random_round(x.repeat(trials).numpy(), levels.repeat(trials, 1).numpy(), 64, np.uint64(7))
-    y = gather_levels(torch.from_numpy(idx), levels.repeat(trials, 1), 64).view(trials, -1).double()
+    many = levels.repeat(trials, 1)
+    idx = kernels.round_pack(x.repeat(trials).numpy(), many.numpy(), 64, np.uint64(7), False, 8)
+    y = gather_levels(torch.from_numpy(idx), many, 64).view(trials, -1).double()
     mean = y.mean(0)
     assert torch.all((mean - x.double()).abs() <= 6 * torch.sqrt(var / trials) + 1e-7)
     # The empirical variance matches sum (hi - v)(v - lo) (relative sd of the estimate < 1 %).
@@ -199,77 +200,130 @@ def test_unbiased_monte_carlo_many_trials(name):
 def test_values_on_the_levels_come_back_exactly():
     codec = get_codec("orq:levels=4,bucket_size=8")
     x = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 0.0, 5.0, 5.0])
-    levels = codec.select_levels(x)
+    levels = codec.quantizer.select_levels(x)
     assert levels[0].tolist() == [0.0, 1.0, 2.0, 3.0]  # four distinct values, four levels
     for seed in range(5):
         assert torch.equal(codec.decode(codec.encode(x, seed=seed), seed=seed), x)
 
 
 # ---------------------------------------------------------------- CPU kernels vs torch path
+def _kernel_round_trip(x: torch.Tensor, levels: torch.Tensor, d: int, seed: int, nearest: bool = False):
+    """Indices, packed bytes and decoded values of the numba kernels, each checked against the torch twin."""
+    s = levels.shape[1]
+    width = bit_width(s)
+    args = (x.numpy(), levels.numpy(), d, kernel_key(seed), nearest)
+    idx = kernels.round_pack(*args, 8)  # one byte per index: the symbols of the entropy coder
+    expected = (nearest_of_two(x, levels, d) if nearest else random_round(x, levels, d, seed)).numpy()
+    assert np.array_equal(idx, expected)
+    packed = kernels.round_pack(*args, width)
+    assert np.array_equal(packed, pack_bits(idx, width))
+    flat = levels.reshape(-1).numpy()
+    values, bad = kernels.unpack_gather(packed, x.numel(), flat, s, d, width)
+    assert bad == 0 and torch.equal(torch.from_numpy(values), gather_levels(torch.from_numpy(idx), levels, d))
+    values, bad = kernels.unpack_gather(idx, x.numel(), flat, s, d, 8)
+    assert bad == 0 and torch.equal(torch.from_numpy(values), gather_levels(torch.from_numpy(idx), levels, d))
+    return idx
+
+
 @pytest.mark.parametrize("name", ["orq", "linear", "orq:refine=2"])
 @pytest.mark.parametrize("s", [3, 8, 9, 33])
 def test_numba_and_torch_select_the_same_levels_and_indices(name, s):
     codec = get_codec(name, levels=s, bucket_size=100)
     x = sample_tensor((1234,), seed=5) * torch.rand(1234, generator=torch.Generator().manual_seed(5))
     x[:50] = 0.0  # ties
-    cpu = torch.from_numpy(codec._levels_cpu(x.numpy()))
-    assert torch.equal(cpu, codec._levels_torch(x))
-    idx_cpu = cpu_kernels.random_round(x.numpy(), cpu.numpy(), 100, np.uint64(stream_key(9)))
-    idx_torch = random_round(x, cpu, 100, 9).numpy()
-    assert np.array_equal(idx_cpu, idx_torch)
-    data = cpu_kernels.pack_indices(idx_cpu, bit_width(s))
-    assert np.array_equal(data, pack_bits(idx_cpu, bit_width(s)))
-    values, bad = cpu_kernels.decode_levels(data, bit_width(s), cpu.numpy(), 100, x.numel())
-    assert bad == 0 and torch.equal(torch.from_numpy(values), gather_levels(torch.from_numpy(idx_torch), cpu, 100))
+    cpu = torch.from_numpy(codec.quantizer._levels_kernel(x.numpy()))
+    assert torch.equal(cpu, codec.quantizer._levels_torch(x))
+    _kernel_round_trip(x, cpu, 100, 9)
 
 
 @pytest.mark.parametrize("name", ["orq", "linear"])
 def test_parallel_kernels_equal_the_torch_path(name):
-    n = cpu_kernels.PARALLEL_MIN + 1001  # parallel loops, short last bucket
+    n = PARALLEL_MIN + 1001  # parallel loops, short last bucket
     codec = get_codec(name, levels=8)
     x = sample_tensor((n,), seed=6)
-    levels = codec.select_levels(x)
-    assert torch.equal(levels, codec._levels_torch(x))
-    idx = cpu_kernels.random_round(x.numpy(), levels.numpy(), 512, np.uint64(stream_key(3)))
-    assert np.array_equal(idx, random_round(x, levels, 512, 3).numpy())
-    data = cpu_kernels.pack_indices(idx, 3)
-    assert np.array_equal(data, pack_bits(idx, 3))
-    assert np.array_equal(cpu_kernels.unpack_indices(data, 3, n), idx)
+    levels = codec.quantizer.select_levels(x)
+    assert torch.equal(levels, codec.quantizer._levels_torch(x))
+    _kernel_round_trip(x, levels, 512, 3)
+
+
+@pytest.mark.parametrize("s", [2, 3, 5, 9, 17, 33, 65, 129, 256])
+def test_every_index_width_packs_as_the_wire_packer(s):
+    # Widths 1..8; 3 * CHUNK + 5 elements: several chunks, a partial last one, buckets across chunks.
+    n = 3 * CHUNK + 5
+    x = sample_tensor((n,), seed=s)
+    levels = torch.sort(torch.randn(-(-n // 1000), s, generator=torch.Generator().manual_seed(s)), dim=1).values
+    idx = _kernel_round_trip(x, levels, 1000, 4)
+    assert idx.max() == s - 1 and idx.min() == 0
+
+
+def test_serial_and_parallel_versions_agree():
+    x = sample_tensor((5 * CHUNK + 77,), seed=7).numpy()
+    levels = np.sort(np.random.default_rng(7).standard_normal((-(-x.size // 300), 5)).astype(np.float32), axis=1)
+    args = (x, levels, 300, kernel_key(2), False)
+    for kernel, call in [
+        (kernels.orq_levels, (x, 300, 9, *(np.array(a, np.int64) for a in zip(*L.level_schedule(9), strict=True)))),
+        (kernels.linear_levels, (x, 300, 9)),
+        (kernels.two_means_levels, (x, 300)),
+        (kernels.partially_biased_levels, (x, 300, 20)),
+        (kernels.round_pack, (*args, 3)),
+        (kernels.round_pack, (*args, 8)),
+    ]:
+        assert np.array_equal(kernel.parallel(*call), kernel.serial(*call)), kernel.__name__
+    packed = kernels.round_pack(*args, 3)
+    for part in (0, 1):
+        assert np.array_equal(
+            kernels.unpack_gather.parallel(packed, x.size, levels.reshape(-1), 5, 300, 3)[part],
+            kernels.unpack_gather.serial(packed, x.size, levels.reshape(-1), 5, 300, 3)[part],
+        )
 
 
 @pytest.mark.parametrize(
     ("n", "d", "s"),
-    [(3 * cpu_kernels.PARALLEL_MIN + 5, 7, 5), (100003, 1, 2), (70001, 513, 9), (17, 3, 3), (200000, 100000, 4)],
+    [(3 * PARALLEL_MIN + 5, 7, 5), (100003, 1, 2), (70001, 513, 9), (17, 3, 3), (200000, 100000, 4)],
 )
-def test_decode_kernel_gathers_the_right_bucket_row(n, d, s):
+def test_decode_kernel_gathers_the_right_bucket_row_and_counts_bad_indices(n, d, s):
     rng = np.random.default_rng(n)
     levels = rng.standard_normal((-(-n // d), s)).astype(np.float32)
     idx = rng.integers(0, s, n).astype(np.uint8)
     width = bit_width(s)
-    values, bad = cpu_kernels.decode_levels(cpu_kernels.pack_indices(idx, width), width, levels, d, n)
-    assert bad == 0
-    assert np.array_equal(values, gather_levels(torch.from_numpy(idx), torch.from_numpy(levels), d).numpy())
-
-
-@pytest.mark.parametrize("width", range(1, 9))
-def test_fast_index_packing_matches_the_wire_packer(width):
-    v = np.random.default_rng(width).integers(0, 1 << width, 1003).astype(np.uint8)
-    data = cpu_kernels.pack_indices(v, width)
-    assert np.array_equal(data, pack_bits(v, width))
-    assert np.array_equal(cpu_kernels.unpack_indices(data, width, v.size), unpack_bits(data, width, v.size))
+    expected = gather_levels(torch.from_numpy(idx), torch.from_numpy(levels), d).numpy()
+    values, bad = kernels.unpack_gather(pack_bits(idx, width), n, levels.reshape(-1), s, d, width)
+    assert bad == 0 and np.array_equal(values, expected)
+    # Indices >= s decode to 0 and are counted: any byte from the entropy decoder's alphabet
+    # check's point of view, and the unused codes of a fixed width (s = 5, 9, 3 here).
+    spots = [0, n // 2, n - 1]
+    forged = idx.copy()
+    forged[spots] = 255
+    values, bad = kernels.unpack_gather(forged, n, levels.reshape(-1), s, d, 8)
+    assert bad == 3 and np.all(values[spots] == 0.0)
+    assert np.array_equal(np.delete(values, spots), np.delete(expected, spots))
+    if (1 << width) > s:
+        forged[spots] = (1 << width) - 1
+        values, bad = kernels.unpack_gather(pack_bits(forged, width), n, levels.reshape(-1), s, d, width)
+        assert bad == 3 and np.array_equal(np.delete(values, spots), np.delete(expected, spots))
 
 
 @pytest.mark.parametrize(
     "spec",
-    ["orq", "orq:levels=8,refine=2,clip=2.5", "linear:levels=5,level_dtype=float16", "bingrad-b", "bingrad-pb"],
+    [
+        "orq",
+        "orq:levels=8,refine=2,clip=2.5",
+        "linear:levels=5,level_dtype=float16",
+        "bingrad-b",
+        "bingrad-pb",
+        "orq:coding=entropy",
+        "bingrad-b:coding=entropy",
+    ],
 )
-def test_torch_path_end_to_end_gives_the_same_bytes(spec, monkeypatch):
-    # The path CUDA tensors take (batched torch levels and rounding), run on the CPU.
+def test_torch_path_end_to_end_gives_the_same_bytes(spec):
+    # The path CUDA tensors take (batched torch levels, rounding and gather), run on the CPU.
     codec = get_codec(spec, bucket_size=300)
     x = sample_tensor((7, 1001), seed=12)
     expected = codec.encode(x, seed=5)
-    monkeypatch.setattr(level_codec, "use_cpu_kernels", lambda t: False)
+    values = codec.decode(expected, seed=5)
+    codec.quantizer.force_torch = True
     assert codec.encode(x, seed=5) == expected
+    assert torch.equal(codec.decode(expected, seed=5), values)
 
 
 @cuda
@@ -285,7 +339,7 @@ def test_cuda_encode_gives_the_cpu_bytes(spec):
 def test_short_last_bucket_uses_only_its_own_values(name):
     codec = get_codec(name, bucket_size=16)
     x = torch.cat([sample_tensor((32,), seed=1), torch.tensor([100.0, 101.0, 102.0])])
-    for levels in (codec.select_levels(x), codec._levels_torch(x)):
+    for levels in (codec.quantizer.select_levels(x), codec.quantizer._levels_torch(x)):
         assert levels.shape[0] == 3
         assert levels[2].min() >= 100.0 and levels[2].max() <= 102.0
 
@@ -311,10 +365,27 @@ def test_entropy_coding_decodes_the_same_values_in_fewer_bytes(name):
         assert len(b) < len(a) + 64
 
 
+@pytest.mark.parametrize("name", ["orq", "linear", "bingrad-b", "bingrad-pb"])
+@pytest.mark.parametrize("shape", [(1,), (7, 100), (1500,)])
+def test_entropy_coding_round_trips_onto_the_sent_levels(name, shape):
+    # Every decoded value is one of its bucket's levels as they travel, and the index decoded is
+    # the one the fixed-width payload of the same seed carries.
+    codec = get_codec(name, bucket_size=64, coding="entropy", level_dtype="float16")
+    x = sample_tensor(shape, seed=21)
+    y = codec.decode(codec.encode(x, seed=4), seed=4)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    fixed = get_codec(name, bucket_size=64, level_dtype="float16")
+    assert torch.equal(y, fixed.decode(fixed.encode(x, seed=4), seed=4))
+    levels = codec.quantizer.wire_levels(codec.quantizer.select_levels(x.reshape(-1)).numpy()).astype(np.float32)
+    values = y.reshape(-1).numpy()
+    for b, lv in enumerate(levels):
+        assert np.isin(values[64 * b : 64 * (b + 1)], lv).all()
+
+
 def test_float16_end_levels_round_outward_and_range_is_checked():
     codec = get_codec("orq:levels=5,level_dtype=float16")
     x = sample_tensor((4096,), seed=3) * 0.1234567
-    wire = codec._wire_levels(codec.select_levels(x).numpy()).astype(np.float32)
+    wire = codec.quantizer.wire_levels(codec.quantizer.select_levels(x).numpy()).astype(np.float32)
     rows = x.view(-1, 512).numpy()
     assert np.all(wire[:, 0] <= rows.min(axis=1)) and np.all(wire[:, -1] >= rows.max(axis=1))
     assert np.all(np.diff(wire, axis=1) >= 0)
@@ -350,6 +421,8 @@ def test_rejects_out_of_range_level_indices_even_with_a_valid_crc():
         "linear:levels=3,bucket_size=7",
         "orq:levels=200",
         "orq:coding=entropy",
+        "linear:coding=entropy,levels=2",
+        "bingrad-b:coding=entropy,level_dtype=float16",
         "bingrad-pb:coding=entropy,bucket_size=100",
     ],
 )

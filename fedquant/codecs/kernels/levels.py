@@ -1,18 +1,23 @@
-"""Numba kernels for the CPU path of the distribution-aware codecs (ORQ, Linear, BinGrad).
+"""Numba kernels of the per-bucket levels family (ORQ, Linear, BinGrad): the CPU path.
 
-Each kernel is the per-bucket loop of an algorithm in :mod:`fedquant.codecs.levels` or
-:mod:`fedquant.codecs.rounding`, with the same arithmetic (float64 prefix sums accumulated in
-order, the same formulas and tie rules), so both paths select the same levels and the same
-indices; ``tests/test_orq.py`` and ``tests/test_bingrad.py`` check this. The torch functions are
-the CUDA path; on the CPU a batched ``torch.sort`` of 25M values alone takes longer than the whole
-encode budget, hence these kernels (one bucket per parallel iteration, sorted in cache).
+Level selection (one bucket per parallel iteration, sorted in cache by a radix sort):
+:func:`orq_levels`, :func:`linear_levels`, :func:`two_means_levels`,
+:func:`partially_biased_levels`. Each is the per-bucket loop of the batched torch function of
+the same name in :mod:`fedquant.codecs.kernels.levels_torch` (the CUDA path), with the same
+arithmetic (float64 prefix sums accumulated in order, the same formulas and tie rules), so both
+paths select the same levels; ``tests/test_orq.py`` and ``tests/test_bingrad.py`` check this. On
+the CPU a batched ``torch.sort`` of 25M values alone takes longer than the whole encode budget,
+hence these kernels.
 
-Random numbers are :func:`fedquant.rng.uniform` computed inline: element ``i`` of the flattened
-tensor uses ``splitmix64(key + (i + 1) * GOLDEN_GAMMA) >> 40`` times ``2**-24``.
-
-Index packing follows :func:`fedquant.wire.bitpack.pack_bits` bit for bit (LSB first, ``width``
-bits per value, zero padding): groups of 8 values fill exactly ``width`` bytes, so groups are
-packed and unpacked in parallel.
+Rounding onto the levels and decoding work on chunks of ``CHUNK`` elements (a multiple of 8, so
+every chunk starts on a byte boundary of the packed stream) and pack or unpack them with the
+shared chunk packer of :mod:`fedquant.codecs.kernels.common` (LSB first, the layout of
+:mod:`fedquant.wire.bitpack`): :func:`round_pack` encodes, :func:`unpack_gather` decodes; at
+width 8 they write and read one byte per index, the unpacked symbols of the entropy coder.
+Random numbers are :func:`fedquant.rng.uniform` computed inline
+(:func:`~fedquant.codecs.kernels.common.uniform24`), so the torch twin's ``random_round``
+gives the same indices. Every kernel runs in parallel from ``PARALLEL_MIN`` elements on
+(:func:`~fedquant.codecs.kernels.common.parallel_kernel`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import PARALLEL_MIN, uniform24
-from fedquant.wire.body import require_items
-
-
-@njit(inline="always")
-def _uniform_at(key, i):
-    # The 24-bit variate is exact in float32 and float64 alike.
-    return np.float64(uniform24(key, i))
+from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
 
 
 @njit(inline="always")
@@ -79,20 +77,7 @@ def _prefix(w):
     return p
 
 
-@njit(cache=True)
-def _uniform_block(key, offset, n):
-    out = np.empty(n, np.float64)
-    for i in range(n):
-        out[i] = _uniform_at(key, offset + i)
-    return out
-
-
-def uniform_cpu(key: int, n: int, offset: int = 0) -> np.ndarray:
-    """The inline stream as float64 (for tests against :func:`fedquant.rng.uniform`)."""
-    return _uniform_block(np.uint64(key), offset, n)
-
-
-# ---------------------------------------------------------------- per-bucket bodies
+# ---------------------------------------------------------------- per-bucket level selection
 @njit(cache=True)
 def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
     start = b * d
@@ -220,284 +205,164 @@ def _pb_bucket(x, b, d, max_sweeps, out):
     out[b, 1] = b1
 
 
+# ---------------------------------------------------------------- level selection
+@parallel_kernel
+def orq_levels(x, d, s, tree_lo, tree_mid, tree_hi):
+    """ORQ-s levels of every bucket of ``x``, ``(buckets, s)`` float32 (see ``levels_torch.orq_levels``).
+
+    ``tree_*`` are the ``(left, middle, right)`` level indices of ``levels_torch.level_schedule``.
+    """
+    out = np.empty(((x.size + d - 1) // d, s), np.float32)
+    for b in prange(out.shape[0]):
+        _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out)
+    return out
+
+
+@parallel_kernel
+def linear_levels(x, d, s):
+    """Linear-s levels, ``(buckets, s)`` float32 (see ``levels_torch.linear_levels``)."""
+    out = np.empty(((x.size + d - 1) // d, s), np.float32)
+    for b in prange(out.shape[0]):
+        _linear_bucket(x, b, d, s, out)
+    return out
+
+
+@parallel_kernel
+def two_means_levels(x, d):
+    """BinGrad-b levels, ``(buckets, 2)`` float32 (see ``levels_torch.two_means_levels``)."""
+    out = np.empty(((x.size + d - 1) // d, 2), np.float32)
+    for b in prange(out.shape[0]):
+        _two_means_bucket(x, b, d, out)
+    return out
+
+
+@parallel_kernel
+def partially_biased_levels(x, d, max_sweeps):
+    """BinGrad-pb levels, ``(buckets, 2)`` float32 (see ``levels_torch.partially_biased_levels``)."""
+    out = np.empty(((x.size + d - 1) // d, 2), np.float32)
+    for b in prange(out.shape[0]):
+        _pb_bucket(x, b, d, max_sweeps, out)
+    return out
+
+
+# ---------------------------------------------------------------- rounding onto the levels
 @njit(cache=True)
-def _random_round_bucket(x, levels, b, d, key, out):
-    # Two passes that LLVM vectorizes: the interval index of every value (a count over the
-    # interior levels), then the random decision. Element i moves up iff u_i (hi - lo) < v - lo,
-    # in float64, exactly as in rounding.random_round.
+def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes):
+    """Level indices of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]`` (uint8), bucket by bucket.
+
+    Random rounding runs two passes that LLVM vectorizes: the interval index of every value (a
+    count over the interior levels), then the random decision. Element ``i`` moves up iff
+    ``u_i (hi - lo) < v - lo``, in float64, exactly as ``levels_torch.random_round``. Nearest
+    rounding (two levels): 1 where ``v >= (b0 + b1) / 2``, as ``levels_torch.nearest_of_two``.
+    """
     s = levels.shape[1]
-    row = levels[b]
-    start = b * d
-    end = min(start + d, x.size)
-    xs = x[start:end]
-    k = np.zeros(end - start, np.int64)
-    for q in range(1, s - 1):
-        level = row[q]
-        for i in range(k.size):
-            k[i] += 1 if xs[i] >= level else 0
     top = max(s - 2, 0)
-    for i in range(k.size):
-        kk = min(k[i], top)
-        lo = np.float64(row[kk])
-        gap = np.float64(row[min(kk + 1, s - 1)]) - lo
-        out[start + i] = kk + (1 if _uniform_at(key, start + i) * gap < np.float64(xs[i]) - lo else 0)
-
-
-@njit(cache=True)
-def _nearest_bucket(x, levels, b, d, out):
-    mid = (np.float64(levels[b, 0]) + np.float64(levels[b, 1])) * 0.5
-    for i in range(b * d, min(b * d + d, x.size)):
-        out[i] = 1 if np.float64(x[i]) >= mid else 0
-
-
-@njit(cache=True)
-def _pack_group(values, width, g, out):
-    n = values.size
-    acc = np.uint64(0)
-    base = g * 8
-    for j in range(min(8, n - base)):
-        acc |= np.uint64(values[base + j]) << np.uint64(j * width)
-    first = g * width
-    for q in range(min(width, out.size - first)):
-        out[first + q] = np.uint8((acc >> np.uint64(8 * q)) & np.uint64(255))
-
-
-@njit(inline="always")
-def _group_bits(data, width, g):
-    first = g * width
-    acc = np.uint64(0)
-    for q in range(min(width, data.size - first)):
-        acc |= np.uint64(data[first + q]) << np.uint64(8 * q)
-    return acc
-
-
-@njit(cache=True)
-def _unpack_group(data, width, g, out):
-    acc = _group_bits(data, width, g)
-    mask = np.uint64((1 << width) - 1)
-    base = g * 8
-    for j in range(min(8, out.size - base)):
-        out[base + j] = np.uint8((acc >> np.uint64(j * width)) & mask)
-
-
-@njit(cache=True)
-def _decode_block(data, width, flat_levels, s, d, first_group, end_group, out):
-    # Groups [first_group, end_group); the bucket row advances incrementally (no division per element).
-    mask = np.uint64((1 << width) - 1)
-    bad = 0
-    i = first_group * 8
-    row = (i // d) * s
-    boundary = (i // d + 1) * d
-    for g in range(first_group, end_group):
-        acc = _group_bits(data, width, g)
-        for j in range(min(8, out.size - g * 8)):
-            if i == boundary:
-                row += s
-                boundary += d
-            k = np.int64((acc >> np.uint64(j * width)) & mask)
-            if k < s:
-                out[i] = flat_levels[row + k]
-            else:
-                out[i] = 0.0
-                bad += 1
-            i += 1
-    return bad
-
-
-DECODE_BLOCK_GROUPS = 2048
-
-
-# ---------------------------------------------------------------- loops: parallel and serial
-
-
-@njit(cache=True, parallel=True)
-def _orq_par(x, d, s, tl, tm, th, out):
-    for b in prange(out.shape[0]):
-        _orq_bucket(x, b, d, s, tl, tm, th, out)
-
-
-@njit(cache=True)
-def _orq_seq(x, d, s, tl, tm, th, out):
-    for b in range(out.shape[0]):
-        _orq_bucket(x, b, d, s, tl, tm, th, out)
-
-
-@njit(cache=True, parallel=True)
-def _linear_par(x, d, s, out):
-    for b in prange(out.shape[0]):
-        _linear_bucket(x, b, d, s, out)
-
-
-@njit(cache=True)
-def _linear_seq(x, d, s, out):
-    for b in range(out.shape[0]):
-        _linear_bucket(x, b, d, s, out)
-
-
-@njit(cache=True, parallel=True)
-def _two_means_par(x, d, out):
-    for b in prange(out.shape[0]):
-        _two_means_bucket(x, b, d, out)
-
-
-@njit(cache=True)
-def _two_means_seq(x, d, out):
-    for b in range(out.shape[0]):
-        _two_means_bucket(x, b, d, out)
-
-
-@njit(cache=True, parallel=True)
-def _pb_par(x, d, max_sweeps, out):
-    for b in prange(out.shape[0]):
-        _pb_bucket(x, b, d, max_sweeps, out)
-
-
-@njit(cache=True)
-def _pb_seq(x, d, max_sweeps, out):
-    for b in range(out.shape[0]):
-        _pb_bucket(x, b, d, max_sweeps, out)
-
-
-@njit(cache=True, parallel=True)
-def _random_round_par(x, levels, d, key, out):
-    for b in prange(levels.shape[0]):
-        _random_round_bucket(x, levels, b, d, key, out)
-
-
-@njit(cache=True)
-def _random_round_seq(x, levels, d, key, out):
-    for b in range(levels.shape[0]):
-        _random_round_bucket(x, levels, b, d, key, out)
-
-
-@njit(cache=True, parallel=True)
-def _nearest_par(x, levels, d, out):
-    for b in prange(levels.shape[0]):
-        _nearest_bucket(x, levels, b, d, out)
-
-
-@njit(cache=True)
-def _nearest_seq(x, levels, d, out):
-    for b in range(levels.shape[0]):
-        _nearest_bucket(x, levels, b, d, out)
-
-
-@njit(cache=True, parallel=True)
-def _pack_par(values, width, out):
-    for g in prange((values.size + 7) // 8):
-        _pack_group(values, width, g, out)
-
-
-@njit(cache=True)
-def _pack_seq(values, width, out):
-    for g in range((values.size + 7) // 8):
-        _pack_group(values, width, g, out)
-
-
-@njit(cache=True, parallel=True)
-def _unpack_par(data, width, out):
-    for g in prange((out.size + 7) // 8):
-        _unpack_group(data, width, g, out)
-
-
-@njit(cache=True)
-def _unpack_seq(data, width, out):
-    for g in range((out.size + 7) // 8):
-        _unpack_group(data, width, g, out)
-
-
-@njit(cache=True, parallel=True)
-def _decode_par(data, width, flat_levels, s, d, out):
-    groups = (out.size + 7) // 8
-    blocks = (groups + DECODE_BLOCK_GROUPS - 1) // DECODE_BLOCK_GROUPS
-    bad = 0
-    for blk in prange(blocks):
-        first = blk * DECODE_BLOCK_GROUPS
-        bad += _decode_block(data, width, flat_levels, s, d, first, min(first + DECODE_BLOCK_GROUPS, groups), out)
-    return bad
-
-
-@njit(cache=True)
-def _decode_seq(data, width, flat_levels, s, d, out):
-    return _decode_block(data, width, flat_levels, s, d, 0, (out.size + 7) // 8, out)
-
-
-def _levels_out(n: int, d: int, s: int) -> np.ndarray:
-    return np.empty(((n + d - 1) // d, s), np.float32)
-
-
-# ---------------------------------------------------------------- public entry points
-def orq_levels(x: np.ndarray, d: int, s: int, tree_lo, tree_mid, tree_hi) -> np.ndarray:
-    """ORQ-s levels of every bucket of ``x`` (see :func:`fedquant.codecs.levels.orq_levels`)."""
-    out = _levels_out(x.size, d, s)
-    (_orq_par if x.size >= PARALLEL_MIN else _orq_seq)(x, d, s, tree_lo, tree_mid, tree_hi, out)
-    return out
-
-
-def linear_levels(x: np.ndarray, d: int, s: int) -> np.ndarray:
-    """Linear-s levels (see :func:`fedquant.codecs.levels.linear_levels`)."""
-    out = _levels_out(x.size, d, s)
-    (_linear_par if x.size >= PARALLEL_MIN else _linear_seq)(x, d, s, out)
-    return out
-
-
-def two_means_levels(x: np.ndarray, d: int) -> np.ndarray:
-    """BinGrad-b levels (see :func:`fedquant.codecs.levels.two_means_levels`)."""
-    out = _levels_out(x.size, d, 2)
-    (_two_means_par if x.size >= PARALLEL_MIN else _two_means_seq)(x, d, out)
-    return out
-
-
-def partially_biased_levels(x: np.ndarray, d: int, max_sweeps: int) -> np.ndarray:
-    """BinGrad-pb levels (see :func:`fedquant.codecs.levels.partially_biased_levels`)."""
-    out = _levels_out(x.size, d, 2)
-    (_pb_par if x.size >= PARALLEL_MIN else _pb_seq)(x, d, max_sweeps, out)
-    return out
-
-
-def random_round(x: np.ndarray, levels: np.ndarray, d: int, key: np.uint64) -> np.ndarray:
-    """Unbiased random rounding indices (see :func:`fedquant.codecs.rounding.random_round`)."""
-    out = np.empty(x.size, np.uint8)
-    (_random_round_par if x.size >= PARALLEL_MIN else _random_round_seq)(x, levels, d, np.uint64(key), out)
-    return out
-
-
-def nearest_of_two(x: np.ndarray, levels: np.ndarray, d: int) -> np.ndarray:
-    """Deterministic two-level indices (see :func:`fedquant.codecs.rounding.nearest_of_two`)."""
-    out = np.empty(x.size, np.uint8)
-    (_nearest_par if x.size >= PARALLEL_MIN else _nearest_seq)(x, levels, d, out)
-    return out
-
-
-def pack_indices(values: np.ndarray, width: int) -> np.ndarray:
-    """``fedquant.wire.bitpack.pack_bits(values, width)`` for uint8 values and ``width <= 8``."""
-    out = np.zeros((values.size * width + 7) // 8, np.uint8)
-    (_pack_par if values.size >= PARALLEL_MIN else _pack_seq)(values, width, out)
-    return out
-
-
-def unpack_indices(data: np.ndarray, width: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack_indices` (``data`` must hold exactly the packed size)."""
-    require_items(data, (count * width + 7) // 8, "packed level indices")
-    out = np.empty(count, np.uint8)
-    (_unpack_par if count >= PARALLEL_MIN else _unpack_seq)(data, width, out)
-    return out
-
-
-def decode_levels(data: np.ndarray, width: int, levels: np.ndarray, d: int, count: int) -> tuple[np.ndarray, int]:
-    """Unpack indices and gather ``levels[i // d, index]``; also counts indices ``>= s``.
-
-    ``data`` must hold exactly ``ceil(count * width / 8)`` bytes (the caller checks).
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        row = levels[b]
+        xs = x[i:hi]
+        cs = codes[i - c0 : hi - c0]
+        if nearest:
+            mid = (np.float64(row[0]) + np.float64(row[1])) * 0.5
+            for k in range(hi - i):
+                cs[k] = 1 if np.float64(xs[k]) >= mid else 0
+        else:
+            # A fresh array, so that LLVM knows it aliases nothing and vectorizes the count.
+            count = np.zeros(hi - i, np.int32)
+            for q in range(1, s - 1):
+                level = row[q]
+                for k in range(hi - i):
+                    count[k] += 1 if xs[k] >= level else 0
+            for k in range(hi - i):
+                kk = min(np.int64(count[k]), top)
+                lo = np.float64(row[kk])
+                gap = np.float64(row[min(kk + 1, s - 1)]) - lo
+                u = np.float64(uniform24(key, i + k))
+                cs[k] = kk + (1 if u * gap < np.float64(xs[k]) - lo else 0)
+        i = hi
+
+
+@parallel_kernel
+def round_pack(x, levels, d, key, nearest, width):
+    """Round ``x`` onto its buckets' ``levels`` and pack the indices at ``width`` bits (at most 8).
+
+    Parameters
+    ----------
+    x : np.ndarray
+        float32 values.
+    levels : np.ndarray
+        ``(buckets, s)`` float32, non-decreasing rows.
+    d : int
+        Bucket size.
+    key : np.uint64
+        ``fedquant.rng.stream_key(seed)`` of the rounding stream.
+    nearest : bool
+        Deterministic nearest of two levels instead of unbiased random rounding.
+    width : int
+        Bits per index; 8 gives one byte per index, the unpacked symbols for the entropy coder.
 
     Returns
     -------
-    (np.ndarray, int)
-        float32 values (a bad index decodes to 0) and the number of out-of-range indices.
+    np.ndarray
+        uint8, ``ceil(n * width / 8)`` bytes (``fedquant.wire.bitpack.pack_bits`` layout).
     """
-    require_items(data, (count * width + 7) // 8, "packed level indices")
-    require_items(levels, -(-count // d), "per-bucket levels")
-    out = np.empty(count, np.float32)
-    flat_levels = np.ascontiguousarray(levels).reshape(-1)
-    run = _decode_par if count >= PARALLEL_MIN else _decode_seq
-    bad = run(data, width, flat_levels, levels.shape[1], d, out)
-    return out, int(bad)
+    n = x.size
+    out = np.empty((n * width + 7) // 8, np.uint8)
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if width == 8:  # one byte per index: nothing to pack
+            _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
+        else:
+            codes = np.empty(CHUNK, np.uint8)
+            _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
+            pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+    return out
+
+
+# ---------------------------------------------------------------- decoding
+@njit(cache=True)
+def _chunk_gather(codes, flat_levels, s, d, c0, c1, out):
+    """``levels[bucket, index]`` for elements ``c0 .. c1``; returns how many indices are ``>= s``."""
+    bad = 0
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        row = flat_levels[b * s : (b + 1) * s]
+        cs = codes[i - c0 : hi - c0]
+        ys = out[i:hi]
+        for k in range(hi - i):
+            c = np.int64(cs[k])
+            if c < s:
+                ys[k] = row[c]
+            else:
+                ys[k] = 0.0
+                bad += 1
+        i = hi
+    return bad
+
+
+@parallel_kernel(count_arg=1)
+def unpack_gather(data, n, flat_levels, s, d, width):
+    """Decode ``n`` indices packed at ``width`` bits into their buckets' levels.
+
+    ``data`` (uint8) must hold exactly ``ceil(n * width / 8)`` bytes and ``flat_levels`` the
+    ``ceil(n / d) * s`` levels, bucket by bucket (the caller checks). Returns
+    ``(values, number of indices >= s)``; a bad index decodes to 0.
+    """
+    out = np.empty(n, np.float32)
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if width == 8:
+            bad[c] = _chunk_gather(data[c0:c1], flat_levels, s, d, c0, c1, out)
+        else:
+            codes = np.empty(CHUNK, np.uint8)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
+            bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
+    return out, bad.sum()

@@ -1,14 +1,24 @@
-"""Per-bucket quantization levels chosen from each bucket's own values (Xu, Huo, Huang 2020).
+"""Torch twin of :mod:`fedquant.codecs.kernels.levels`: per-bucket levels and rounding onto them.
 
-Every function here works on a batch of buckets at once: a ``(buckets, m)`` tensor whose rows
-are sorted ascending (all rows of one call have the same length ``m``; the short last bucket of
-a tensor is a separate call). There is no Python loop over buckets or elements; the only loops
-run over the ``s - 2`` levels of the recursion tree or over a fixed number of search steps. The
-functions run on any device (this is the CUDA path; :mod:`fedquant.codecs.cpu_kernels` has the
-same algorithms as numba kernels for the CPU and must give the same levels).
+The path of CUDA tensors (and of CPU tensors with ``force_torch``); the numba kernels of the CPU
+path compute the same levels and indices with the same arithmetic (``tests/test_orq.py`` and
+``tests/test_bingrad.py`` check them equal).
 
+Level selection works on a batch of buckets at once: a ``(buckets, m)`` tensor whose rows are
+sorted ascending (all rows of one call have the same length ``m``; the short last bucket of a
+tensor is a separate call). There is no Python loop over buckets or elements; the only loops
+run over the ``s - 2`` levels of the recursion tree or over a fixed number of search steps.
 Sums are accumulated in float64 prefix sums; the selected levels are data points of the bucket
 (ORQ, Linear) or float64 means cast to float32 (BinGrad).
+
+Rounding (algorithms.md §0): unbiased random rounding sends a value ``v`` with
+``l_k <= v <= l_{k+1}`` to ``l_{k+1}`` with probability ``(v - l_k) / (l_{k+1} - l_k)`` and to
+``l_k`` otherwise, so ``E[Q(v)] = v``. Element ``i`` moves up iff ``u_i (l_{k+1} - l_k) < v - l_k``
+(float64, no division; for ``u`` with 24 random bits the probability is exact to ``2**-24``).
+The uniform variate of element ``i`` (its index in the flattened tensor) is
+``fedquant.rng.uniform(seed, n)[i]``; the numba kernels draw the same numbers inline. Values
+outside ``[l_0, l_{s-1}]`` are clipped to the nearest end level (which only BinGrad-pb relies
+on: ORQ and Linear include the bucket's min and max).
 
 The paper's text available to us has no equations; the formulas are the reconstruction of
 ``shared/reference/algorithms.md`` §4 (cited per function).
@@ -20,6 +30,9 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from fedquant.codecs.buckets import to_buckets
+from fedquant.rng import uniform
 
 PB_MAX_SWEEPS = 20
 
@@ -254,3 +267,61 @@ def partially_biased_levels(w: torch.Tensor, max_sweeps: int = PB_MAX_SWEEPS) ->
         if done:
             break
     return torch.stack([b0, b1], dim=1)
+
+
+# ---------------------------------------------------------------- rounding onto the levels
+def _bucket_view(flat: torch.Tensor, levels: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    nb = levels.shape[0]
+    rows = to_buckets(flat, bucket_size)
+    if rows.shape[0] != nb:
+        raise ValueError(f"{rows.shape[0]} buckets of values but {nb} rows of levels")
+    return rows
+
+
+def random_round(flat: torch.Tensor, levels: torch.Tensor, bucket_size: int, seed: int) -> torch.Tensor:
+    """Indices of unbiased random rounding of ``flat`` onto each bucket's levels.
+
+    Parameters
+    ----------
+    flat : torch.Tensor
+        1-D float32 values.
+    levels : torch.Tensor
+        ``(num_buckets, s)`` float32 levels, non-decreasing along each row, same device.
+    bucket_size : int
+        Bucket length ``d`` (the last bucket may be short).
+    seed : int
+        Seed of the rounding stream.
+
+    Returns
+    -------
+    torch.Tensor
+        ``uint8`` level indices, shape ``(numel,)``, on ``flat``'s device.
+    """
+    n = flat.numel()
+    s = levels.shape[1]
+    rows = _bucket_view(flat, levels, bucket_size)
+    k = torch.searchsorted(levels.contiguous(), rows.contiguous(), right=True) - 1
+    k = torch.clamp(k, 0, max(s - 2, 0))
+    lo = levels.gather(1, k).to(torch.float64)
+    gap = levels.gather(1, torch.clamp(k + 1, max=s - 1)).to(torch.float64) - lo
+    above = (rows.to(torch.float64) - lo).reshape(-1)[:n]
+    u = uniform(seed, n, device=flat.device).to(torch.float64)
+    up = u * gap.reshape(-1)[:n] < above
+    return (k.reshape(-1)[:n] + up.to(torch.int64)).to(torch.uint8)
+
+
+def nearest_of_two(flat: torch.Tensor, levels: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """Deterministic rounding onto two levels per bucket: 1 where ``v >= (b0 + b1) / 2``, else 0."""
+    n = flat.numel()
+    rows = _bucket_view(flat, levels, bucket_size)
+    mid = (levels[:, :1].to(torch.float64) + levels[:, 1:2].to(torch.float64)) * 0.5
+    bits = rows.to(torch.float64) >= mid
+    return bits.reshape(-1)[:n].to(torch.uint8)
+
+
+def gather_levels(indices: torch.Tensor, levels: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """Decoded values: ``levels[bucket(i), indices[i]]`` for every element ``i``."""
+    n = indices.numel()
+    s = levels.shape[1]
+    bucket = torch.arange(n, device=indices.device) // bucket_size
+    return levels.reshape(-1)[bucket * s + indices.to(torch.int64)]
