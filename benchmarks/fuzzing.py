@@ -86,7 +86,7 @@ def run_case(fam: Family, seed: int, family_index: int, i: int, inject: dict | N
     """Mutate, decode and classify case ``i`` of a family: ``(outcome, detail)``."""
     import torch
 
-    from fedquant.codecs.base import numel_limit
+    from fedquant.codecs.codec import numel_limit
     from fedquant.errors import PayloadError
     from fedquant.wire.payload import read_payload
 

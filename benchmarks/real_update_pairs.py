@@ -51,11 +51,11 @@ if __package__ in (None, ""):
 
 import numpy as np
 import torch
-from fedquant.protocol import KEY_ROLE
 from torch import nn
 
 from fedquant.codecs import get_codec
 from fedquant.codecs.quantizers.nested_rules import AUTHORS_LEVELS, AUTHORS_RHO, cheapest_bits_at, spread_in_steps
+from fedquant.protocol import KEY_ROLE
 from fedquant.rng import derive_seed
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient
 from fedquant.strategies.nested import ROLE_P1, ROLE_P2, NestedDecodePlan

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fedquant.codecs import available_codecs, get_codec
-from fedquant.codecs.base import Codec
+from fedquant.codecs.codec import Codec
 
 # Representative settings per registered name (defaults of a name are its first row).
 REPRESENTATIVE: dict[str, list[str]] = {

@@ -39,7 +39,6 @@ _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
     "rht": "fedquant.codecs.transforms.rht:RandomizedHadamard",
 }
-EF_PREFIX = "ef+"
 
 
 def _load(path: str) -> type:
@@ -108,10 +107,6 @@ def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
     name, spec_params = parse_spec(quantizer_spec)
     cls = codec_class(name)
     quantizer = cls(**{**spec_params, **params})
-    if not isinstance(quantizer, Quantizer):  # a family not yet ported to the pipeline
-        if transforms:
-            raise ValueError(f"{name}: transforms are not supported by this codec yet")
-        return quantizer
     return Codec(quantizer, [transform_class(t)() for t in transforms])
 
 

@@ -47,10 +47,6 @@ COARSEST_FRACTION = "chosen-coarsest-fraction"
 FLOAT_BITS = {"fp32": 32.0, "fp16": 16.0}
 
 
-def _quantizer(codec: Codec):
-    return getattr(codec, "quantizer", codec)  # a legacy codec class (not yet ported) is its own quantizer
-
-
 def rate_ladder(codec: Codec) -> list[Codec]:
     """The settings of ``codec``'s family the controller may choose, finest (``codec``) first.
 
@@ -58,7 +54,7 @@ def rate_ladder(codec: Codec) -> list[Codec]:
     """
     if codec.needs_side_info:  # a decode plan (NDQSG's groups) tunes these codecs itself
         return [codec]
-    quantizer = _quantizer(codec)
+    quantizer = codec.quantizer
     if "levels" in codec.config:
         top = int(codec.config["levels"])
         low = int(quantizer.params["levels"].minimum or 1)
@@ -73,7 +69,7 @@ def setting_value(codec: Codec) -> float:
     """The number that names a setting in the metrics: ``levels``, or bits for the float codecs."""
     if "levels" in codec.config:
         return float(codec.config["levels"])
-    return FLOAT_BITS.get(_quantizer(codec).name, 0.0)
+    return FLOAT_BITS.get(codec.quantizer.name, 0.0)
 
 
 def probe_reply_bytes(codec: Codec, model: ArrayRecord, min_numel: int) -> int:

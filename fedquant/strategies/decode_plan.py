@@ -251,7 +251,7 @@ def plan_class(path: str) -> type[DecodePlan]:
 
 def names_plan(codec: Codec, cls: type[DecodePlan]) -> bool:
     """Whether ``codec``'s default plan is ``cls`` or a base of it (a plan's check of its codec)."""
-    path = getattr(codec, "decode_plan", None)  # legacy codec classes (not yet ported) lack it
+    path = codec.decode_plan
     return path is not None and issubclass(cls, plan_class(path))
 
 
@@ -267,5 +267,5 @@ def default_plan(spec: str, codec: Codec, seed: int = 0) -> DecodePlan:
     seed : int
         The strategy's base seed.
     """
-    path = getattr(codec, "decode_plan", None)  # legacy codec classes (not yet ported) lack it
+    path = codec.decode_plan
     return DecodePlan() if path is None else plan_class(path).from_spec(spec, seed=seed)

@@ -79,7 +79,7 @@ class DownlinkSend:
 
 def _check_codec(spec: str | Codec, what: str) -> Codec:
     codec = get_codec(spec)
-    if getattr(codec, "stateful", False):  # legacy codec classes (not yet ported) keep no state
+    if codec.stateful:
         raise ValueError(
             f"{what} {codec.spec!r}: no 'ef+' downlink codec; each difference already includes the error of "
             "the last message sent (server-side error feedback)"
