@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets, to_buckets
-from fedquant.codecs.codec import all_finite
 from fedquant.codecs.kernels import dither as kernels
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
@@ -268,11 +267,14 @@ class NDQSGQuantizer(DitherQuantizer):
                 "ndqsg: decoding needs side_info, the server's estimate of this tensor (e.g. the mean of the "
                 "updates already decoded this round); nested indices alone do not determine the values"
             )
-        if not all_finite(side_info):
-            raise ValueError("ndqsg: side_info contains NaN or Inf")
         if not self.uses_kernels():
+            if not bool(torch.isfinite(side_info).all()):
+                raise ValueError("ndqsg: side_info contains NaN or Inf")
             return None
-        return side_info.detach().to("cpu", torch.float32).contiguous().numpy()
+        y = side_info.detach().to("cpu", torch.float32).contiguous().numpy()
+        if not kernels.all_finite(y):
+            raise ValueError("ndqsg: side_info contains NaN or Inf")
+        return y
 
     def _torch_symbols(self, v, step, u):
         return kernels.nested_quantize(v, step, u, self.rho, self.alpha)
