@@ -116,7 +116,7 @@ class DitherQuantizer(Quantizer):
         if self.uses_kernels():
             key = np.uint64(stream_key(seed))
             values, top = kernels.decode_symbols(symbols, d, steps, key, side_info=y, **self._kernel_args())
-            check_alphabet(np.array([top]), self.num_symbols(), self.name)
+            self._check_top(top)
             return torch.from_numpy(values)
         nb = num_buckets(numel, d)
         padded = torch.zeros(nb * d, dtype=torch.float32)
@@ -142,8 +142,13 @@ class DitherQuantizer(Quantizer):
         key = np.uint64(stream_key(seed))
         d = effective_bucket_size(self.bucket_size, numel)
         values, top = kernels.decode_packed(packed, numel, d, steps, key, width, side_info=y, **self._kernel_args())
-        check_alphabet(np.array([top]), self.num_symbols(), self.name)
+        self._check_top(top)
         return torch.from_numpy(values)
+
+    def _check_top(self, top: int) -> None:
+        """PayloadError if the largest symbol a kernel decoded is beyond the alphabet."""
+        if top >= self.num_symbols():
+            check_alphabet(np.array([top]), self.num_symbols(), self.name)
 
     def _checked_side_info(self, side_info: torch.Tensor | None) -> np.ndarray | None:
         """Side information as the kernels take it (CPU float32), or None; ValueError if not finite."""
