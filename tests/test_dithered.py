@@ -218,8 +218,10 @@ def test_payload_encoded_in_another_process_decodes_here():
 
 
 # ------------------------------------------------------------------ parameters and bad input
-def test_ndqsg_without_side_info_says_what_is_missing():
+@pytest.mark.parametrize("force_torch", [False, True])
+def test_ndqsg_without_side_info_says_what_is_missing(force_torch):
     codec = get_codec("ndqsg")
+    codec.quantizer.force_torch = force_torch
     data = codec.encode(torch.ones(10))
     with pytest.raises(ValueError, match="side_info"):
         codec.decode(data)

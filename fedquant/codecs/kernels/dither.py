@@ -17,7 +17,9 @@ tests compare the two):
   float32, and 0 in buckets whose step is 0.
 
 A zero step (all-zero bucket) divides by 1 instead. The kernels loop over chunks of
-``common.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of the packed stream).
+``common.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of the packed stream);
+each loop is written once and compiled parallel and serial by
+:func:`fedquant.codecs.kernels.common.parallel_kernel`.
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ import torch
 
 from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets, to_buckets
 from fedquant.codecs.kernels import dither as kernels
+from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
-from fedquant.rng import stream_key
+from fedquant.codecs.quantizers.base import Quantized, check_alphabet
+from fedquant.codecs.quantizers.grid import BucketScaledQuantizer
 
 MAX_LEVELS = (1 << 15) - 1  # 2M+1 indices must fit the 16-bit packer
 MAX_RHO = (1 << 16) - 1
@@ -59,8 +60,11 @@ MAX_RHO = (1 << 16) - 1
 _BUCKET = Param(int, 512, "elements per bucket, each with its own step; 0 = one step per tensor", minimum=0)
 
 
-class DitherQuantizer(Quantizer):
+class DitherQuantizer(BucketScaledQuantizer):
     """Shared base of DQSG and NDQSG: a float32 step per bucket, a symmetric alphabet of indices.
+
+    The per-bucket side field is :class:`~fedquant.codecs.quantizers.grid.BucketScaledQuantizer`'s
+    (here the step ``max|g| / levels`` itself rather than a scale).
 
     Subclasses define :meth:`half` (the alphabet is ``2 half + 1`` symbols ``index + half``),
     :meth:`_kernel_args` (the keyword arguments of the kernels) and the torch path
@@ -77,9 +81,6 @@ class DitherQuantizer(Quantizer):
     def num_symbols(self) -> int:
         return 2 * self.half() + 1
 
-    def side_fields(self, numel: int) -> list[SideField]:
-        return [SideField("bucket steps", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
-
     def check_side(self, side: list[np.ndarray]) -> None:
         check_bucket_scales(side[0], self.name, "bucket step")
 
@@ -91,7 +92,7 @@ class DitherQuantizer(Quantizer):
             x = flat.numpy()
             # the true float32 division of kernels.bucket_steps, on the kernel's bucket maxima
             steps = bucket_stat(flat, d, "max", use_kernels=True) / np.float32(self.levels)
-            key = np.uint64(stream_key(seed))
+            key = kernel_key(seed)
             if packed_width is not None:
                 return Quantized(
                     [steps], packed=kernels.encode_packed(x, d, steps, key, packed_width, **self._kernel_args())
@@ -111,19 +112,18 @@ class DitherQuantizer(Quantizer):
         self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int, side_info: torch.Tensor | None
     ) -> torch.Tensor:
         y = self._checked_side_info(side_info)
-        steps = side[0].astype(np.float32)
-        d = effective_bucket_size(self.bucket_size, numel)
+        d, steps = self.bucket_scales(side, numel)
         if self.uses_kernels():
-            key = np.uint64(stream_key(seed))
+            key = kernel_key(seed)
             values, top = kernels.decode_symbols(symbols, d, steps, key, side_info=y, **self._kernel_args())
-            check_alphabet(np.array([top]), self.num_symbols(), self.name)
+            self._check_top(top)
             return torch.from_numpy(values)
         nb = num_buckets(numel, d)
         padded = torch.zeros(nb * d, dtype=torch.float32)
         padded[:numel] = torch.from_numpy(symbols.astype(np.float32))
         sym = padded.view(nb, d) - self.half()
         u = kernels.dither(seed, sym.numel()).view_as(sym)
-        step = torch.from_numpy(steps).reshape(nb, 1)
+        step = torch.from_numpy(steps.copy()).reshape(nb, 1)  # steps may be a read-only view of the payload
         return self._torch_values(sym, step, u, d, side_info).reshape(-1)[:numel].to(torch.float32)
 
     def dequantize_packed(
@@ -138,12 +138,16 @@ class DitherQuantizer(Quantizer):
         if not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed, side_info)
         y = self._checked_side_info(side_info)
-        steps = side[0].astype(np.float32)
-        key = np.uint64(stream_key(seed))
-        d = effective_bucket_size(self.bucket_size, numel)
+        d, steps = self.bucket_scales(side, numel)
+        key = kernel_key(seed)
         values, top = kernels.decode_packed(packed, numel, d, steps, key, width, side_info=y, **self._kernel_args())
-        check_alphabet(np.array([top]), self.num_symbols(), self.name)
+        self._check_top(top)
         return torch.from_numpy(values)
+
+    def _check_top(self, top: int) -> None:
+        """PayloadError if the largest symbol a kernel decoded is beyond the alphabet."""
+        if top >= self.num_symbols():
+            check_alphabet(np.array([top]), self.num_symbols(), self.name)
 
     def _checked_side_info(self, side_info: torch.Tensor | None) -> np.ndarray | None:
         """Side information as the kernels take it (CPU float32), or None; ValueError if not finite."""
