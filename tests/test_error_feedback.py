@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedquant.codecs import Codec, get_codec
+from fedquant.codecs import Codec, available_codecs, get_codec
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.codecs.transforms.error_feedback import ErrorFeedback
 from tests import test_codecs_common as common
@@ -171,8 +171,8 @@ def test_residual_stays_on_the_tensors_device():
     assert state["ef"].device == x.device and state["ef"].dtype == torch.float32
 
 
-# The registered quantizers with ef+ in front; a family ported to the pipeline joins this list.
-WRAPPED = ["ef+fp16", "ef+fp32"]
+# Every registered quantizer with ef+ in front.
+WRAPPED = [f"ef+{name}" for name in available_codecs()]
 
 
 @pytest.mark.parametrize("spec", WRAPPED)

@@ -116,6 +116,16 @@ class Codec:
         """``"module:Class"`` of the server's default decode plan for this codec, or None."""
         return self.quantizer.decode_plan
 
+    @property
+    def force_torch(self) -> bool:
+        """Whether the quantizer and the transforms run their torch path on CPU tensors too (path-equality tests)."""
+        return self.quantizer.force_torch
+
+    @force_torch.setter
+    def force_torch(self, value: bool) -> None:
+        for stage in (self.quantizer, *self.wire_transforms):
+            stage.force_torch = bool(value)
+
     def without_state(self) -> Codec:
         """The same pipeline without its client-state transforms (what the server decodes with)."""
         return Codec(self.quantizer, self.wire_transforms) if self.stateful else self

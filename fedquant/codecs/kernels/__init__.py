@@ -1,9 +1,13 @@
-"""CPU (numba) kernels by quantizer family; their torch twins sit in the quantizer modules.
+"""CPU (numba) kernels by family, each beside its torch twin (the CUDA path); both give the same bytes.
 
 * :mod:`~fedquant.codecs.kernels.common`: shared primitives (inline uniforms, bucket statistics,
-  bit packing of chunks, the parallel/serial switch);
-* :mod:`~fedquant.codecs.kernels.grid`: scaled grids (QSGD, TernGrad) and scaled sign;
+  bit packing of chunks, the ``parallel_kernel`` switch between parallel and serial versions);
+* :mod:`~fedquant.codecs.kernels.grid`: scaled grids (QSGD, TernGrad) and scaled sign, torch twins
+  in the same module;
 * :mod:`~fedquant.codecs.kernels.levels`: per-bucket levels (ORQ, Linear, BinGrad), torch twin in
   :mod:`~fedquant.codecs.kernels.levels_torch`;
-* :mod:`~fedquant.codecs.kernels.dither`: subtractive and nested dither (DQSG, NDQSG).
+* :mod:`~fedquant.codecs.kernels.dither`: subtractive and nested dither (DQSG, NDQSG), torch twins
+  in the same module;
+* :mod:`~fedquant.codecs.kernels.hadamard`: the blocked fast Walsh–Hadamard transform of ``rht+``,
+  torch twin in the same module.
 """

@@ -24,9 +24,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fedquant.codecs.buckets import check_bucket_scales, effective_bucket_size, num_buckets
 from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import unpack_bits
+from fedquant.wire.body import require_items
 
 CODINGS = ("fixed", "elias", "entropy")
 
@@ -178,3 +180,20 @@ def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:
     """PayloadError if any symbol is ``>= num_symbols``."""
     if symbols.size and int(symbols.max()) >= num_symbols:
         raise PayloadError(f"{codec} payload holds a symbol {int(symbols.max())} outside 0..{num_symbols - 1}")
+
+
+class BucketScaledQuantizer(Quantizer):
+    """Base of the quantizers whose side data is one float32 scale per bucket (``bucket_size`` param)."""
+
+    def side_fields(self, numel: int) -> list[SideField]:
+        return [SideField("bucket scales", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
+
+    def check_side(self, side: list[np.ndarray]) -> None:
+        check_bucket_scales(side[0], self.name)
+
+    def bucket_scales(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:
+        """``(d, scales)`` of decoded side data: the bucket size and the scales as float32."""
+        d = effective_bucket_size(self.bucket_size, numel)
+        scales = np.ascontiguousarray(side[0], dtype=np.float32)
+        require_items(scales, num_buckets(numel, d), "bucket scales")  # the kernels index it unchecked
+        return d, scales

@@ -27,7 +27,7 @@ its error variance equals DQSG's at the same ``levels``, and the server learns e
 payload (32 bits per bucket). The price is that ``Delta1`` (hence the wrap-around margin
 ``(Delta2 - Delta1) / 2``) scales with each client's own maximum, so a server choosing ``rho``
 from a spread ``sigma_z`` must compare it with the clients' typical ``kappa / M1`` per bucket
-(see :mod:`fedquant.codecs.nested_params`).
+(see :mod:`fedquant.codecs.quantizers.nested_rules`).
 
 Both paths live in :mod:`fedquant.codecs.kernels.dither`: numba kernels on CPU tensors (dither
 drawn inline, quantization fused with bit packing, unpacking fused with reconstruction; no
@@ -51,8 +51,7 @@ from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_
 from fedquant.codecs.kernels import dither as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, check_alphabet
-from fedquant.codecs.quantizers.grid import BucketScaledQuantizer
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, check_alphabet
 
 MAX_LEVELS = (1 << 15) - 1  # 2M+1 indices must fit the 16-bit packer
 MAX_RHO = (1 << 16) - 1
@@ -234,7 +233,7 @@ class NDQSGQuantizer(DitherQuantizer):
     ``decode(..., side_info=y)`` needs the decoder's estimate ``y`` of the tensor. Correct while
     ``|alpha (g - y) + Delta1 eps| < Delta2 / 2`` per coordinate (``eps`` the fine rounding error
     in ``[-1/2, 1/2]``); beyond that the estimate jumps by ``alpha Delta2``. Choose ``rho`` with
-    :func:`fedquant.codecs.nested_params.choose_rho`. ``unbiased`` is False because the estimate
+    :func:`fedquant.codecs.quantizers.nested_rules.choose_rho`. ``unbiased`` is False because the estimate
     is biased for ``alpha < 1`` and after wrap-arounds; with ``alpha = 1`` and no wrap it is
     unbiased with DQSG's variance ``Delta1**2 / 12``. The server's decode plan that provides the
     side information is :attr:`decode_plan`.

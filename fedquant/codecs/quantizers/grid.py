@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets
+from fedquant.codecs.buckets import bucket_stat, effective_bucket_size
 from fedquant.codecs.clipping import clip_sigma
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
@@ -34,23 +34,6 @@ from fedquant.wire.body import require_items
 def grid_steps(scales: np.ndarray, levels: int) -> np.ndarray:
     """Grid step ``scale / s`` per bucket, in float32 (encoder and decoder compute the same)."""
     return (scales.astype(np.float32, copy=False) / np.float32(levels)).astype(np.float32, copy=False)
-
-
-class BucketScaledQuantizer(Quantizer):
-    """Base of the quantizers whose side data is one float32 scale per bucket (``bucket_size`` param)."""
-
-    def side_fields(self, numel: int) -> list[SideField]:
-        return [SideField("bucket scales", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
-
-    def check_side(self, side: list[np.ndarray]) -> None:
-        check_bucket_scales(side[0], self.name)
-
-    def bucket_scales(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:
-        """``(d, scales)`` of decoded side data: the bucket size and the scales as float32."""
-        d = effective_bucket_size(self.bucket_size, numel)
-        scales = np.ascontiguousarray(side[0], dtype=np.float32)
-        require_items(scales, num_buckets(numel, d), "bucket scales")  # the kernels index it unchecked
-        return d, scales
 
 
 class ScaledGridQuantizer(BucketScaledQuantizer):

@@ -25,8 +25,7 @@ import torch
 from fedquant.codecs.buckets import bucket_stat, effective_bucket_size
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized
-from fedquant.codecs.quantizers.grid import BucketScaledQuantizer
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
 
