@@ -48,6 +48,8 @@ def families() -> list[str]:
             specs.append(f"{name}:level_dtype=float16")
     # QSGD's Elias coder picks Code_s (sparse) or Code'_s (dense) per payload: force each regime.
     specs += ["qsgd:bucket_size=0,coding=elias,levels=1", "qsgd:coding=elias,levels=1000", "signsgd:bucket_size=0"]
+    # Behind a rotation: the decoder rotates back (and rotates NDQSG's side information).
+    specs += ["rht+qsgd:coding=entropy", "rht+dqsg:coding=fixed", "rht+ndqsg:coding=fixed"]
     return specs
 
 
@@ -83,16 +85,10 @@ def _tensors():
 
 
 def coded_offset(codec, numel: int) -> int:
-    """Byte offset of the index section in a body: after the per-bucket scales, steps or levels."""
-    from fedquant.codecs.quantizers.levels import LEVEL_DTYPES, LevelQuantizer
-
-    size = getattr(codec, "bucket_size", None)
-    if size is None:
-        return 0  # fp32 / fp16: no index section
-    nb = -(-numel // (size if size > 0 else max(numel, 1)))
-    if isinstance(getattr(codec, "quantizer", None), LevelQuantizer):
-        return nb * codec.quantizer.num_levels() * np.dtype(LEVEL_DTYPES[codec.level_dtype]).itemsize
-    return nb * 4
+    """Byte offset of the symbol stream in a body: after the quantizer's side fields (scales, steps, levels)."""
+    for transform in codec.wire_transforms:
+        numel = transform.output_numel(numel)
+    return sum(f.count * np.dtype(f.dtype).itemsize for f in codec.quantizer.side_fields(numel))
 
 
 def bases(spec: str) -> tuple[object, list[Base]]:
@@ -111,6 +107,9 @@ def bases(spec: str) -> tuple[object, list[Base]]:
         seed = 1000 + j
         try:
             payload = codec.encode(x, seed=seed)
+            # Near the float32 limit a dithered step or a rotation can overflow on the way back:
+            # a payload its own decoder rejects is not a base either.
+            codec.decode(payload, seed, side)
         except ValueError:  # beyond what this codec sends (float16 levels of 3e38): not a base
             continue
         out.append(Base(payload, tuple(x.shape), x.dtype, seed, side, coded_offset(codec, x.numel())))
