@@ -26,13 +26,13 @@ REPRESENTATIVE: dict[str, list[str]] = {
         "qsgd:coding=entropy",
     ],
     "terngrad": ["terngrad", "terngrad:coding=entropy"],
-    "signsgd": ["signsgd"],
-    "bingrad-b": ["bingrad-b"],
+    "signsgd": ["signsgd", "signsgd:coding=entropy"],
+    "bingrad-b": ["bingrad-b", "bingrad-b:coding=entropy"],
     "bingrad-pb": ["bingrad-pb"],
-    "orq": ["orq"],
+    "orq": ["orq", "orq:coding=entropy"],
     "linear": ["linear"],
-    "dqsg": ["dqsg"],
-    "ndqsg": ["ndqsg"],
+    "dqsg": ["dqsg", "dqsg:coding=entropy", "dqsg:coding=elias", "dqsg:levels=2,coding=entropy"],
+    "ndqsg": ["ndqsg", "ndqsg:coding=entropy"],
 }
 
 #: Settings that the throughput target (>= 1/15 of an in-place copy) applies to.
