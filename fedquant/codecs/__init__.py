@@ -34,6 +34,7 @@ _QUANTIZERS: dict[str, str] = {
     "linear": "fedquant.codecs.orq:LinearCodec",
     "dqsg": "fedquant.codecs.dithered:DQSGCodec",
     "ndqsg": "fedquant.codecs.dithered:NDQSGCodec",
+    "eden": "fedquant.codecs.quantizers.eden:EdenQuantizer",
 }
 _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
@@ -111,6 +112,8 @@ def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
         if transforms:
             raise ValueError(f"{name}: transforms are not supported by this codec yet")
         return quantizer
+    # A quantizer that only works on rotated coordinates (EDEN) brings its transforms: "eden" is "rht+eden".
+    transforms += [t for t in getattr(cls, "implied_transforms", ()) if t not in transforms]
     return Codec(quantizer, [transform_class(t)() for t in transforms])
 
 
