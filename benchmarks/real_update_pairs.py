@@ -10,7 +10,7 @@ from the global model. Each round follows NDQSG's Algorithm 2 at the server:
 * every other client (P2), in turn, gives a pair ``(its update, the running mean so far)`` for
   each encoded tensor (at least ``min_numel`` elements: the two hidden weight matrices), then
   its DQSG-decoded update joins the mean (an NDQSG decode without wrap-around has exactly that
-  error, see ``fedquant.codecs.dithered``).
+  error, see ``fedquant.codecs.quantizers.dither``).
 
 The global model moves by the mean of the raw updates (the trajectory does not depend on the
 codec). Per round the script also records the spread the server would have estimated from the

@@ -101,22 +101,18 @@ def numba_cache_in_fresh_worker(codec: str, numel: int) -> dict[str, int]:
     @ray.remote(num_cpus=1)
     def probe(spec: str, n: int) -> dict[str, int]:
         import torch
-        from numba.core.registry import CPUDispatcher
 
         from fedquant.codecs import get_codec
-        from fedquant.codecs.kernels import dither as dither_kernels
-        from fedquant.codecs.kernels import grid as kernels
-        from fedquant.codecs.kernels import levels as cpu_kernels
+        from fedquant.codecs.kernels import common, dither, grid, levels
 
         codec_obj = get_codec(spec)
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
         codec_obj.decode(codec_obj.encode(x, seed=1), seed=1)
         counts = {"loaded": 0, "compiled": 0}
-        for module in (kernels, cpu_kernels, dither_kernels):
-            for fn in vars(module).values():
-                if isinstance(fn, CPUDispatcher):
-                    counts["loaded"] += sum(fn.stats.cache_hits.values())
-                    counts["compiled"] += sum(fn.stats.cache_misses.values())
+        for module in (common, grid, levels, dither):
+            for fn in common.module_dispatchers(module):
+                counts["loaded"] += sum(fn.stats.cache_hits.values())
+                counts["compiled"] += sum(fn.stats.cache_misses.values())
         return counts
 
     ray.init(**RAY_INIT_ARGS)

@@ -38,6 +38,10 @@ REPRESENTATIVE: dict[str, list[str]] = {
 #: Settings that the throughput target (>= 1/15 of an in-place copy) applies to.
 FAST_PATHS = ("qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=7", "terngrad", "signsgd", "dqsg", "ndqsg")
 
+#: Settings behind the ``rht+`` rotation (after the registered codecs' rows); their target is
+#: ``RHT_TARGET_FACTOR`` times an in-place copy.
+RHT_PATHS = ("rht+fp32", "rht+qsgd:levels=7", "rht+dqsg", "rht+dqsg:levels=2,coding=entropy", "rht+ndqsg")
+
 
 @dataclass
 class Setting:
@@ -56,9 +60,10 @@ def all_specs(only: list[str] | None = None) -> list[str]:
     for name in REPRESENTATIVE:
         if name not in available_codecs():
             specs += REPRESENTATIVE[name]
+    specs += RHT_PATHS
     if only:
         specs = [s for s in specs if s in only or s.split(":")[0] in only] + [
-            s for s in only if s not in specs and ":" in s
+            s for s in only if s not in specs and (":" in s or "+" in s)
         ]
     return specs
 

@@ -13,7 +13,8 @@ from tests.helpers import sample_tensor
 def _pair(spec):
     kernel = get_codec(spec)
     reference = get_codec(spec)
-    reference.force_torch = True
+    reference.quantizer.force_torch = True
+    assert kernel.quantizer.uses_kernels() and not reference.quantizer.uses_kernels()
     return kernel, reference
 
 
@@ -85,16 +86,17 @@ def test_half_precision_inputs_give_the_same_bytes(spec, dtype):
     _check_same(spec, x, seed=3, side_info=side)
 
 
-@pytest.mark.parametrize("spec", ["dqsg:coding=entropy", "ndqsg:rho=5,alpha=0.6,coding=entropy"])
+@pytest.mark.parametrize("coding", ["entropy", "elias"])
+@pytest.mark.parametrize("spec", ["dqsg:levels=3", "ndqsg:rho=5,alpha=0.6", "dqsg:levels=300,bucket_size=0"])
 @pytest.mark.parametrize("n", [999, PARALLEL_MIN + 5])
-def test_entropy_coded_paths_agree(spec, n):
+def test_coded_paths_agree(spec, coding, n):
     x = _input(n, seed=4)
     side = x + 0.02 if spec.startswith("ndqsg") else None
-    payload, got = _check_same(spec, x, seed=8, side_info=side)
-    fixed = spec.replace("coding=entropy", "coding=fixed")
+    payload, got = _check_same(f"{spec},coding={coding}", x, seed=8, side_info=side)
     kw = {} if side is None else {"side_info": side}
-    # the entropy coder carries the same symbols as the fixed-width stream: same values
-    assert torch.equal(got, get_codec(fixed).decode(get_codec(fixed).encode(x, seed=8), seed=8, **kw))
+    # the coder carries the same symbols as the fixed-width stream: same values
+    fixed = get_codec(spec)
+    assert torch.equal(got, fixed.decode(fixed.encode(x, seed=8), seed=8, **kw))
 
 
 def test_all_zero_tensor_and_empty_tensor():
@@ -116,7 +118,7 @@ def test_kernel_decode_rejects_indices_outside_the_alphabet_like_torch():
     payload[-10:-4] = b"\xff" * 6
     bad = reseal(bytes(payload))
     for codec in (kernel, reference):
-        with pytest.raises(PayloadError, match="index 7 outside 0..4"):
+        with pytest.raises(PayloadError, match="symbol 7 outside 0..4"):
             codec.decode(bad, seed=0)
 
 

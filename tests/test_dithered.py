@@ -16,7 +16,7 @@ import torch
 
 from fedquant import PayloadError
 from fedquant.codecs import get_codec
-from fedquant.codecs.dithered import dither, nested_quantize, nested_reconstruct
+from fedquant.codecs.kernels.dither import dither, nested_quantize, nested_reconstruct
 from fedquant.codecs.nested_params import choose_rho
 from fedquant.wire import packed_size, read_payload, write_payload
 from fedquant.wire.bitpack import pack_bits
@@ -239,7 +239,7 @@ def test_ndqsg_without_side_info_says_what_is_missing():
         ("dqsg:levels=0", ">= 1"),
         ("dqsg:levels=40000", "<="),
         ("dqsg:bucket_size=-1", ">= 0"),
-        ("ndqsg:coding=gzip", "fixed, entropy"),
+        ("ndqsg:coding=gzip", "fixed, elias, entropy"),
     ],
 )
 def test_bad_parameters_fail_at_construction(spec, message):
@@ -252,13 +252,15 @@ def _forge(codec, steps, symbols, width, numel):
     return write_payload(codec.spec, torch.float32, (numel,), [body])
 
 
-def test_rejects_indices_outside_the_alphabet():
+@pytest.mark.parametrize("force_torch", [False, True])
+def test_rejects_indices_outside_the_alphabet(force_torch):
     dq = get_codec("dqsg", levels=2)  # 5 symbols at 3 bits: 5, 6, 7 are invalid
-    assert dq.decode(_forge(dq, [1.0], [0, 4, 2], 3, 3)).tolist() != []
-    with pytest.raises(PayloadError, match="index 5"):
-        dq.decode(_forge(dq, [1.0], [0, 5, 2], 3, 3))
     nd = get_codec("ndqsg")  # rho = 3 at 2 bits: 3 is invalid
-    with pytest.raises(PayloadError, match="index 3"):
+    dq.quantizer.force_torch = nd.quantizer.force_torch = force_torch
+    assert dq.decode(_forge(dq, [1.0], [0, 4, 2], 3, 3)).tolist() != []
+    with pytest.raises(PayloadError, match="symbol 5 outside 0..4"):
+        dq.decode(_forge(dq, [1.0], [0, 5, 2], 3, 3))
+    with pytest.raises(PayloadError, match="symbol 3 outside 0..2"):
         nd.decode(_forge(nd, [1.0], [0, 3, 2], 2, 3), side_info=torch.zeros(3))
 
 
@@ -327,3 +329,71 @@ def test_entropy_coded_bodies_of_wrong_length_are_rejected(spec):
     for bad in (body[:-1], body[:-4], body + b"\x00\x00\x00\x00", body[: 4 * 6]):
         with pytest.raises(PayloadError):
             codec.decode(write_payload(p.spec, p.dtype, p.shape, [bad]), seed=1, **kwargs)
+
+
+# ------------------------------------------------------------------ Elias coding (symmetric alphabets)
+@pytest.mark.parametrize(
+    ("spec", "width", "half"),
+    [("dqsg:levels=7", 4, 7), ("dqsg:levels=1,bucket_size=0", 2, 1), ("ndqsg:levels=7,rho=5", 3, 2)],
+)
+def test_elias_payload_is_the_shorter_code_s_of_the_signed_indices_and_decodes_like_fixed(spec, width, half):
+    from fedquant.wire.elias import elias_omega_lengths
+
+    n = 20000
+    x = sample_tensor((n,), seed=53)
+    kwargs = {"side_info": x + 0.01} if spec.startswith("ndqsg") else {}
+    fixed, elias = get_codec(spec), get_codec(spec + ",coding=elias")
+    p_fixed, p_elias = fixed.encode(x, seed=3), elias.encode(x, seed=3)
+    assert torch.equal(fixed.decode(p_fixed, seed=3, **kwargs), elias.decode(p_elias, seed=3, **kwargs))
+    steps = 4 * (1 if "bucket_size=0" in spec else math.ceil(n / 512))
+    q = _unpack_all(p_fixed, n, width, steps) - half  # the signed indices the fixed stream carries
+    nz = np.flatnonzero(q)
+    gaps = np.diff(nz, prepend=-1)
+    sparse_bits = int(elias_omega_lengths(gaps).sum() + nz.size + elias_omega_lengths(np.abs(q[nz])).sum())
+    dense_bits = int(elias_omega_lengths(np.abs(q) + 1).sum() + nz.size)
+    body = read_payload(p_elias).body
+    assert len(body) == steps + 1 + math.ceil(min(sparse_bits, dense_bits) / 8)
+    assert body[steps] == (0 if sparse_bits <= dense_bits else 1)
+
+
+@pytest.mark.parametrize("spec", ["dqsg:levels=2,coding=elias", "ndqsg:rho=3,coding=elias"])
+def test_elias_rejects_unknown_variant_indices_beyond_the_alphabet_and_trailing_bytes(spec):
+    from fedquant.wire.elias import code_s_encode
+
+    codec = get_codec(spec)
+    x = sample_tensor((1000,), seed=54)
+    kwargs = {"side_info": x} if codec.needs_side_info else {}
+    p = read_payload(codec.encode(x, seed=2))
+    body = bytes(p.body)
+    steps = 4 * 2  # two buckets of 512
+    assert codec.decode(write_payload(p.spec, p.dtype, p.shape, [body]), seed=2, **kwargs).shape == (1000,)
+    beyond, _ = code_s_encode(np.array([0, 5, 0, -1] * 250, np.int8))  # |index| 5 beyond both alphabets
+    for bad in (
+        body[:steps] + b"\x07" + body[steps + 1 :],  # unknown variant
+        body[:steps] + b"\x00" + beyond.tobytes(),
+        body + b"\x00",  # a gap past the end of the vector
+        body + b"\xff",  # a codeword cut off
+    ):
+        with pytest.raises(PayloadError):
+            codec.decode(write_payload(p.spec, p.dtype, p.shape, [bad]), seed=2, **kwargs)
+
+
+@pytest.mark.parametrize("coding", ["elias", "entropy"])
+@pytest.mark.parametrize("spec", ["dqsg:levels=5", "ndqsg:levels=5,rho=7,alpha=0.8"])
+def test_coded_round_trips_on_both_paths_and_with_error_feedback(spec, coding):
+    x = sample_tensor((7, 300), seed=55)
+    y = x + 0.02 * sample_tensor((7, 300), seed=56)
+    kwargs = {"side_info": y} if spec.startswith("ndqsg") else {}
+    kernel, reference = get_codec(f"{spec},coding={coding}"), get_codec(f"{spec},coding={coding}")
+    reference.quantizer.force_torch = True
+    payload = kernel.encode(x, seed=9)
+    assert payload == reference.encode(x, seed=9)
+    out = kernel.decode(payload, seed=9, **kwargs)
+    assert out.shape == x.shape and torch.equal(out, reference.decode(payload, seed=9, **kwargs))
+    step = _steps(x, 5, 512).reshape(x.shape)
+    assert ((out - x).abs() <= step / 2 + 1e-5).all()  # no wrap-around: y is well inside the coarse cell
+    # ef+ in front: the residual is what the codec failed to send
+    ef = get_codec(f"ef+{spec},coding={coding}")
+    sent, state = ef.encode_stateful(x, 9, None)
+    assert sent == payload
+    assert torch.equal(state["ef"], x - ef.decode(sent, seed=9, side_info=x) if ef.needs_side_info else x - out)

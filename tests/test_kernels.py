@@ -1,5 +1,10 @@
 """The fused numba kernels against fedquant.rng, the bit packer and their torch twins."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +116,48 @@ def test_fused_scale_and_round_equals_the_two_passes(d, l2):
     packed = kernels.round_pack(x, d, grid.grid_steps(scales, 16), 16, key, 6)
     fused_scales, fused_packed = kernels.scale_round_pack(x, d, 16, key, 6, l2)
     assert np.array_equal(fused_scales, scales) and np.array_equal(fused_packed, packed)
+
+
+# ---------------------------------------------------------------- the parallel/serial switch
+SWITCH_SIZES = [1, 1000, common.PARALLEL_MIN - 1, common.PARALLEL_MIN + 1001]
+
+
+@pytest.mark.parametrize("n", SWITCH_SIZES)
+def test_serial_and_parallel_versions_of_a_kernel_agree(n):
+    x = sample_tensor((n,), seed=n).numpy()
+    key = np.uint64(stream_key(9))
+    for stat in (common.bucket_max_abs, common.bucket_l2, common.bucket_l1_mean):
+        assert np.array_equal(stat.serial(x, 100), stat.parallel(x, 100))
+    scales, packed = kernels.scale_round_pack.serial(x, 128, 7, key, 4, False)
+    par_scales, par_packed = kernels.scale_round_pack.parallel(x, 128, 7, key, 4, False)
+    assert np.array_equal(scales, par_scales) and np.array_equal(packed, par_packed)
+    steps = scales / np.float32(7)
+    y, bad = kernels.unpack_dequant.serial(packed, n, 128, steps, 7, 4)
+    par_y, par_bad = kernels.unpack_dequant.parallel(packed, n, 128, steps, 7, 4)
+    assert bad == par_bad == 0 and np.array_equal(y, par_y)
+    bits = kernels.sign_pack.serial(x)
+    assert np.array_equal(bits, kernels.sign_pack.parallel(x))
+
+
+_SWITCH_PROBE = """
+import numpy as np
+from fedquant.codecs.kernels import common
+kernel = common.bucket_max_abs
+kernel(np.ones(10, np.float32), 4)
+assert kernel.serial.signatures and not kernel.parallel.signatures, "a small call must run the serial version"
+big = np.ones(common.PARALLEL_MIN, np.float32)
+kernel(big, 4)
+assert kernel.parallel.signatures, "a large call must run the parallel version"
+print(sum(kernel.serial.stats.cache_hits.values()), sum(kernel.parallel.stats.cache_hits.values()))
+"""
+
+
+def test_switch_picks_by_size_and_both_versions_load_from_their_own_cache():
+    # Jitting one function twice with cache=True shares one cache entry and crashes the next
+    # process; the switch's two versions must each load from cache in a fresh process.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    probe = [sys.executable, "-c", _SWITCH_PROBE]
+    runs = [subprocess.run(probe, env=env, capture_output=True, text=True, check=False) for _ in "ab"]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert runs[1].stdout.split() == ["1", "1"]

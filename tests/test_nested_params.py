@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fedquant.codecs.dithered import dither, nested_quantize, nested_reconstruct
+from fedquant.codecs.kernels.dither import dither, nested_quantize, nested_reconstruct
 from fedquant.codecs.nested_params import (
     RunningMean,
     choose_rho,

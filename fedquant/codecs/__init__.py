@@ -32,12 +32,13 @@ _QUANTIZERS: dict[str, str] = {
     "bingrad-pb": "fedquant.codecs.bingrad:BinGradPBCodec",
     "orq": "fedquant.codecs.orq:ORQCodec",
     "linear": "fedquant.codecs.orq:LinearCodec",
-    "dqsg": "fedquant.codecs.dithered:DQSGCodec",
-    "ndqsg": "fedquant.codecs.dithered:NDQSGCodec",
+    "dqsg": "fedquant.codecs.quantizers.dither:DQSGQuantizer",
+    "ndqsg": "fedquant.codecs.quantizers.dither:NDQSGQuantizer",
     "eden": "fedquant.codecs.quantizers.eden:EdenQuantizer",
 }
 _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
+    "rht": "fedquant.codecs.transforms.rht:RandomizedHadamard",
 }
 EF_PREFIX = "ef+"
 

@@ -80,7 +80,6 @@ import torch
 from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.codecs.dithered import MAX_RHO
 from fedquant.codecs.nested_params import (
     choose_rho_for_variance,
     leave_one_out_steps,
@@ -88,6 +87,7 @@ from fedquant.codecs.nested_params import (
     spread_in_steps,
 )
 from fedquant.codecs.params import parse_spec
+from fedquant.codecs.quantizers.dither import MAX_RHO
 from fedquant.rng import derive_seed
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
 from fedquant.strategies.protocol import KEY_ROLE

@@ -1,70 +1,104 @@
-"""Numba kernels for the CPU path of the dithered codecs (DQSG and NDQSG).
+"""The two paths of the dithered quantizers (DQSG and NDQSG): torch functions and numba kernels.
 
-Each kernel performs, element by element, exactly the operations of the torch functions in
-:mod:`fedquant.codecs.dithered` (which remain the CUDA path), in the same dtypes and order, so
-both paths write the same bytes and decode to the same values:
+The torch functions (first half) run on any device and are the CUDA path; the numba kernels
+(second half) are the CPU path. Each kernel performs, element by element, exactly the operations
+of the torch functions, in the same dtypes and order, so both paths write the same bytes and
+decode to the same values (``force_torch = True`` on a quantizer runs the torch path on CPU; the
+tests compare the two):
 
-* the dither ``u = uniform - 1/2`` of element ``i`` is drawn inline with
-  :func:`fedquant.codecs.kernels.uniform24` (bit for bit :func:`fedquant.rng.uniform`);
+* the dither ``u = uniform - 1/2`` of element ``i`` is element ``i`` of :func:`fedquant.rng.uniform`'s
+  stream, drawn inline by the kernels with :func:`fedquant.codecs.kernels.common.uniform24`;
 * encoding is float32 throughout: ``round(v / step + u)`` (DQSG, clamped to ``[-M, M]``) or
   ``q1 = round((alpha v) / step + u)``, ``s = q1 - rho round(q1 / rho)`` (NDQSG), with
   ``alpha`` rounded to float32 as torch does for a Python scalar, true division (no reciprocal)
   and ``np.rint`` (round half to even, as ``torch.round``);
-* DQSG decoding is float32 ``step * ((code - M) - u)``; NDQSG decoding is float64 per element,
-  like the torch code: ``r = (s - u) step1 - alpha y``, ``r -= step2 round(r / step2)``,
-  ``y + alpha r`` rounded to float32, and 0 in buckets whose step is 0.
+* DQSG decoding is float32 ``step * ((code - M) - u)``; NDQSG decoding is float64 per element:
+  ``r = (s - u) step1 - alpha y``, ``r -= step2 round(r / step2)``, ``y + alpha r`` rounded to
+  float32, and 0 in buckets whose step is 0.
 
-A zero step (all-zero bucket) divides by 1 instead, as ``dithered._safe`` does. The loops run
-over chunks of ``kernels.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of
-the packed stream); tensors below ``PARALLEL_MIN`` elements use the serial loops, whose bodies
-are the same functions.
+A zero step (all-zero bucket) divides by 1 instead. The kernels loop over chunks of
+``common.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of the packed stream).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, pack_into, uniform24, unpack_from
+from fedquant.codecs.buckets import torch_bucket_stat
+from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
+from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
+
+# ================================================================ torch path (any device)
+def dither(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dither of a tensor in units of its step: ``n`` float32 values on ``[-1/2, 1/2)``.
+
+    Element ``i`` is element ``i`` of :func:`fedquant.rng.uniform`'s stream for ``seed``, minus
+    one half (exact in float32), so encoder and decoder agree bit for bit on any device.
+    """
+    return uniform(seed, n, device=device) - 0.5
+
+
+def bucket_steps(flat: torch.Tensor, d: int, levels: int) -> torch.Tensor:
+    """Step ``max|v| / levels`` of each bucket of ``d`` elements of ``flat``, shape ``(buckets, 1)``."""
+    # A true division on every device: CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, which can move the step by one ulp.
+    divisor = torch.tensor(float(levels), dtype=flat.dtype, device=flat.device)
+    return torch_bucket_stat(flat, d, "max").view(-1, 1) / divisor
+
+
+def _safe(step: torch.Tensor) -> torch.Tensor:
+    """Steps with zeros replaced by one (a zero step means an all-zero bucket: its input is 0)."""
+    return torch.where(step > 0, step, torch.ones_like(step))
+
+
+def dithered_quantize(v: torch.Tensor, step: torch.Tensor, u: torch.Tensor, levels: int) -> torch.Tensor:
+    """DQSG indices ``round(v / step + u)`` clamped to ``{-levels..levels}``.
+
+    ``u`` is the dither in units of ``step``. The clamp only acts when rounding of ``v / step``
+    lands a hair above ``levels`` at the bucket maximum; all-zero buckets (``step = 0``) give 0.
+    """
+    return torch.round(v / _safe(step) + u).clamp_(-levels, levels)
+
+
+def dithered_reconstruct(q: torch.Tensor, step: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """DQSG decoder ``step * (q - u)``: the dither is subtracted again."""
+    return step * (q - u)
+
+
+def nested_quantize(v: torch.Tensor, step1: torch.Tensor, u: torch.Tensor, rho: int, alpha: float) -> torch.Tensor:
+    """Nested indices ``s = Q1(t) - Q2(t)``, ``t = alpha v + u step1``, in units of ``step1``.
+
+    With ``q1 = round(t / step1)`` and odd ``rho``, ``Q2(t) / step1 = rho * round(q1 / rho)``
+    (``q1 / rho`` is never a half-integer), so ``s`` lies in ``{-(rho-1)/2 .. (rho-1)/2}``.
+    """
+    q1 = torch.round(alpha * v / _safe(step1) + u)
+    return q1 - rho * torch.round(q1 / rho)
+
+
+def nested_reconstruct(
+    s: torch.Tensor, step1: torch.Tensor, u: torch.Tensor, rho: int, alpha: float, y: torch.Tensor
+) -> torch.Tensor:
+    """Nested decoder with side information ``y`` (computed in the dtype of ``y``).
+
+    ``r = (s - u) step1 - alpha y``, reduced to ``[-Delta2/2, Delta2/2]`` (``Delta2 = rho step1``),
+    then ``y + alpha r``: of all values consistent with ``s``, the one in the coarse cell of ``y``.
+    Buckets whose step is 0 were all zeros at the encoder and decode to 0.
+    """
+    step1 = step1.to(y.dtype)
+    step2 = rho * step1
+    r = (s.to(y.dtype) - u.to(y.dtype)) * step1 - alpha * y
+    r = r - step2 * torch.round(r / _safe(step2))
+    return torch.where(step1 > 0, y + alpha * r, torch.zeros_like(y))
+
+
+# ================================================================ numba kernels (CPU)
 _HALF = np.float32(0.5)
 _ONE32 = np.float32(1.0)
 _ZERO32 = np.float32(0.0)
-_ABS_MASK = np.uint32(0x7FFFFFFF)
-
-
-# ---------------------------------------------------------------- per-bucket steps
-@njit(cache=True)
-def _steps_range(x, d, levels, b0, b1, steps):
-    """``max|x| / levels`` (float32) of buckets ``b0 .. b1`` (bit patterns: exact, finite input)."""
-    bits = x.view(np.uint32)
-    n = x.size
-    lv = np.float32(levels)
-    for b in range(b0, b1):
-        lo = b * d
-        hi = min(lo + d, n)
-        m = np.uint32(0)
-        seg = bits[lo:hi]
-        for i in range(hi - lo):
-            m = max(m, seg[i] & _ABS_MASK)
-        steps[b] = np.array([m], np.uint32).view(np.float32)[0] / lv
-
-
-_STEP_BLOCK = 64
-
-
-@njit(cache=True, parallel=True)
-def _steps_par(x, d, levels, steps):
-    nb = steps.size
-    for blk in prange((nb + _STEP_BLOCK - 1) // _STEP_BLOCK):
-        b0 = blk * _STEP_BLOCK
-        _steps_range(x, d, levels, b0, min(b0 + _STEP_BLOCK, nb), steps)
-
-
-@njit(cache=True)
-def _steps_seq(x, d, levels, steps):
-    _steps_range(x, d, levels, 0, steps.size, steps)
 
 
 # ---------------------------------------------------------------- encoding
@@ -114,31 +148,16 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
-@njit(cache=True, parallel=True)
-def _pack_par(x, d, steps, nested, levels, rho, alpha, key, width, out):
+@parallel_kernel
+def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out):
     for c in prange((x.size + CHUNK - 1) // CHUNK):
         _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
 
 
-@njit(cache=True)
-def _pack_seq(x, d, steps, nested, levels, rho, alpha, key, width, out):
-    for c in range((x.size + CHUNK - 1) // CHUNK):
-        _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
-
-
-@njit(cache=True, parallel=True)
-def _codes_par(x, d, steps, nested, levels, rho, alpha, key, out):
+@parallel_kernel
+def _codes(x, d, steps, nested, levels, rho, alpha, key, out):
     n = x.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
-
-
-@njit(cache=True)
-def _codes_seq(x, d, steps, nested, levels, rho, alpha, key, out):
-    n = x.size
-    for c in range((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
         _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
@@ -209,8 +228,8 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, 
     return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
 
 
-@njit(cache=True, parallel=True)
-def _unpack_par(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
+@parallel_kernel(count_arg=10)
+def _unpack(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
     nchunks = (out.size + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
@@ -218,16 +237,8 @@ def _unpack_par(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
     return tops.max() if nchunks else 0
 
 
-@njit(cache=True)
-def _unpack_seq(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
-    top = 0
-    for c in range((out.size + CHUNK - 1) // CHUNK):
-        top = max(top, _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out))
-    return top
-
-
-@njit(cache=True, parallel=True)
-def _values_par(codes, d, steps, nested, levels, rho, alpha, key, y, out):
+@parallel_kernel
+def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     n = out.size
     nchunks = (n + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
@@ -236,17 +247,6 @@ def _values_par(codes, d, steps, nested, levels, rho, alpha, key, y, out):
         c1 = min(c0 + CHUNK, n)
         tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
     return tops.max() if nchunks else 0
-
-
-@njit(cache=True)
-def _values_seq(codes, d, steps, nested, levels, rho, alpha, key, y, out):
-    n = out.size
-    top = 0
-    for c in range((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        top = max(top, _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out))
-    return top
 
 
 # ---------------------------------------------------------------- side information check
@@ -262,19 +262,14 @@ def _count_nonfinite(bits, lo, hi):
     return bad
 
 
-@njit(cache=True, parallel=True)
-def _nonfinite_par(bits):
+@parallel_kernel
+def _nonfinite(bits):
     n = bits.size
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         bad[c] = _count_nonfinite(bits, c * CHUNK, min(c * CHUNK + CHUNK, n))
     return bad.sum()
-
-
-@njit(cache=True)
-def _nonfinite_seq(bits):
-    return _count_nonfinite(bits, 0, bits.size)
 
 
 # ---------------------------------------------------------------- public entry points
@@ -284,14 +279,7 @@ def all_finite(y: np.ndarray) -> bool:
     Reads the exponent bits: one pass without the boolean temporary of ``torch.isfinite``.
     """
     bits = y.view(np.uint32)
-    return (_nonfinite_par if bits.size >= PARALLEL_MIN else _nonfinite_seq)(bits) == 0
-
-
-def bucket_steps(x: np.ndarray, d: int, levels: int) -> np.ndarray:
-    """``max|x| / levels`` of each bucket of ``d`` elements of float32 ``x`` (float32 array)."""
-    steps = np.empty(-(-x.size // d), np.float32)
-    (_steps_par if x.size >= PARALLEL_MIN else _steps_seq)(x, d, levels, steps)
-    return steps
+    return _nonfinite(bits) == 0
 
 
 def _args(nested: bool, levels: int, rho: int) -> tuple[bool, int, int]:
@@ -320,7 +308,7 @@ def encode_packed(
     d : int
         Bucket size (the last bucket may be short).
     steps : np.ndarray
-        float32 step of each bucket (:func:`bucket_steps`).
+        float32 step of each bucket (as :func:`bucket_steps` computes them).
     key : np.uint64
         ``fedquant.rng.stream_key(seed)``.
     width : int
@@ -330,8 +318,7 @@ def encode_packed(
     """
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty((x.size * width + 7) // 8, np.uint8)
-    run = _pack_par if x.size >= PARALLEL_MIN else _pack_seq
-    run(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
+    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
     return out
 
 
@@ -349,8 +336,7 @@ def encode_symbols(
     """Like :func:`encode_packed` but returns the unpacked symbols (uint16), for entropy coding."""
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty(x.size, np.uint16)
-    run = _codes_par if x.size >= PARALLEL_MIN else _codes_seq
-    run(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out)
+    _codes(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out)
     return out
 
 
@@ -391,8 +377,7 @@ def decode_packed(
     require_items(data, (n * width + 7) // 8, "packed indices")
     _require_buckets(n, d, steps, nested, side_info)
     out = np.empty(n, np.float32)
-    run = _unpack_par if n >= PARALLEL_MIN else _unpack_seq
-    top = run(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
+    top = _unpack(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
     return out, int(top)
 
 
@@ -413,6 +398,5 @@ def decode_symbols(
     codes = np.ascontiguousarray(codes, dtype=np.uint16)
     _require_buckets(codes.size, d, steps, nested, side_info)
     out = np.empty(codes.size, np.float32)
-    run = _values_par if codes.size >= PARALLEL_MIN else _values_seq
-    top = run(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
+    top = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
     return out, int(top)

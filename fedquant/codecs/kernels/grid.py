@@ -2,7 +2,8 @@
 
 All kernels work on a flat float32 array split into buckets of ``d`` elements (the last bucket
 may be short). They read the input once per pass and write packed bytes (or float32 output)
-directly, in parallel over chunks of ``CHUNK`` elements; ``CHUNK`` is a multiple of 8, so every
+directly, over chunks of ``CHUNK`` elements (in parallel from ``PARALLEL_MIN`` elements on, see
+:func:`~fedquant.codecs.kernels.common.parallel_kernel`); ``CHUNK`` is a multiple of 8, so every
 chunk starts on a byte boundary of the packed stream at any bit width.
 
 Stochastic rounding draws its uniforms inline from the counter-based stream of
@@ -38,6 +39,7 @@ from fedquant.codecs.kernels.common import (  # noqa: F401  (bucket statistics a
     bucket_l2,
     bucket_max_abs,
     pack_into,
+    parallel_kernel,
     uniform24,
     unpack_from,
 )
@@ -70,7 +72,7 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
         i = hi
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def round_pack(x, d, steps, s, key, width):
     """Stochastically round ``x`` to the grid ``steps[b] * {-s..s}`` and pack the symbols.
 
@@ -97,7 +99,7 @@ def round_pack(x, d, steps, s, key, width):
     return out
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def scale_round_pack(x, d, s, key, width, l2):
     """:func:`bucket_max_abs` (or :func:`bucket_l2`) fused with :func:`round_pack`: one read of ``x``.
 
@@ -139,7 +141,7 @@ def scale_round_pack(x, d, s, key, width, l2):
     return scales, out
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def round_codes(x, d, steps, s, key):
     """Like :func:`round_pack` but returns the unpacked symbols ``q + s`` (uint16), for entropy coders."""
     n = x.size
@@ -153,7 +155,7 @@ def round_codes(x, d, steps, s, key):
 
 
 # ---------------------------------------------------------------- decoding
-@njit(cache=True, parallel=True)
+@parallel_kernel(count_arg=1)
 def unpack_dequant(data, n, d, steps, s, width):
     """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
     out = np.empty(n, np.float32)
@@ -193,7 +195,7 @@ def _chunk_dequant(codes, d, steps, s, c0, c1, out):
     return bad
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def codes_dequant(codes, d, steps, s):
     """Decode unpacked symbols (from an entropy decoder). Returns ``(values, symbols > 2s)``."""
     n = codes.size
@@ -208,7 +210,7 @@ def codes_dequant(codes, d, steps, s):
 
 
 # ---------------------------------------------------------------- sign bits
-@njit(cache=True, parallel=True)
+@parallel_kernel
 def sign_pack(x):
     """One bit per element, LSB first: 1 where ``x < 0`` (so ``sign(0) = +1``)."""
     n = x.size
@@ -228,7 +230,7 @@ def sign_pack(x):
     return out
 
 
-@njit(cache=True, parallel=True)
+@parallel_kernel(count_arg=1)
 def sign_unpack(data, n, d, scales):
     """``-scale`` where the bit is 1, ``+scale`` where it is 0, bucket by bucket."""
     out = np.empty(n, np.float32)
