@@ -99,8 +99,9 @@ def check_codecs(checks: Checks, specs: list[str], dev: str) -> None:
             continue
         codec = setting.codec
         dev_codec = build(spec).codec
-        if torch.device(dev).type == "cpu" and hasattr(dev_codec, "force_torch"):
-            dev_codec.force_torch = True  # dry run on CPU: the torch (device) path against the kernels
+        stage = getattr(dev_codec, "quantizer", dev_codec)  # pipeline codecs: the quantizer picks the path
+        if torch.device(dev).type == "cpu" and hasattr(stage, "force_torch"):
+            stage.force_torch = True  # dry run on CPU: the torch (device) path against the kernels
         for label, x in inputs:
             xc = x.to(dev)
             if not x.is_contiguous():

@@ -40,7 +40,9 @@ import numpy as np
 import torch
 
 from benchmarks.specs import Setting, all_specs, build, parse_codec_list, side_info_for
-from fedquant.codecs import available_codecs, grid
+from fedquant.codecs import available_codecs
+from fedquant.codecs.buckets import effective_bucket_size
+from fedquant.codecs.quantizers.grid import ScaledGridQuantizer
 from fedquant.wire.bitpack import bit_width, packed_size
 from fedquant.wire.payload import header_size
 
@@ -102,13 +104,11 @@ def load_update(path: str | None) -> torch.Tensor:
 
 def grid_symbols(codec, x: torch.Tensor, seed: int) -> tuple[np.ndarray, int, int] | None:
     """``(symbols, alphabet, buckets)`` of a scaled-grid codec for ``x`` and ``seed``; else None."""
-    if not isinstance(codec, grid.ScaledGridCodec):
+    quantizer = getattr(codec, "quantizer", None)
+    if not isinstance(quantizer, ScaledGridQuantizer):
         return None
-    s, norm = codec._grid()
-    flat = codec._prepare(x)
-    d = grid.effective_bucket_size(codec.bucket_size, flat.numel())
-    steps = grid.grid_steps(grid.bucket_scales(flat, d, norm), s)
-    return grid.round_codes(flat, d, steps, s, seed), 2 * s + 1, -(-flat.numel() // d)
+    q = quantizer.quantize(x.reshape(-1).float().contiguous(), seed, None)
+    return q.symbols, quantizer.num_symbols(), q.side[0].size
 
 
 def entropy_bits(symbols: np.ndarray, alphabet: int) -> float:
@@ -121,7 +121,7 @@ def qsgd_bound(codec, x: torch.Tensor) -> float:
     """QSGD's variance bound relative to ``||x||^2`` (see the module docstring)."""
     s = codec.levels
     n = x.numel()
-    d = grid.effective_bucket_size(codec.bucket_size, n)
+    d = effective_bucket_size(codec.bucket_size, n)
     v = torch.nn.functional.pad(x.double(), (0, (-n) % d)).view(-1, d)
     counts = torch.full((v.shape[0],), float(d), dtype=torch.float64)
     counts[-1] = n - (v.shape[0] - 1) * d
@@ -164,7 +164,7 @@ def measure(setting: Setting, x: torch.Tensor, seeds: list[int], failures: list[
     elif setting.spec.startswith("signsgd"):
         neg = float((x < 0).double().mean())
         hb = 0.0 if neg in (0.0, 1.0) else -(neg * math.log2(neg) + (1 - neg) * math.log2(1 - neg))
-        nb = -(-n // grid.effective_bucket_size(codec.bucket_size, n))
+        nb = -(-n // effective_bucket_size(codec.bucket_size, n))
         h_cell = f"{hb + 32 * nb / n:.3f}"
     if codec.name == "qsgd":
         bound = qsgd_bound(codec, x)

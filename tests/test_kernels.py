@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedquant.codecs import grid
+from fedquant.codecs.buckets import bucket_stat
 from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.quantizers.grid import grid_steps, stream_key_u64
 from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, unpack_bits
 from tests.helpers import sample_tensor
@@ -45,23 +46,36 @@ def test_kernel_and_torch_paths_give_identical_bytes_and_values(n, d, s, norm):
     x = sample_tensor((n,), seed=n + s)
     x[::5] = 0.0
     width = bit_width(2 * s + 1)
-    scales = grid.bucket_scales(x, d, norm)
-    assert np.array_equal(scales, grid.bucket_scales(x, d, norm, use_torch=True))
-    steps = grid.grid_steps(scales, s)
-    packed = grid.round_pack(x, d, steps, s, 11, width)
-    assert np.array_equal(packed, grid.round_pack(x, d, steps, s, 11, width, use_torch=True))
-    codes = grid.round_codes(x, d, steps, s, 11)
-    assert np.array_equal(codes, grid.round_codes(x, d, steps, s, 11, use_torch=True))
+    scales = bucket_stat(x, d, norm, use_kernels=True)
+    assert np.array_equal(scales, bucket_stat(x, d, norm, use_kernels=False))
+    steps = grid_steps(scales, s)
+    key = stream_key_u64(11)
+    codes = kernels.round_codes(x.numpy(), d, steps, s, key)
+    torch_codes = kernels.torch_round_codes(x, d, steps, s, 11)
+    assert torch_codes.dtype == torch.int32 and np.array_equal(codes, torch_codes.numpy())
     # the fused packer writes exactly what the reference bit packer writes
+    packed = kernels.round_pack(x.numpy(), d, steps, s, key, width)
     assert np.array_equal(packed, pack_bits(codes, width))
-    y, bad = grid.dequantize_packed(packed, n, d, steps, s, width)
-    y_torch, bad_torch = grid.dequantize_packed(packed, n, d, steps, s, width, use_torch=True)
-    y_codes, bad_codes = grid.dequantize_codes(codes, d, steps, s)
+    y, bad = kernels.unpack_dequant(packed, n, d, steps, s, width)
+    y_codes, bad_codes = kernels.codes_dequant(codes, d, steps, s)
+    y_torch, bad_torch = kernels.torch_dequantize(torch_codes, d, steps, s)
     assert bad == bad_torch == bad_codes == 0
-    assert torch.equal(y, y_torch) and torch.equal(y, y_codes)
+    assert np.array_equal(y, y_torch.numpy()) and np.array_equal(y, y_codes)
     # every decoded value is a neighbouring grid point of its input
     step = torch.from_numpy(steps).repeat_interleave(d)[:n]
-    assert torch.all((y - x).abs() <= step * (1 + 1e-6))
+    assert torch.all((torch.from_numpy(y) - x).abs() <= step * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("norm", ["max", "l2", "l1mean"])
+@pytest.mark.parametrize("n", [0, 1, 999])
+def test_bucket_stat_paths_agree_including_empty_and_single_bucket(norm, n):
+    x = sample_tensor((n,), seed=n) if n else torch.zeros(0)
+    for d in (1, 7, max(n, 1)):
+        got = bucket_stat(x, d, norm, use_kernels=True)
+        assert got.dtype == np.float32 and got.shape == (-(-n // d),)
+        assert np.array_equal(got, bucket_stat(x, d, norm, use_kernels=False))
+    with pytest.raises(ValueError, match="statistic"):
+        bucket_stat(x, 4, "l1", use_kernels=True)
 
 
 def test_scale_kernels_match_definitions():
@@ -69,10 +83,10 @@ def test_scale_kernels_match_definitions():
     d = 100
     xb = torch.nn.functional.pad(x, (0, 70)).view(-1, d).double()
     counts = torch.tensor([100.0] * 10 + [30.0], dtype=torch.float64)
-    np.testing.assert_array_equal(kernels.bucket_max_abs(x.numpy(), d), xb.abs().amax(1).float().numpy())
-    np.testing.assert_allclose(kernels.bucket_l2(x.numpy(), d), xb.norm(dim=1).float().numpy(), rtol=1e-7)
+    np.testing.assert_array_equal(common.bucket_max_abs(x.numpy(), d), xb.abs().amax(1).float().numpy())
+    np.testing.assert_allclose(common.bucket_l2(x.numpy(), d), xb.norm(dim=1).float().numpy(), rtol=1e-7)
     np.testing.assert_allclose(
-        kernels.bucket_l1_mean(x.numpy(), d), (xb.abs().sum(1) / counts).float().numpy(), rtol=1e-7
+        common.bucket_l1_mean(x.numpy(), d), (xb.abs().sum(1) / counts).float().numpy(), rtol=1e-7
     )
 
 
@@ -80,13 +94,15 @@ def test_unpack_counts_symbols_beyond_the_alphabet():
     s, width, n = 2, 3, 11  # 5 symbols in 3 bits: 5, 6, 7 are invalid
     codes = np.array([0, 4, 5, 7, 2, 6, 1, 1, 1, 4, 3], np.uint16)
     steps = np.ones(1, np.float32)
-    _, bad = grid.dequantize_packed(pack_bits(codes, width), n, 512, steps, s, width)
+    _, bad = kernels.unpack_dequant(pack_bits(codes, width), n, 512, steps, s, width)
     assert bad == 3
-    _, bad = grid.dequantize_codes(codes, 512, steps, s)
+    _, bad = kernels.codes_dequant(codes, 512, steps, s)
+    assert bad == 3
+    _, bad = kernels.torch_dequantize(torch.from_numpy(codes.astype(np.int32)), 512, steps, s)
     assert bad == 3
 
 
-def test_sign_kernels_match_reference():
+def test_sign_kernels_match_reference_and_torch_twin():
     x = sample_tensor((1001,), seed=5)
     x[::7] = 0.0
     bits = kernels.sign_pack(x.numpy())
@@ -95,15 +111,18 @@ def test_sign_kernels_match_reference():
     y = kernels.sign_unpack(bits, 1001, 100, scales)
     want = np.where(unpack_bits(bits, 1, 1001) == 1, -1.0, 1.0) * np.repeat(scales, 100)[:1001]
     assert np.array_equal(y, want.astype(np.float32))
+    assert np.array_equal(kernels.torch_sign_values(x < 0, 100, scales).numpy(), y)
 
 
 def test_zero_step_buckets_give_zero_levels():
     x = torch.zeros(1500)
     x[1000:] = 1.0
-    scales = grid.bucket_scales(x, 500, "max")
+    scales = bucket_stat(x, 500, "max", use_kernels=True)
     assert scales.tolist() == [0.0, 0.0, 1.0]
-    codes = grid.round_codes(x, 500, grid.grid_steps(scales, 4), 4, 0)
+    steps = grid_steps(scales, 4)
+    codes = kernels.round_codes(x.numpy(), 500, steps, 4, stream_key_u64(0))
     assert codes[:1000].tolist() == [4] * 1000 and codes[1000:].tolist() == [8] * 500
+    assert np.array_equal(kernels.torch_round_codes(x, 500, steps, 4, 0).numpy(), codes)
 
 
 @pytest.mark.parametrize("d", [1, 128, 512, 16384])
@@ -112,8 +131,8 @@ def test_fused_scale_and_round_equals_the_two_passes(d, l2):
     x = sample_tensor((50_003,), seed=d).numpy()
     x[:1024] = 0.0
     key = np.uint64(stream_key(4))
-    scales = kernels.bucket_l2(x, d) if l2 else kernels.bucket_max_abs(x, d)
-    packed = kernels.round_pack(x, d, grid.grid_steps(scales, 16), 16, key, 6)
+    scales = common.bucket_l2(x, d) if l2 else common.bucket_max_abs(x, d)
+    packed = kernels.round_pack(x, d, grid_steps(scales, 16), 16, key, 6)
     fused_scales, fused_packed = kernels.scale_round_pack(x, d, 16, key, 6, l2)
     assert np.array_equal(fused_scales, scales) and np.array_equal(fused_packed, packed)
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from fedquant import PayloadError
-from fedquant.codecs import get_codec, grid
+from fedquant.codecs import get_codec
+from fedquant.codecs.buckets import bucket_stat
+from fedquant.codecs.coders.symbols import fixed_width
 from fedquant.wire import read_payload, write_payload
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.payload import header_size
@@ -18,9 +20,9 @@ from tests.helpers import cuda, sample_tensor
 def test_defaults_and_spec():
     codec = get_codec("qsgd")
     assert (codec.levels, codec.bucket_size, codec.norm, codec.coding) == (16, 512, "max", "fixed")
-    assert codec.symbol_width == 6
-    assert get_codec("qsgd", levels=1).symbol_width == 2
-    assert get_codec("qsgd", levels=7).symbol_width == 4
+    assert codec.quantizer.num_symbols() == 33 and fixed_width(33) == 6
+    assert [fixed_width(get_codec("qsgd", levels=s).quantizer.num_symbols()) for s in (1, 7, 127)] == [2, 4, 8]
+    assert codec.quantizer.codings == ("fixed", "elias", "entropy") and codec.quantizer.symmetric
     with pytest.raises(ValueError, match="norm"):
         get_codec("qsgd", norm="l1")
     with pytest.raises(ValueError, match="levels"):
@@ -57,7 +59,7 @@ def test_unbiased_and_error_matches_exact_variance_and_lemma_3_1(levels, norm):
     d = 64
     v = sample_tensor((d,), seed=levels)
     codec = get_codec("qsgd", levels=levels, bucket_size=d, norm=norm)
-    scale = float(grid.bucket_scales(v, d, norm)[0])
+    scale = float(bucket_stat(v, d, norm, use_kernels=True)[0])
     step = float(np.float32(scale) / np.float32(levels))
     q = quantize_copies(codec, v, copies=4000)
     err = assert_unbiased_with_exact_variance(q, v, step)
@@ -104,7 +106,7 @@ def test_torch_path_gives_the_same_bytes_as_the_kernels(spec):
     x = sample_tensor((3, 1111), seed=8)
     fast = get_codec(spec)
     slow = get_codec(spec)
-    slow.force_torch = True
+    slow.quantizer.force_torch = True
     data = fast.encode(x, seed=21)
     assert slow.encode(x, seed=21) == data
     assert torch.equal(slow.decode(data, seed=21), fast.decode(data, seed=21))
@@ -162,11 +164,9 @@ def test_rejects_nonzero_padding_bits():
 
 # ---------------------------------------------------------------- Elias and entropy coding
 def _levels(codec, x, seed):
-    """The signed levels the codec draws for ``x`` (same kernels as its encoder)."""
-    flat = x.reshape(-1).float()
-    d = grid.effective_bucket_size(codec.bucket_size, flat.numel())
-    steps = grid.grid_steps(grid.bucket_scales(flat, d, codec.norm), codec.levels)
-    return grid.round_codes(flat, d, steps, codec.levels, seed).astype(np.int64) - codec.levels
+    """The signed levels the codec draws for ``x`` (its quantizer's unpacked symbols, minus s)."""
+    q = codec.quantizer.quantize(x.reshape(-1).float().contiguous(), seed, None)
+    return q.symbols.astype(np.int64) - codec.levels
 
 
 @pytest.mark.parametrize(("levels", "bucket_size"), [(1, 4096), (2, 512), (16, 512), (64, 4096), (300, 0)])
@@ -207,13 +207,21 @@ def test_entropy_coded_size_is_within_5_percent_of_the_empirical_entropy(levels)
     assert coded >= 0.99 * entropy_bytes
 
 
-@pytest.mark.parametrize("coding", ["elias", "entropy"])
-def test_coded_paths_are_deterministic_and_equal_on_the_torch_path(coding):
+@pytest.mark.parametrize("coding", ["fixed", "elias", "entropy"])
+@pytest.mark.parametrize(("levels", "bucket_size", "norm"), [(1, 128, "max"), (7, 100, "l2"), (300, 0, "max")])
+def test_every_coding_decodes_alike_deterministic_and_equal_on_the_torch_path(coding, levels, bucket_size, norm):
     x = sample_tensor((4000,), seed=3)
-    fast, slow = get_codec("qsgd", levels=3, coding=coding), get_codec("qsgd", levels=3, coding=coding)
-    slow.force_torch = True
-    assert fast.encode(x, seed=1) == slow.encode(x, seed=1) == fast.encode(x.clone(), seed=1)
+    x[:700] = 0.0  # whole zero buckets (step 0)
+    spec = f"qsgd:levels={levels},bucket_size={bucket_size},norm={norm},coding={coding}"
+    fast, slow = get_codec(spec), get_codec(spec)
+    slow.quantizer.force_torch = True
+    data = fast.encode(x, seed=1)
+    assert slow.encode(x, seed=1) == data == fast.encode(x.clone(), seed=1)
     assert fast.encode(x, seed=1) != fast.encode(x, seed=2)
+    y = fast.decode(data, seed=1)
+    assert torch.equal(slow.decode(data, seed=1), y)
+    reference = get_codec(f"qsgd:levels={levels},bucket_size={bucket_size},norm={norm}")
+    assert torch.equal(y, reference.decode(reference.encode(x, seed=1), seed=1))
 
 
 def test_elias_rejects_unknown_variant_and_levels_beyond_s():

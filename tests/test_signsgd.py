@@ -65,11 +65,12 @@ def test_torch_path_gives_the_same_bytes_and_values():
     x = sample_tensor((3, 1001), seed=4)
     x[0, :5] = 0.0
     for d in (512, 0, 33):
-        fast, slow = get_codec("signsgd", bucket_size=d), get_codec("signsgd", bucket_size=d)
-        slow.force_torch = True
-        data = fast.encode(x)
-        assert slow.encode(x) == data
-        assert torch.equal(slow.decode(data), fast.decode(data))
+        for coding in ("fixed", "entropy"):
+            fast, slow = (get_codec("signsgd", bucket_size=d, coding=coding) for _ in "ab")
+            slow.quantizer.force_torch = True
+            data = fast.encode(x)
+            assert slow.encode(x) == data
+            assert torch.equal(slow.decode(data), fast.decode(data))
 
 
 @cuda
@@ -100,4 +101,34 @@ def test_rejects_nonzero_padding_bits():
     codec = get_codec("signsgd")
     forged = _forge(codec, sample_tensor((1001,), seed=1), lambda b: b.__setitem__(-1, b[-1] | 0x80))
     with pytest.raises(PayloadError, match="padding"):
+        codec.decode(forged)
+
+
+@pytest.mark.parametrize(("n", "d"), [(1, 512), (1000, 512), (999, 7), (5000, 0)])
+def test_entropy_coding_decodes_like_sign_bits(n, d):
+    x = sample_tensor((n,), seed=n)
+    x[::9] = 0.0
+    coded, fixed = get_codec("signsgd", bucket_size=d, coding="entropy"), get_codec("signsgd", bucket_size=d)
+    assert coded.quantizer.codings == ("fixed", "entropy") and coded.quantizer.num_symbols() == 2
+    assert torch.equal(coded.decode(coded.encode(x)), fixed.decode(fixed.encode(x)))
+
+
+def test_entropy_coding_shrinks_a_skewed_update_to_its_entropy():
+    from fedquant.wire.entropy import empirical_entropy_bits
+
+    x = sample_tensor((40_000,), seed=11).abs()
+    x[::10] *= -1.0  # 10% negative: about 0.47 bits of entropy per sign
+    codec = get_codec("signsgd", coding="entropy")
+    data = codec.encode(x)
+    entropy_bytes = empirical_entropy_bits((x < 0).numpy().astype(np.uint8), 2) / 8
+    coded = len(read_payload(data).body) - 4 * -(-40_000 // 512)
+    assert 0.99 * entropy_bytes <= coded <= 1.05 * entropy_bytes + 16
+    assert coded < 0.6 * packed_size(40_000, 1)
+
+
+def test_entropy_coding_rejects_a_forged_stream():
+    codec = get_codec("signsgd", bucket_size=100, coding="entropy")
+    x = sample_tensor((500,), seed=1)
+    forged = _forge(codec, x, lambda b: b.__setitem__(20, b[20] ^ 0xFF))  # first byte after the scales
+    with pytest.raises(PayloadError):
         codec.decode(forged)

@@ -75,11 +75,20 @@ def test_determinism_and_seed_dependence():
     assert codec.encode(x, seed=1) != codec.encode(x, seed=2)
 
 
-@pytest.mark.parametrize("spec", ["terngrad", "terngrad:bucket_size=0,clip=2.5", "terngrad:bucket_size=77"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "terngrad",
+        "terngrad:bucket_size=0,clip=2.5",
+        "terngrad:bucket_size=77",
+        "terngrad:coding=entropy,clip=2.5",
+        "terngrad:coding=elias,bucket_size=77",
+    ],
+)
 def test_torch_path_gives_the_same_bytes_as_the_kernels(spec):
     x = sample_tensor((2, 2222), seed=8)
     fast, slow = get_codec(spec), get_codec(spec)
-    slow.force_torch = True
+    slow.quantizer.force_torch = True
     data = fast.encode(x, seed=5)
     assert slow.encode(x, seed=5) == data
     assert torch.equal(slow.decode(data, seed=5), fast.decode(data, seed=5))
@@ -132,3 +141,27 @@ def test_entropy_coding_decodes_like_two_bit_packing_in_at_most_log2_3_bits():
     entropy_bytes = empirical_entropy_bits(symbols, 3) / 8
     assert body <= 1.05 * entropy_bytes + 32
     assert body * 8 <= np.log2(3) * 40_000
+
+
+@pytest.mark.parametrize("coding", ["elias", "entropy"])
+@pytest.mark.parametrize("clip", [None, 2.5])
+def test_every_coding_decodes_like_two_bit_packing(coding, clip):
+    x = sample_tensor((7000,), seed=10)
+    x[:1024] = 0.0
+    coded, fixed = get_codec("terngrad", coding=coding, clip=clip), get_codec("terngrad", clip=clip)
+    assert coded.unbiased == fixed.unbiased == (clip is None)
+    data = coded.encode(x, seed=3)
+    assert data == coded.encode(x.clone(), seed=3) != coded.encode(x, seed=4)
+    assert torch.equal(coded.decode(data, seed=3), fixed.decode(fixed.encode(x, seed=3), seed=3))
+    assert len(read_payload(data).body) < len(read_payload(fixed.encode(x, seed=3)).body)
+
+
+def test_elias_rejects_levels_beyond_one():
+    from fedquant.wire.elias import code_s_encode
+
+    codec = get_codec("terngrad", bucket_size=100, coding="elias")
+    p = read_payload(codec.encode(sample_tensor((500,), seed=1), seed=2))
+    stream, _ = code_s_encode(np.array([0, 2, 0, -1] * 125, np.int8))  # |level| 2 > s = 1
+    body = bytes(p.body)[:20] + b"\x00" + stream.tobytes()
+    with pytest.raises(PayloadError, match="beyond"):
+        codec.decode(write_payload(p.spec, p.dtype, p.shape, [body]), seed=2)

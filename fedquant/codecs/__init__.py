@@ -25,9 +25,9 @@ from fedquant.codecs.transforms.base import StatefulTransform, Transform
 _QUANTIZERS: dict[str, str] = {
     "fp32": "fedquant.codecs.quantizers.floats:Float32Quantizer",
     "fp16": "fedquant.codecs.quantizers.floats:Float16Quantizer",
-    "qsgd": "fedquant.codecs.qsgd:QSGDCodec",
-    "terngrad": "fedquant.codecs.terngrad:TernGradCodec",
-    "signsgd": "fedquant.codecs.signsgd:SignSGDCodec",
+    "qsgd": "fedquant.codecs.quantizers.grid:QSGDQuantizer",
+    "terngrad": "fedquant.codecs.quantizers.grid:TernGradQuantizer",
+    "signsgd": "fedquant.codecs.quantizers.sign:SignSGDQuantizer",
     "bingrad-b": "fedquant.codecs.bingrad:BinGradBCodec",
     "bingrad-pb": "fedquant.codecs.bingrad:BinGradPBCodec",
     "orq": "fedquant.codecs.orq:ORQCodec",

@@ -9,9 +9,10 @@ chunk starts on a byte boundary of the packed stream at any bit width.
 Stochastic rounding draws its uniforms inline from the counter-based stream of
 :mod:`fedquant.rng`: element ``i`` of the flattened tensor uses
 ``splitmix64(stream_key(seed) + (i + 1) * GOLDEN_GAMMA) >> 40`` times ``2**-24``, bit for bit
-what ``fedquant.rng.uniform(seed, n)[i]`` returns. The torch implementations in
-:mod:`fedquant.codecs.grid` perform the same float32 operations in the same order, so both
-paths produce identical bytes.
+what ``fedquant.rng.uniform(seed, n)[i]`` returns. The torch twins at the end of this module
+(``torch_*``, the path of CUDA tensors) perform the same float32 operations in the same order,
+so both paths produce identical bytes; the quantizers of :mod:`fedquant.codecs.quantizers.grid`
+and :mod:`fedquant.codecs.quantizers.sign` pick one.
 
 The rounding rule (one element ``v`` of a bucket with grid step ``step = scale / s``)::
 
@@ -28,21 +29,20 @@ The rounding rule (one element ``v`` of a bucket with grid step ``step = scale /
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import (  # noqa: F401  (bucket statistics are re-exported for the grid codecs)
+from fedquant.codecs.kernels.common import (
     _ABS_MASK,
     _ZERO32,
     CHUNK,
     _sum_f64,
-    bucket_l1_mean,
-    bucket_l2,
-    bucket_max_abs,
     pack_into,
     parallel_kernel,
     uniform24,
     unpack_from,
 )
+from fedquant.rng import uniform
 
 
 # ---------------------------------------------------------------- rounding to the grid
@@ -101,7 +101,7 @@ def round_pack(x, d, steps, s, key, width):
 
 @parallel_kernel
 def scale_round_pack(x, d, s, key, width, l2):
-    """:func:`bucket_max_abs` (or :func:`bucket_l2`) fused with :func:`round_pack`: one read of ``x``.
+    """The bucket scales (max |x| or L2) fused with :func:`round_pack`: one read of ``x``.
 
     Each chunk computes the scales of its own buckets and rounds them while they are in cache;
     this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Returns
@@ -248,3 +248,34 @@ def sign_unpack(data, n, d, scales):
                 out[j] = -m if bit else m
             i = hi
     return out
+
+
+# ---------------------------------------------------------------- torch twins (CUDA tensors, force_torch)
+def _per_element(per_bucket: np.ndarray, d: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(per_bucket, device=device).repeat_interleave(d)[:n]
+
+
+def torch_round_codes(flat: torch.Tensor, d: int, steps: np.ndarray, s: int, seed: int) -> torch.Tensor:
+    """Twin of :func:`round_codes` on ``flat``'s device: symbols ``q + s`` as int32."""
+    n = flat.numel()
+    step = _per_element(steps, d, n, flat.device)
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    t = flat.abs() / safe
+    f = torch.floor(t)
+    up = uniform(seed, n, device=flat.device) < (t - f)
+    lvl = torch.clamp(f.clamp(max=s).to(torch.int32) + up.to(torch.int32), max=s)
+    lvl = torch.where(step > 0, lvl, 0)
+    return torch.where(flat < 0, -lvl, lvl) + s
+
+
+def torch_dequantize(codes: torch.Tensor, d: int, steps: np.ndarray, s: int) -> tuple[torch.Tensor, int]:
+    """Twin of :func:`codes_dequant`: ``(code - s) * step`` and the number of codes above ``2s``."""
+    step = _per_element(steps, d, codes.numel(), codes.device)
+    bad = int((codes > 2 * s).sum())
+    return (codes - s).to(torch.float32) * step, bad
+
+
+def torch_sign_values(negative: torch.Tensor, d: int, scales: np.ndarray) -> torch.Tensor:
+    """Twin of :func:`sign_unpack` on unpacked bits: ``-scale`` where ``negative``, else ``+scale``."""
+    m = _per_element(scales, d, negative.numel(), negative.device)
+    return torch.where(negative, -m, m)

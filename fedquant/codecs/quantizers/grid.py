@@ -1,0 +1,187 @@
+"""Scaled uniform grids per bucket: QSGD (``s`` levels per sign) and TernGrad (``s = 1``).
+
+Each bucket ``b`` of ``d`` elements has a float32 ``scale[b]`` and grid step ``scale[b] / s``;
+every element is rounded without bias to a signed level ``q`` in ``[-s, s]`` (see
+:mod:`fedquant.codecs.kernels.grid` for the rule) and sent as the symbol ``q + s``. Body::
+
+    scales    num_buckets float32, little-endian (max |v| or ||v||_2 of each bucket)
+    symbols   numel symbols q + s of the 2s + 1 of the alphabet, coded by ``coding``:
+              "fixed"   at bit_width(2s + 1) bits (s=1: 2 bits, s=7: 4, s=16: 6, s=127: 8)
+              "elias"   QSGD's Code_s or its dense variant Code'_s, whichever is shorter
+              "entropy" rANS under the symbols' exact empirical distribution
+
+``bucket_size=0`` makes the whole tensor one bucket. CPU tensors run the fused numba kernels
+(scales, rounding and bit packing in one pass when the coder asks for a fixed width), other
+devices their torch twins, with identical bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets
+from fedquant.codecs.clipping import clip_sigma
+from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.params import Param
+from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.errors import PayloadError
+from fedquant.rng import stream_key
+from fedquant.wire.bitpack import packed_size
+from fedquant.wire.body import require_items
+
+
+def grid_steps(scales: np.ndarray, levels: int) -> np.ndarray:
+    """Grid step ``scale / s`` per bucket, in float32 (encoder and decoder compute the same)."""
+    return (scales.astype(np.float32, copy=False) / np.float32(levels)).astype(np.float32, copy=False)
+
+
+def stream_key_u64(seed: int) -> np.uint64:
+    """The key of ``seed``'s uniform stream, as the kernels take it."""
+    return np.uint64(stream_key(seed))
+
+
+class ScaledGridQuantizer(Quantizer):
+    """Base of the quantizers that round each bucket onto ``scale * {-s..s} / s`` (QSGD, TernGrad).
+
+    Subclasses give ``(s, norm)`` through :meth:`grid` and may transform the input in
+    :meth:`prepare` (TernGrad's clipping).
+    """
+
+    codings = ("fixed", "elias", "entropy")
+    symmetric = True
+
+    def grid(self) -> tuple[int, str]:
+        """``(s, norm)``: levels per sign and the bucket statistic that scales the grid."""
+        raise NotImplementedError
+
+    def prepare(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tensor actually quantized (default: ``flat`` itself)."""
+        return flat
+
+    def num_symbols(self) -> int:
+        return 2 * self.grid()[0] + 1
+
+    def side_fields(self, numel: int) -> list[SideField]:
+        return [SideField("bucket scales", "<f4", num_buckets(numel, effective_bucket_size(self.bucket_size, numel)))]
+
+    def check_side(self, side: list[np.ndarray]) -> None:
+        check_bucket_scales(side[0], self.name)
+
+    def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        s, norm = self.grid()
+        flat = self.prepare(flat)
+        d = effective_bucket_size(self.bucket_size, flat.numel())
+        if not self.uses_kernels(flat):
+            scales = bucket_stat(flat, d, norm, use_kernels=False)
+            codes = kernels.torch_round_codes(flat, d, grid_steps(scales, s), s, seed)
+            return Quantized([scales], symbols=codes.cpu().numpy().astype(np.uint16))
+        x = flat.numpy()
+        key = stream_key_u64(seed)
+        if packed_width is not None and kernels.CHUNK % d == 0:
+            scales, packed = kernels.scale_round_pack(x, d, s, key, packed_width, norm == "l2")
+            return Quantized([scales], packed=packed)
+        scales = bucket_stat(flat, d, norm, use_kernels=True)
+        steps = grid_steps(scales, s)
+        if packed_width is not None:
+            return Quantized([scales], packed=kernels.round_pack(x, d, steps, s, key, packed_width))
+        return Quantized([scales], symbols=kernels.round_codes(x, d, steps, s, key))
+
+    def _steps(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:
+        d = effective_bucket_size(self.bucket_size, numel)
+        steps = grid_steps(np.ascontiguousarray(side[0], dtype=np.float32), self.grid()[0])
+        require_items(steps, num_buckets(numel, d), "bucket scales")  # the kernels index it unchecked
+        return d, steps
+
+    def _checked(self, values: torch.Tensor, bad: int) -> torch.Tensor:
+        if bad:
+            raise PayloadError(f"{self.name} payload holds {bad} symbols beyond the {self.num_symbols()} levels")
+        return values
+
+    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+        s = self.grid()[0]
+        d, steps = self._steps(side, numel)
+        if self.uses_kernels():
+            values, bad = kernels.codes_dequant(np.ascontiguousarray(symbols, dtype=np.uint16), d, steps, s)
+            return self._checked(torch.from_numpy(values), int(bad))
+        codes = torch.from_numpy(np.asarray(symbols).astype(np.int32))
+        return self._checked(*kernels.torch_dequantize(codes, d, steps, s))
+
+    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+        if not self.uses_kernels():
+            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+        d, steps = self._steps(side, numel)
+        require_items(packed, packed_size(numel, width), "packed symbols")
+        values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width)
+        return self._checked(torch.from_numpy(values), int(bad))
+
+
+class QSGDQuantizer(ScaledGridQuantizer):
+    """QSGD (Alistarh et al., NeurIPS 2017): unbiased stochastic rounding to ``s`` levels per sign.
+
+    Each bucket ``v`` of ``bucket_size`` elements is sent as one float32 scale ``m`` (``max |v_i|``
+    with ``norm="max"``, the paper's practical variant, or ``||v||_2`` with ``norm="l2"``, the
+    quantizer ``Q_s`` of the theory) and one signed level ``q_i`` in ``{-s..s}`` per element, drawn
+    so that ``E[q_i m / s] = v_i``: with ``a = |v_i| s / m``, ``|q_i|`` is ``floor(a) + 1`` with
+    probability ``a - floor(a)`` and ``floor(a)`` otherwise.
+
+    Error: ``E||Q(v) - v||^2 = (m / s)^2 sum_i p_i (1 - p_i)``, which for ``norm="l2"`` is at most
+    ``min(d / s^2, sqrt(d) / s) ||v||^2`` (Lemma 3.1).
+
+    Defaults: ``levels=16`` (what the paper's arithmetic calls "4-bit": ``sqrt(512) / 2**4``),
+    ``bucket_size=512``, ``norm="max"`` (the setting of the paper's experiments) and
+    ``coding="fixed"``; ``coding="elias"`` is the paper's Code_s.
+    """
+
+    name = "qsgd"
+    params = {
+        "levels": Param(int, 16, "s: nonzero magnitude levels per sign", minimum=1, maximum=32767),
+        "bucket_size": Param(int, 512, "elements per bucket with its own scale; 0 = whole tensor", minimum=0),
+        "norm": Param(str, "max", "bucket scale: max |v| (practice) or the L2 norm (theory)", choices=("max", "l2")),
+    }
+    unbiased = True
+    paper = "Alistarh et al. 2017, QSGD"
+    wire = "float32 scale per bucket + signed level per element (fixed width, Elias Code_s or entropy coded)"
+
+    def grid(self) -> tuple[int, str]:
+        return self.levels, self.norm
+
+
+class TernGradQuantizer(ScaledGridQuantizer):
+    """TernGrad (Wen et al., NeurIPS 2017): stochastic ternarization with a max-norm scaler.
+
+    Each bucket ``v`` (after optional clipping) is sent as one float32 scaler ``m = max |v_i|`` and
+    one ternary ``t_i`` in ``{-1, 0, 1}`` per element with ``P(t_i = sign(v_i)) = |v_i| / m``, so
+    ``E[m t_i] = v_i`` and the error is ``E||Q(v) - v||^2 = m ||v||_1 - ||v||_2^2``: QSGD with
+    ``s = 1`` and max scaling, on the same kernels.
+
+    * ``bucket_size``: elements per scaler (default 512, the per-bucket scalers of Xu et al.);
+      ``0`` gives TernGrad's layer-wise scaler (one per tensor).
+    * ``clip``: clip to ``[-c sigma, c sigma]`` before ternarizing, sigma the standard deviation
+      of the whole tensor (TernGrad uses ``c = 2.5``); off by default. The scaler is then the max
+      of the clipped bucket (as GRACE does; TernGrad's code uses ``c sigma`` itself), and the
+      quantizer is unbiased only with respect to the clipped tensor.
+    * ``coding``: ``"fixed"`` packs ``t + 1`` at 2 bits (TernGrad's practice), ``"entropy"``
+      codes the three symbols with rANS (at most about ``log2(3)`` bits, much less when most
+      entries ternarize to 0), ``"elias"`` with Code_s.
+    """
+
+    name = "terngrad"
+    params = {
+        "bucket_size": Param(int, 512, "elements per scaler; 0 = one scaler per tensor (layer-wise)", minimum=0),
+        "clip": Param(
+            float, None, "clip at clip x sigma before ternarizing (TernGrad uses 2.5); none = off", minimum=0.0
+        ),
+    }
+    unbiased = True
+    paper = "Wen et al. 2017, TernGrad"
+    wire = "float32 scaler per bucket + ternary per element (2 bits, Elias or entropy coded)"
+
+    def _validate(self) -> None:
+        self.unbiased = not self.clip
+
+    def grid(self) -> tuple[int, str]:
+        return 1, "max"
+
+    def prepare(self, flat: torch.Tensor) -> torch.Tensor:
+        return clip_sigma(flat, self.clip).contiguous() if self.clip else flat
