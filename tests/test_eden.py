@@ -222,7 +222,7 @@ def test_unbiased_over_seeds_behind_rht():
     The Hadamard rotation is not uniform: a block dominated by one spike keeps a bias (see the
     module docstring), so this vector has none.
     """
-    d, trials = 1024, 300
+    d, trials = 1024, 200
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(d, generator=gen) * torch.linspace(0.01, 1.0, d)
     for spec in ("eden:bits=1", "eden:bits=1.5", "eden:bits=0.5"):
