@@ -259,3 +259,14 @@ def test_bfloat16_scales_are_rounded_without_bias():
     lo, hi = values.min(), values.max()
     assert lo < target < hi and hi - lo == pytest.approx(2.0**-9, rel=1e-6)  # one bfloat16 step at 1/3
     assert abs(values.mean() - target) < 4 * (hi - lo) / 2 / math.sqrt(values.size)
+
+
+@pytest.mark.parametrize("bits", [1.0, 1.5, 3.3])
+def test_values_near_the_float32_range_are_refused_or_decode_finite(bits):
+    codec = get_codec(f"eden:bits={bits}")
+    x = torch.tensor([3.3e38, -3.0e38, 1.0e38, 2.0])
+    try:
+        payload = codec.encode(x, seed=3)
+    except ValueError:
+        return
+    assert torch.isfinite(codec.decode(payload, seed=3)).all()

@@ -65,6 +65,7 @@ from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
 MAX_BITS = 8
 #: Bucket sizes that divide every block of ``rht`` (512, or a smaller power of two for a tail).
 BUCKET_SIZES = (64, 128, 256, 512)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: Largest finite bfloat16.
 BF16_MAX = float(np.array([0x7F7F0000], np.uint32).view(np.float32)[0])
 #: Lloyd–Max iteration stops when no centroid moves by more than this.
@@ -282,6 +283,13 @@ class EdenQuantizer(Quantizer):
             return None
         return torch.arange(numel, device=device) // self.bucket_size
 
+    def _finite(self, scales: np.ndarray) -> np.ndarray:
+        """The scales, or ValueError if a decoded value (scale times outer centroid) would overflow float32."""
+        outer = float(lloyd_max(1 << self._hi)[0][-1])
+        if scales.size and float(_from_bfloat16(scales).max()) * outer > FLOAT32_MAX:
+            raise ValueError("eden.encode: values within a few times of the float32 range cannot be scaled")
+        return scales
+
     # ------------------------------------------------------------------ the two directions
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         n = flat.numel()
@@ -296,7 +304,7 @@ class EdenQuantizer(Quantizer):
         if not self.split:
             idx, c = _nearest(z, self._lo)
             dot = _bucket_sum(c * y, ids, nb)
-            return Quantized([_scales(sq, dot, seed)], symbols=idx.to(torch.uint8).cpu().numpy())
+            return Quantized([self._finite(_scales(sq, dot, seed))], symbols=idx.to(torch.uint8).cpu().numpy())
         hi = self.hi_mask(n, seed).to(flat.device)
         dot = torch.zeros_like(sq)
         streams = []
@@ -306,7 +314,7 @@ class EdenQuantizer(Quantizer):
             idx, c = _nearest(z[mask], width)
             dot += _bucket_sum(c * y[mask], None if ids is None else ids[mask], nb)
             streams.append(pack_bits(idx.to(torch.uint8).cpu().numpy(), width))
-        return Quantized([_scales(sq, dot, seed), *streams])
+        return Quantized([self._finite(_scales(sq, dot, seed)), *streams])
 
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
         scales = torch.from_numpy(_from_bfloat16(side[0]))
