@@ -34,6 +34,7 @@ _QUANTIZERS: dict[str, str] = {
     "linear": "fedquant.codecs.quantizers.levels:LinearQuantizer",
     "dqsg": "fedquant.codecs.quantizers.dither:DQSGQuantizer",
     "ndqsg": "fedquant.codecs.quantizers.dither:NDQSGQuantizer",
+    "eden": "fedquant.codecs.quantizers.eden:EdenQuantizer",
 }
 _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",
@@ -107,6 +108,8 @@ def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
     name, spec_params = parse_spec(quantizer_spec)
     cls = codec_class(name)
     quantizer = cls(**{**spec_params, **params})
+    # A quantizer that only works on rotated coordinates (EDEN) brings its transforms: "eden" is "rht+eden".
+    transforms += [t for t in cls.implied_transforms if t not in transforms]
     return Codec(quantizer, [transform_class(t)() for t in transforms])
 
 

@@ -94,6 +94,9 @@ class Quantizer(Configurable):
     decode_plan : str or None
         ``"module:Class"`` of the server-side decode plan that provides that side information
         (a codec names its own default plan; the strategy holds no codec names).
+    implied_transforms : tuple of str
+        Wire transforms this quantizer always runs behind (EDEN: ``("rht",)``); ``get_codec``
+        adds them when a spec does not name them.
     paper, wire : str
         Provenance and what goes on the wire, in words.
     force_torch : bool
@@ -105,6 +108,7 @@ class Quantizer(Configurable):
     unbiased: ClassVar[bool] = False
     needs_side_info: ClassVar[bool] = False
     decode_plan: ClassVar[str | None] = None
+    implied_transforms: ClassVar[tuple[str, ...]] = ()
     paper: ClassVar[str] = ""
     wire: ClassVar[str] = ""
     force_torch: bool = False
