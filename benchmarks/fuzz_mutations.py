@@ -50,6 +50,8 @@ def families() -> list[str]:
     specs += ["qsgd:bucket_size=0,coding=elias,levels=1", "qsgd:coding=elias,levels=1000", "signsgd:bucket_size=0"]
     # Behind a rotation: the decoder rotates back (and rotates NDQSG's side information).
     specs += ["rht+qsgd:coding=entropy", "rht+dqsg:coding=fixed", "rht+ndqsg:coding=fixed"]
+    # EDEN's fractional rates carry two index streams, and below 1 bit a subsampled one.
+    specs += ["eden:bits=1.5", "eden:bits=0.5"]
     return specs
 
 
