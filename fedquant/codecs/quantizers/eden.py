@@ -374,7 +374,6 @@ class EdenQuantizer(Quantizer):
         out[hi] = _values(_unpack(side[-1], self._hi, n_hi), self._hi, scale if ids is None else scale[hi])
         return out
 
-
     def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
         if not self._kernel_path() or width != self._lo:
             return super().dequantize_packed(side, packed, width, numel, seed, side_info)
