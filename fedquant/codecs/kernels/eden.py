@@ -19,19 +19,43 @@ from numba import njit, prange
 
 from fedquant.codecs.kernels.common import CHUNK, _sum_f64, pack_into, parallel_kernel, unpack_from
 
+#: Up to this width the indices are counted boundary by boundary over a whole bucket (the inner
+#: loop over coordinates vectorizes); wider ones count per coordinate.
+BUCKET_COUNT_MAX_WIDTH = 4
 
-@njit(cache=True, inline="always")
-def _bucketize(z, bounds):
-    """Number of ``bounds`` (ascending) strictly below ``z``."""
-    lo = 0
-    hi = bounds.size
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if bounds[mid] < z:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+
+@njit(cache=True)
+def _nearest(z, m, bounds, width, k):
+    """``k[i]`` = number of ``bounds`` strictly below ``z[i]`` (``torch.bucketize``), ``i < m``."""
+    if width <= BUCKET_COUNT_MAX_WIDTH:
+        for i in range(m):
+            k[i] = 0
+        for j in range(bounds.size):
+            t = bounds[j]
+            for i in range(m):
+                k[i] += t < z[i]
+    else:
+        for i in range(m):
+            zi = z[i]
+            count = 0
+            for j in range(bounds.size):
+                count += bounds[j] < zi
+            k[i] = count
+
+
+@njit(cache=True)
+def _dot_f64(centroids, k, x, lo, m):
+    """``sum(centroids[k[i]] * x[lo + i])`` over ``i < m`` in float64, eight lanes as in ``_sum_f64``."""
+    acc = np.zeros(8, np.float64)
+    full = m // 8
+    for g in range(full):
+        for j in range(8):
+            i = 8 * g + j
+            acc[j] += centroids[k[i]] * np.float64(x[lo + i])
+    for j in range(m - 8 * full):
+        i = 8 * full + j
+        acc[j] += centroids[k[i]] * np.float64(x[lo + i])
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 
 
 @parallel_kernel
@@ -47,19 +71,20 @@ def quantize(x, d, bounds, centroids, width, pack, out, sq, dot):
         start = c * CHUNK
         stop = min(start + CHUNK, n)
         codes = np.empty(stop - start, np.uint8)
+        z = np.empty(d, np.float64)
+        k = np.empty(d, np.int64)
         for lo in range(start, stop, d):
-            hi = min(lo + d, stop)
+            m = min(d, stop - lo)
             b = lo // d
-            s = _sum_f64(x, lo, hi, True)
+            s = _sum_f64(x, lo, lo + m, True)
             sq[b] = s
-            norm = np.sqrt((hi - lo) / s) if s > 0 else 0.0
-            acc = 0.0
-            for i in range(lo, hi):
-                y = np.float64(x[i])
-                k = _bucketize(y * norm, bounds)
-                codes[i - start] = k
-                acc += centroids[k] * y
-            dot[b] = acc
+            norm = np.sqrt(m / s) if s > 0 else 0.0
+            for i in range(m):
+                z[i] = np.float64(x[lo + i]) * norm
+            _nearest(z, m, bounds, width, k)
+            for i in range(m):
+                codes[lo - start + i] = k[i]
+            dot[b] = _dot_f64(centroids, k, x, lo, m)
         if pack:
             pack_into(codes, stop - start, width, out, start // 8 * width)
         else:
@@ -69,12 +94,12 @@ def quantize(x, d, bounds, centroids, width, pack, out, sq, dot):
 @parallel_kernel(count_arg=1)
 def dequantize(data, numel, d, scales, centroids, width, packed, out):
     """``centroids[index] * scales[bucket]`` (float32) into ``out``; returns the count of indices
-    ``>= centroids.size`` (decoded as 0).
+    ``>= centroids.size`` (their values are not meaningful: the caller refuses the payload).
 
     ``data`` holds the indices packed at ``width`` bits (``packed``; the caller checked its size)
     or one uint8 per coordinate.
     """
-    k = centroids.size
+    top = centroids.size - 1
     chunks = (numel + CHUNK - 1) // CHUNK
     bad = 0
     for c in prange(chunks):
@@ -85,11 +110,14 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out):
             unpack_from(data, start // 8 * width, stop - start, width, codes)
         else:
             codes = data[start:stop]
-        for i in range(start, stop):
-            j = codes[i - start]
-            if j < k:
-                out[i] = centroids[j] * scales[i // d]
-            else:
-                out[i] = 0.0
-                bad += 1
+        over = 0
+        for i in range(stop - start):
+            over += codes[i] > top
+        bad += over
+        for lo in range(start, stop, d):
+            scale = scales[lo // d]
+            seg = codes[lo - start : min(lo + d, stop) - start]
+            dst = out[lo : lo + seg.size]
+            for i in range(seg.size):
+                dst[i] = centroids[min(seg[i], top)] * scale
     return bad
