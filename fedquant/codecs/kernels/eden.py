@@ -33,14 +33,14 @@ def _nearest(z, m, bounds, width, k):
         for j in range(bounds.size):
             t = bounds[j]
             for i in range(m):
-                k[i] += t < z[i]
+                k[i] += np.uint8(t < z[i])
     else:
         for i in range(m):
             zi = z[i]
             count = 0
             for j in range(bounds.size):
                 count += bounds[j] < zi
-            k[i] = count
+            k[i] = np.uint8(count)
 
 
 @njit(cache=True)
@@ -72,7 +72,7 @@ def quantize(x, d, bounds, centroids, width, pack, out, sq, dot):
         stop = min(start + CHUNK, n)
         codes = np.empty(stop - start, np.uint8)
         z = np.empty(d, np.float64)
-        k = np.empty(d, np.int64)
+        k = np.empty(d, np.uint8)
         for lo in range(start, stop, d):
             m = min(d, stop - lo)
             b = lo // d
@@ -82,8 +82,7 @@ def quantize(x, d, bounds, centroids, width, pack, out, sq, dot):
             for i in range(m):
                 z[i] = np.float64(x[lo + i]) * norm
             _nearest(z, m, bounds, width, k)
-            for i in range(m):
-                codes[lo - start + i] = k[i]
+            codes[lo - start : lo - start + m] = k[:m]
             dot[b] = _dot_f64(centroids, k, x, lo, m)
         if pack:
             pack_into(codes, stop - start, width, out, start // 8 * width)
