@@ -19,28 +19,20 @@ from numba import njit, prange
 
 from fedquant.codecs.kernels.common import CHUNK, _sum_f64, pack_into, parallel_kernel, unpack_from
 
-#: Up to this width the indices are counted boundary by boundary over a whole bucket (the inner
-#: loop over coordinates vectorizes); wider ones count per coordinate.
-BUCKET_COUNT_MAX_WIDTH = 4
-
 
 @njit(cache=True)
-def _nearest(z, m, bounds, width, k):
-    """``k[i]`` = number of ``bounds`` strictly below ``z[i]`` (``torch.bucketize``), ``i < m``."""
-    if width <= BUCKET_COUNT_MAX_WIDTH:
+def _nearest(z, m, bounds, k):
+    """``k[i]`` = number of ``bounds`` strictly below ``z[i]`` (``torch.bucketize``), ``i < m``.
+
+    Counted boundary by boundary over the whole bucket in uint8 lanes: the inner loop vectorizes,
+    which measured faster than a per-coordinate binary search up to 256 levels.
+    """
+    for i in range(m):
+        k[i] = 0
+    for j in range(bounds.size):
+        t = bounds[j]
         for i in range(m):
-            k[i] = 0
-        for j in range(bounds.size):
-            t = bounds[j]
-            for i in range(m):
-                k[i] += np.uint8(t < z[i])
-    else:
-        for i in range(m):
-            zi = z[i]
-            count = 0
-            for j in range(bounds.size):
-                count += bounds[j] < zi
-            k[i] = np.uint8(count)
+            k[i] += np.uint8(t < z[i])
 
 
 @njit(cache=True)
@@ -81,7 +73,7 @@ def quantize(x, d, bounds, centroids, width, pack, out, sq, dot):
             norm = np.sqrt(m / s) if s > 0 else 0.0
             for i in range(m):
                 z[i] = np.float64(x[lo + i]) * norm
-            _nearest(z, m, bounds, width, k)
+            _nearest(z, m, bounds, k)
             codes[lo - start : lo - start + m] = k[:m]
             dot[b] = _dot_f64(centroids, k, x, lo, m)
         if pack:
