@@ -35,6 +35,11 @@ randomized Hadamard rotation is not uniform: a block dominated by one coordinate
 most of the block's energy) comes back with a measurable bias at 1 bit (0.07 ||x||^2 for one
 coordinate holding 97% of its block), as in DRIVE/EDEN's own use of the Hadamard rotation.
 
+Implementations: integer ``B`` on CPU runs the numba kernels of :mod:`fedquant.codecs.kernels.eden`
+(quantize fused with packing, unpacking fused with the centroid gather); the torch code below is
+their twin (CUDA tensors, ``force_torch=True``) and gives the same bytes. Fractional ``B`` runs the
+torch code on every device.
+
 Wire layout (body)::
 
     scales       bfloat16[buckets]  S per bucket as the upper 16 bits of a float32, uint16 LE
