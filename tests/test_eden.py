@@ -8,7 +8,11 @@ theory needs one (unbiasedness is over the rotation).
 from __future__ import annotations
 
 import math
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -323,3 +327,30 @@ def test_kernel_decode_refuses_symbols_beyond_the_centroids(bits):
         q.dequantize(side, good[:-1], n, 0, None)  # too few symbols for the kernel
     with pytest.raises(PayloadError):
         q.dequantize_packed(side, np.zeros(packed_size(n, bits) - 1, np.uint8), bits, n, 0, None)
+
+
+_CACHE_PROBE = """
+import torch
+from fedquant.codecs import get_codec
+from fedquant.codecs.kernels import common, eden
+for spec in ("eden:bits=2", "eden:bits=2,coding=entropy"):
+    codec = get_codec(spec)
+    for n in (100, common.PARALLEL_MIN):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        codec.decode(codec.encode(x, seed=1), seed=1)
+used = [fn for fn in common.module_dispatchers(eden) if fn.signatures]
+print(len(used), sum(sum(fn.stats.cache_misses.values()) for fn in used))
+"""
+
+
+def test_kernels_load_from_cache_in_a_fresh_process():
+    """Both versions of each switched kernel run, and a second process loads all of them from numba's cache."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = [
+        subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=False)
+        for _ in "ab"
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    used, compiled = map(int, runs[1].stdout.split())
+    assert used == 4 and compiled == 0  # quantize and dequantize, serial and parallel
