@@ -8,7 +8,11 @@ theory needs one (unbiasedness is over the rotation).
 from __future__ import annotations
 
 import math
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import torch
 
 from fedquant import PayloadError
 from fedquant.codecs import Codec, get_codec
+from fedquant.codecs.kernels.common import PARALLEL_MIN
 from fedquant.codecs.quantizers.eden import EdenQuantizer, eden_vnmse, lloyd_max, lloyd_max_distortion
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.payload import header_size
@@ -254,7 +259,7 @@ def test_bfloat16_scales_are_rounded_without_bias():
     from fedquant.codecs.quantizers.eden import _from_bfloat16, _scales
 
     target = 1 / 3  # between two bfloat16 values
-    sq, dot = torch.tensor([target], dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    sq, dot = np.array([target]), np.ones(1)
     values = np.array([_from_bfloat16(_scales(sq, dot, seed))[0] for seed in range(2000)], np.float64)
     lo, hi = values.min(), values.max()
     assert lo < target < hi and hi - lo == pytest.approx(2.0**-9, rel=1e-6)  # one bfloat16 step at 1/3
@@ -270,3 +275,82 @@ def test_values_near_the_float32_range_are_refused_or_decode_finite(bits):
     except ValueError:
         return
     assert torch.isfinite(codec.decode(payload, seed=3)).all()
+
+
+# ---------------------------------------------------------------- numba kernels and their torch twin
+def torch_twin(codec: Codec) -> Codec:
+    """The same codec running the torch path on CPU."""
+    twin = get_codec(codec.spec)
+    twin.quantizer.force_torch = True
+    return twin
+
+
+SIZES = [0, 1, 7, 300, 1000, PARALLEL_MIN - 3, PARALLEL_MIN + 777]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["eden:bits=1", "eden:bits=3,bucket_size=64", "eden:bits=8", "eden:bits=2,coding=entropy,bucket_size=128"],
+)
+def test_kernels_give_the_torch_bytes_and_values(spec):
+    """Same payload bytes and decoded values on both paths (sizes across the serial/parallel switch,
+    short last buckets, empty and one element); the float64 sums may differ in their last bit,
+    which changes an index or a bfloat16 scale only with negligible probability."""
+    codec = get_codec(spec)
+    twin = torch_twin(codec)
+    assert codec.quantizer.uses_kernels() and not twin.quantizer.uses_kernels()
+    for n in SIZES:
+        for seed in (0, 5):
+            x = 3 * gaussian(n, seed)
+            payload = codec.encode(x, seed=seed)
+            assert payload == twin.encode(x, seed=seed), (n, seed)
+            decoded = codec.decode(payload, seed=seed, shape=(n,))
+            assert torch.equal(decoded, twin.decode(payload, seed=seed, shape=(n,))), (n, seed)
+            if n:
+                assert 0 < float(decoded @ x) / float(x @ x) < 2  # an estimate of x, not noise
+
+
+@pytest.mark.parametrize("bits", [1, 2, 5])
+def test_kernel_decode_refuses_symbols_beyond_the_centroids(bits):
+    q = EdenQuantizer(bits=bits)
+    n = 1000
+    side = [np.full(2, bfloat16(1.0), np.uint16)]
+    good = np.arange(n, dtype=np.uint8) % (1 << bits)
+    centroids = lloyd_max(1 << bits)[0].astype(np.float32)
+    np.testing.assert_array_equal(q.dequantize(side, good, n, 0, None).numpy(), centroids[good])
+    for dtype in (np.uint8, np.uint16):
+        bad = good.astype(dtype)
+        bad[n - 1] = 1 << bits
+        with pytest.raises(PayloadError, match="beyond|outside"):
+            q.dequantize(side, bad, n, 0, None)
+    with pytest.raises(PayloadError):
+        q.dequantize(side, good[:-1], n, 0, None)  # too few symbols for the kernel
+    with pytest.raises(PayloadError):
+        q.dequantize_packed(side, np.zeros(packed_size(n, bits) - 1, np.uint8), bits, n, 0, None)
+
+
+_CACHE_PROBE = """
+import torch
+from fedquant.codecs import get_codec
+from fedquant.codecs.kernels import common, eden
+for spec in ("eden:bits=2", "eden:bits=2,coding=entropy"):
+    codec = get_codec(spec)
+    for n in (100, common.PARALLEL_MIN):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        codec.decode(codec.encode(x, seed=1), seed=1)
+used = [fn for fn in common.module_dispatchers(eden) if fn.signatures]
+print(len(used), sum(sum(fn.stats.cache_misses.values()) for fn in used))
+"""
+
+
+def test_kernels_load_from_cache_in_a_fresh_process():
+    """Both versions of each switched kernel run, and a second process loads all of them from numba's cache."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = [
+        subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=False)
+        for _ in "ab"
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    used, compiled = map(int, runs[1].stdout.split())
+    assert used == 4 and compiled == 0  # quantize and dequantize, serial and parallel

@@ -35,6 +35,11 @@ randomized Hadamard rotation is not uniform: a block dominated by one coordinate
 most of the block's energy) comes back with a measurable bias at 1 bit (0.07 ||x||^2 for one
 coordinate holding 97% of its block), as in DRIVE/EDEN's own use of the Hadamard rotation.
 
+Implementations: integer ``B`` on CPU runs the numba kernels of :mod:`fedquant.codecs.kernels.eden`
+(quantize fused with packing, unpacking fused with the centroid gather); the torch code below is
+their twin (CUDA tensors, ``force_torch=True``) and gives the same bytes. Fractional ``B`` runs the
+torch code on every device.
+
 Wire layout (body)::
 
     scales       bfloat16[buckets]  S per bucket as the upper 16 bits of a float32, uint16 LE
@@ -55,12 +60,14 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import uniform_stream
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
 from fedquant.rng import derive_seed, stream_key
 from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
+from fedquant.wire.body import require_items
 
 MAX_BITS = 8
 #: Bucket sizes that divide every block of ``rht`` (512, or a smaller power of two for a tail).
@@ -291,20 +298,57 @@ class EdenQuantizer(Quantizer):
         return scales
 
     # ------------------------------------------------------------------ the two directions
+    def _kernel_path(self, flat: torch.Tensor | None = None) -> bool:
+        """Numba kernels: integer bits (fractional bits run the torch code on every device)."""
+        return not self.split and self.uses_kernels(flat) and (flat is None or flat.dtype == torch.float32)
+
+    def _quantize_kernel(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        x = np.ascontiguousarray(flat.numpy())
+        n = x.size
+        nb = self.num_buckets(n)
+        centroids, boundaries = lloyd_max(1 << self._lo)
+        sq = np.empty(nb, np.float64)
+        dot = np.empty(nb, np.float64)
+        pack = packed_width is not None
+        if pack and packed_width != self._lo:
+            raise RuntimeError(f"eden: packed width {packed_width} for {self._lo}-bit indices")
+        out = np.zeros(packed_size(n, self._lo) if pack else n, np.uint8)
+        kernels.quantize(x, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot)
+        scales = self._finite(_scales(sq, dot, seed))
+        return Quantized([scales], packed=out) if pack else Quantized([scales], symbols=out)
+
+    def _dequantize_kernel(self, side, data: np.ndarray, numel: int, packed: bool) -> torch.Tensor:
+        scales = _from_bfloat16(side[0])
+        require_items(scales, self.num_buckets(numel), "eden scales")
+        if packed:
+            require_items(data, packed_size(numel, self._lo), "packed symbols")
+        else:
+            require_items(data, numel, "eden symbols")
+        centroids = lloyd_max(1 << self._lo)[0].astype(np.float32)
+        out = np.empty(numel, np.float32)
+        bad = kernels.dequantize(data, numel, self.bucket_size, scales, centroids, self._lo, packed, out)
+        if bad:
+            raise PayloadError(f"eden payload holds {bad} symbols beyond the {centroids.size} centroids")
+        return torch.from_numpy(out)
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        if self._kernel_path(flat):
+            return self._quantize_kernel(flat, seed, packed_width)
         n = flat.numel()
         y = flat.double()
         ids = self._bucket_ids(n, flat.device)
         nb = self.num_buckets(n)
         sq = _bucket_sum(y.square(), ids, nb)
         counts = torch.full_like(sq, float(self.bucket_size))
-        counts[-1] = n - (nb - 1) * self.bucket_size
+        if nb:
+            counts[-1] = n - (nb - 1) * self.bucket_size
         norm = torch.where(sq > 0, (counts / sq.clamp_min(1e-300)).sqrt(), torch.zeros_like(sq))
         z = y * (norm if ids is None else norm[ids])
         if not self.split:
             idx, c = _nearest(z, self._lo)
             dot = _bucket_sum(c * y, ids, nb)
-            return Quantized([self._finite(_scales(sq, dot, seed))], symbols=idx.to(torch.uint8).cpu().numpy())
+            scales = self._finite(_scales(sq.cpu().numpy(), dot.cpu().numpy(), seed))
+            return Quantized([scales], symbols=idx.to(torch.uint8).cpu().numpy())
         hi = self.hi_mask(n, seed).to(flat.device)
         dot = torch.zeros_like(sq)
         streams = []
@@ -314,9 +358,13 @@ class EdenQuantizer(Quantizer):
             idx, c = _nearest(z[mask], width)
             dot += _bucket_sum(c * y[mask], None if ids is None else ids[mask], nb)
             streams.append(pack_bits(idx.to(torch.uint8).cpu().numpy(), width))
-        return Quantized([self._finite(_scales(sq, dot, seed)), *streams])
+        return Quantized([self._finite(_scales(sq.cpu().numpy(), dot.cpu().numpy(), seed)), *streams])
 
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+        if self._kernel_path():
+            if symbols.dtype != np.uint8:
+                check_alphabet(symbols, self.num_symbols(), self.name)
+            return self._dequantize_kernel(side, np.ascontiguousarray(symbols, dtype=np.uint8), numel, False)
         scales = torch.from_numpy(_from_bfloat16(side[0]))
         ids = self._bucket_ids(numel)
         scale = scales if ids is None else scales[ids]
@@ -330,6 +378,11 @@ class EdenQuantizer(Quantizer):
             out[~hi] = _values(_unpack(side[1], self._lo, numel - n_hi), self._lo, lo_scale)
         out[hi] = _values(_unpack(side[-1], self._hi, n_hi), self._hi, scale if ids is None else scale[hi])
         return out
+
+    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+        if not self._kernel_path() or width != self._lo:
+            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+        return self._dequantize_kernel(side, np.ascontiguousarray(packed, dtype=np.uint8), numel, True)
 
 
 def _bucket_sum(v: torch.Tensor, ids: torch.Tensor | None, buckets: int) -> torch.Tensor:
@@ -346,10 +399,13 @@ def _nearest(z: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.from_numpy(centroids).to(z.device)[idx]
 
 
-def _scales(sq: torch.Tensor, dot: torch.Tensor, seed: int) -> np.ndarray:
+def _scales(sq: np.ndarray, dot: np.ndarray, seed: int) -> np.ndarray:
     """``||y_b||^2 / <c_b, y_b>`` per bucket (0 where nothing was sent or the bucket is zero), stochastically
-    rounded to bfloat16: the upper 16 bits of the float32 after adding 16 seeded random bits below them."""
-    s32 = torch.where(dot > 0, sq / dot.clamp_min(1e-300), torch.zeros_like(sq)).float().cpu().numpy()
+    rounded to bfloat16: the upper 16 bits of the float32 after adding 16 seeded random bits below them.
+
+    ``sq`` and ``dot`` are float64 arrays (both paths hand theirs to this one function).
+    """
+    s32 = np.where(dot > 0, sq / np.maximum(dot, 1e-300), 0.0).astype(np.float32)
     s32 = np.minimum(s32, np.float32(BF16_MAX))  # rounding up must stay finite
     u = uniform_stream(np.uint64(stream_key(derive_seed(seed, "eden-scale"))), s32.size, 0)
     noise = (u * np.float32(1 << 16)).astype(np.uint32)  # 16 exact random bits of the 24
