@@ -103,13 +103,13 @@ def numba_cache_in_fresh_worker(codec: str, numel: int) -> dict[str, int]:
         import torch
 
         from fedquant.codecs import get_codec
-        from fedquant.codecs.kernels import common, dither, grid, levels
+        from fedquant.codecs.kernels import common, dither, eden, grid, hadamard, levels
 
         codec_obj = get_codec(spec)
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
         codec_obj.decode(codec_obj.encode(x, seed=1), seed=1)
         counts = {"loaded": 0, "compiled": 0}
-        for module in (common, grid, levels, dither):
+        for module in (common, grid, levels, dither, hadamard, eden):
             for fn in common.module_dispatchers(module):
                 counts["loaded"] += sum(fn.stats.cache_hits.values())
                 counts["compiled"] += sum(fn.stats.cache_misses.values())

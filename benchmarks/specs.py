@@ -40,7 +40,15 @@ FAST_PATHS = ("qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=7", "terngra
 
 #: Settings behind the ``rht+`` rotation (after the registered codecs' rows); their target is
 #: ``RHT_TARGET_FACTOR`` times an in-place copy.
-RHT_PATHS = ("rht+fp32", "rht+qsgd:levels=7", "rht+dqsg", "rht+dqsg:levels=2,coding=entropy", "rht+ndqsg")
+RHT_PATHS = (
+    "rht+fp32",
+    "rht+qsgd:levels=7",
+    "rht+dqsg",
+    "rht+dqsg:levels=2,coding=entropy",
+    "rht+ndqsg",
+    "eden:bits=1",
+    "eden:bits=2",
+)
 
 
 @dataclass
