@@ -21,7 +21,7 @@ CLIENT_INFO_KEY = "client-info"  # ConfigRecord each client adds to its train re
 class SimSettings:
     """One simulation's settings (run-config key = field name with ``-`` for ``_``)."""
 
-    codec: str = "qsgd:levels=16"
+    codec: str = "eden:bits=2"
     dataset: str = "digits"
     partitioning: str = "iid"
     dirichlet_alpha: float = 0.5
