@@ -28,6 +28,10 @@ def test_rate_ladders():
     assert [c.spec for c in rate_ladder(get_codec("ef+fp32"))] == ["ef+fp32", "ef+fp16"]  # transforms kept
     assert _levels(rate_ladder(get_codec("ef+fp32"))) == [32, 16]
     assert [c.spec for c in rate_ladder(get_codec("signsgd"))] == [get_codec("signsgd").spec]
+    # EDEN (the default codec) steps down in bits; entropy coding takes whole bits only. rht+ is kept.
+    assert _levels(rate_ladder(get_codec("eden:bits=2"))) == [2, 1.5, 1, 0.5, 0.25]
+    assert _levels(rate_ladder(get_codec("eden:bits=3,coding=entropy"))) == [3, 2, 1]
+    assert all(c.spec.startswith("rht+eden:") for c in rate_ladder(get_codec("eden:bits=2")))
     assert [c.spec for c in rate_ladder(get_codec("ndqsg"))] == [get_codec("ndqsg").spec]  # its plan tunes it
     ef = rate_ladder(get_codec("ef+qsgd:levels=4"))
     assert [c.spec for c in ef] == [f"ef+{get_codec('qsgd', levels=v).spec}" for v in (4, 3, 2, 1)]

@@ -45,6 +45,8 @@ COARSEST_FRACTION = "chosen-coarsest-fraction"
 
 
 FLOAT_BITS = {"fp32": 32.0, "fp16": 16.0}
+#: The rates below a ``bits`` codec's own (EDEN) that the controller may fall back to.
+BITS_LADDER = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.25)
 
 
 def rate_ladder(codec: Codec) -> list[Codec]:
@@ -60,15 +62,22 @@ def rate_ladder(codec: Codec) -> list[Codec]:
         low = int(quantizer.params["levels"].minimum or 1)
         below = {v for k in range(1, top.bit_length() + 1) for v in (2**k, 2**k - 1) if low <= v < top}
         return [codec] + [get_codec(codec.spec, levels=v) for v in sorted(below, reverse=True)]
+    if "bits" in codec.config:  # fractional rates only where the coding takes them (EDEN: fixed width)
+        top = float(codec.config["bits"])
+        integer_only = codec.config.get("coding", "fixed") != "fixed"
+        below = [b for b in BITS_LADDER if b < top and not (integer_only and b != int(b))]
+        return [codec] + [get_codec(codec.spec, bits=b) for b in below]
     if quantizer.name == "fp32":
         return [codec, get_codec(codec.spec.removesuffix(quantizer.spec) + "fp16")]
     return [codec]
 
 
 def setting_value(codec: Codec) -> float:
-    """The number that names a setting in the metrics: ``levels``, or bits for the float codecs."""
+    """The number that names a setting in the metrics: ``levels``, ``bits`` (EDEN), or bits for the float codecs."""
     if "levels" in codec.config:
         return float(codec.config["levels"])
+    if "bits" in codec.config:
+        return float(codec.config["bits"])
     return FLOAT_BITS.get(codec.quantizer.name, 0.0)
 
 
