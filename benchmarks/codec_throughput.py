@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import time
 from collections.abc import Callable
@@ -66,8 +67,21 @@ def _rss_kib(field: str) -> int:
     return -1
 
 
+def _release_free_heap() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``), where available.
+
+    Otherwise a call that reuses memory an earlier call freed (still resident) adds nothing to
+    the peak, and the measurement depends on what ran before.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_memory_mib(fn: Callable[[], object]) -> float:
     """Extra peak resident memory (MiB) while ``fn`` runs (Linux: resets VmHWM first)."""
+    _release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
