@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedquant.codecs.buckets import check_bucket_scales, effective_bucket_size, num_buckets
+from fedquant.codecs.dispatch import KernelDispatch
 from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import unpack_bits
@@ -72,7 +73,7 @@ class Quantized:
     packed: np.ndarray | None = None
 
 
-class Quantizer(Configurable):
+class Quantizer(Configurable, KernelDispatch):
     """Base of the quantizer stage.
 
     Subclasses set the class attributes, declare ``params`` (``coding`` is added from
@@ -111,7 +112,6 @@ class Quantizer(Configurable):
     implied_transforms: ClassVar[tuple[str, ...]] = ()
     paper: ClassVar[str] = ""
     wire: ClassVar[str] = ""
-    force_torch: bool = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -174,10 +174,6 @@ class Quantizer(Configurable):
         symbols = unpack_bits(packed, width, numel)
         check_alphabet(symbols, self.num_symbols(), self.name)
         return self.dequantize(side, symbols, numel, seed, side_info)
-
-    def uses_kernels(self, flat: torch.Tensor | None = None) -> bool:
-        """Whether to run the numba kernels: CPU data (or decoding) and no ``force_torch``."""
-        return not self.force_torch and (flat is None or flat.device.type == "cpu")
 
 
 def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:

@@ -18,10 +18,11 @@ from abc import abstractmethod
 
 import torch
 
+from fedquant.codecs.dispatch import KernelDispatch
 from fedquant.codecs.params import Configurable
 
 
-class Transform(Configurable):
+class Transform(Configurable, KernelDispatch):
     """An invertible transform that the decoder undoes (on the wire)."""
 
     def output_numel(self, numel: int) -> int:

@@ -107,14 +107,11 @@ class RandomizedHadamard(Transform):
 
     Attributes
     ----------
-    force_torch : bool
-        Run the torch implementation on CPU tensors too (tests of path equality).
     max_log2, min_log2 : int
         The block layout (:func:`block_layout`); class attributes, fixed for the wire name.
     """
 
     name = "rht"
-    force_torch: bool = False
     max_log2: ClassVar[int] = MAX_BLOCK_LOG2
     min_log2: ClassVar[int | None] = None
 
@@ -133,7 +130,7 @@ class RandomizedHadamard(Transform):
     def _rotate(self, flat: torch.Tensor, blocks: tuple[int, ...], seed: int, inverse: bool) -> torch.Tensor:
         sign_seed = self.sign_seed(seed)
         flat = flat.to(torch.float32).contiguous()
-        if self.force_torch or flat.device.type != "cpu":
+        if not self.uses_kernels(flat):
             return fwht_torch(flat, blocks, sign_seed, inverse)
         return torch.from_numpy(fwht_numba(flat.numpy(), blocks, stream_key(sign_seed), inverse))
 
