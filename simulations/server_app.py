@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -123,13 +123,19 @@ def _partition_of(msg: Message) -> tuple[int, int]:
 
 
 def run_server(
-    grid: Grid, run_config: dict[str, Any], *, directory: PartitionDirectory | None = None, **overrides: Any
+    grid: Grid,
+    run_config: dict[str, Any],
+    *,
+    directory: PartitionDirectory | None = None,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    **overrides: Any,
 ) -> RunHistory:
     """Run the whole federation as the run config says; returns the history it wrote.
 
     ``overrides`` (snake_case keys) take precedence over the run config; the sweep uses them.
     ``directory`` keeps what was learned about the nodes' partitions from an earlier run on the
-    same grid (the sweep passes one to all its runs).
+    same grid (the sweep passes one to all its runs). ``on_round(row)`` is called with each
+    round's history row (the sweep's progress lines).
     """
     settings = SimSettings.from_run_config(run_config, **overrides)
     test = load_test_set(settings.dataset)
@@ -178,6 +184,8 @@ def run_server(
         row["elapsed-seconds"] = time.perf_counter() - t0
         history.add_round(row)
         log(INFO, "%s", _round_line(row, settings.rounds))
+        if on_round is not None:
+            on_round(row)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     strategy.start(
