@@ -210,6 +210,10 @@ def run_server(
         (final.get("cumulative-uplink-bytes") or 0) / 1e6,
         folder,
     )
+    nested = [r["ndqsg-nested-tensors"] for r in history.rounds if r.get("ndqsg-nested-tensors") is not None]
+    if nested and not any(nested):
+        log(WARNING, "fedquant: NDQSG nested no tensor in any round (every rho reached 2M+1, ndqsg-nested-tensors "
+            "= 0): every tensor went as DQSG, so this run is a DQSG run")  # fmt: skip
     if monitor.diverged:
         log(WARNING, "fedquant: this run DIVERGED (first at round %d: %s); its final accuracy is not meaningful. %s",
             monitor.first_round, monitor.reason, DIVERGENCE_ADVICE)  # fmt: skip

@@ -83,6 +83,35 @@ PRESETS: dict[str, Preset] = {
             "rounds": 40,
         },
     ),
+    # Hub datasets (pip install -e ".[hub]", internet on first use); run times: benchmarks/preset_cost.py.
+    "femnist": Preset(
+        "FEMNIST (flwr-datasets), CNN, 200 clients with Dirichlet(0.5) labels, 20 per round",
+        200,
+        {
+            "dataset": "femnist",
+            "model": "cnn",
+            "partitioning": "dirichlet",
+            "dirichlet_alpha": 0.5,
+            "fraction_train": 0.1,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "rounds": 100,
+        },
+    ),
+    "cifar10": Preset(
+        "CIFAR-10 (flwr-datasets), ResNet-20, 100 clients with Dirichlet(0.3) labels, 10 per round",
+        100,
+        {
+            "dataset": "cifar10",
+            "model": "resnet20",
+            "partitioning": "dirichlet",
+            "dirichlet_alpha": 0.3,
+            "fraction_train": 0.1,
+            "local_epochs": 2,
+            "batch_size": 32,
+            "rounds": 200,
+        },
+    ),
 }
 
 

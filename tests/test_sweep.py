@@ -211,3 +211,31 @@ def test_progress_lines_name_codec_seed_round_and_eta(flwr_log):
     lines = [r.getMessage() for r in flwr_log if r.levelno == logging.INFO and "[sweep 3/4]" in r.getMessage()]
     assert len(lines) == 1 and "qsgd seed 1: round 1/10, accuracy 0.5000" in lines[0] and "ETA" in lines[0]
     assert progress.done == 1 and progress.left == 20
+
+
+@pytest.mark.parametrize(("preset", "shape", "classes"), [("femnist", (28, 28), 62), ("cifar10", (32, 32, 3), 10)])
+def test_hub_presets_run_on_local_data_of_their_shape(tmp_path, preset, shape, classes):
+    # FEMNIST and CIFAR-10 need internet; the same settings on a local dataset of the same image shape.
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("flwr_datasets")
+    import numpy as np
+    from PIL import Image
+
+    from simulations.server_app import run_server
+    from simulations.sweep import PRESETS
+
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=classes)})
+    (tmp_path / "data" / "data").mkdir(parents=True)
+    for split, n in (("train", 2 * classes), ("test", 20)):
+        images = [Image.fromarray(rng.integers(0, 256, size=shape, dtype=np.uint8)) for _ in range(n)]
+        table = datasets.Dataset.from_dict(
+            {"image": images, "label": [i % classes for i in range(n)]}, features=features
+        )
+        table.to_parquet(str(tmp_path / "data" / "data" / f"{split}-00000-of-00001.parquet"))
+    overrides = {**PRESETS[preset].overrides, "dataset": f"hf:{tmp_path / 'data'}", "rounds": 1, "fraction_train": 1.0,
+                 "local_epochs": 1, "min_local_steps": 1}  # fmt: skip
+    history = run_server(_grid(3), {}, out_dir=str(tmp_path / "runs"), run_name=preset, **overrides)
+    final = history.rounds[-1]
+    assert final["round"] == 1 and 0 <= final["accuracy"] <= 1 and final["uplink-bytes"] > 0
+    assert history.settings.model == PRESETS[preset].overrides["model"]
