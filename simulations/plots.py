@@ -167,7 +167,8 @@ def sweep_figure(
         label = f"{codec} ({n_seeds} seed{'s' * (n_seeds > 1)})"
         for ax, x in ((left, m["mb"]), (right, m["seconds"] if timed else m["round"])):
             (line,) = ax.plot(x, m["accuracy"], lw=1.6, ms=5, markevery=every, label=label, **style)
-            ax.fill_between(x, m["low"], m["high"], color=style["color"], alpha=0.15, lw=0)
+            low, high = [max(v, 0.0) for v in m["low"]], [min(v, 1.0) for v in m["high"]]  # accuracy is in [0, 1]
+            ax.fill_between(x, low, high, color=style["color"], alpha=0.15, lw=0)
         handles.append(line)
     frontier = pareto_frontier([(x, y) for m in means.values() for x, y in zip(m["mb"], m["accuracy"])])
     if frontier:
@@ -179,7 +180,8 @@ def sweep_figure(
     left.set_xlabel("cumulative uplink traffic (MB, log scale)")
     left.set_title("Accuracy against uplink traffic")
     if timed:
-        right.set_xlabel("simulated time (s, cumulative round times)")
+        right.set_xscale("log")
+        right.set_xlabel("simulated time (s, cumulative round times, log scale)")
         right.set_title("Accuracy against simulated time")
     else:
         right.set_xlabel("round")

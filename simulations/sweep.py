@@ -72,15 +72,16 @@ PRESETS: dict[str, Preset] = {
     "digits": Preset("the app's defaults on scikit-learn's digits (the quick default)", 20),
     # Chosen by `python -m benchmarks.separating_task` (README, "A task that separates codecs").
     "separating": Preset(
-        "Synthetic(0.5, 0.5), logistic regression, 100 clients, 20 per round",
+        "Synthetic(0.5, 0.5), MLP, 100 clients, 50 per round, lognormal uplinks (the codec table's task)",
         100,
         {
             "dataset": "synthetic:alpha=0.5,beta=0.5",
-            "model": "logreg",
-            "fraction_train": 0.2,
+            "model": "mlp",
+            "fraction_train": 0.5,
             "local_epochs": 1,
             "min_local_steps": 10,
             "rounds": 40,
+            "uplink": "lognormal:median=2,sigma=1",
         },
     ),
     # Hub datasets (pip install -e ".[hub]", internet on first use); run times: benchmarks/preset_cost.py.

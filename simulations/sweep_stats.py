@@ -206,7 +206,8 @@ def markdown_table(rows: Sequence[CodecRow], *, last_k: int, target: float | Non
         "nested tensors",
         "seeds",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * 6 + ["---"] + ["---:"] * 4) + "|"]
+    align = ["---"] + ["---:"] * 5 + ["---"] + ["---:"] * 4 + ["---"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for r in rows:
         if not r.last_k.n:
             lines.append(f"| {r.codec} | failed: {'; '.join(r.errors) or 'no run'} |" + " |" * (len(head) - 2))
