@@ -308,8 +308,10 @@ def write_results(
             for m in messages:
                 writer.writerow({"codec": codec, "error": m})
     text = f"{title}\n\n" + markdown_table(rows, last_k=last_k, target=target) + _legend(last_k, target)
+    wall = sum(r.wall_seconds for r in runs)
+    text += f"\n{len(runs)} runs, {wall / 60:.1f} minutes of wall time in all (each run from its first to last round).\n"
     if command:
-        text += f"\nReproduce: `{command}`\n"
+        text += f"\nReproduce: `{command}` (a rerun reuses the runs stored in its `--out` folder)\n"
     paths["md"].write_text(text)
     if table is not None:
         table.parent.mkdir(parents=True, exist_ok=True)
