@@ -309,7 +309,7 @@ def write_results(
                 writer.writerow({"codec": codec, "error": m})
     text = f"{title}\n\n" + markdown_table(rows, last_k=last_k, target=target) + _legend(last_k, target)
     wall = sum(r.wall_seconds for r in runs)
-    text += f"\n{len(runs)} runs, {wall / 60:.1f} minutes of wall time in all (each run from its first to last round).\n"
+    text += f"\n{len(runs)} runs, {wall / 60:.1f} minutes of wall time in all (the runs alone).\n"
     if command:
         text += f"\nReproduce: `{command}` (a rerun reuses the runs stored in its `--out` folder)\n"
     paths["md"].write_text(text)
