@@ -417,7 +417,9 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
                 progress.left -= base.rounds
                 write()
                 continue
-            sampled = sorted({(c["round"], c.get("partition-id")) for c in history.clients}, key=str)
+            sampled = sorted(
+                {(c["round"], c.get("partition-id")) for c in history.clients}, key=lambda t: (t[0], str(t[1]))
+            )
             record = store.save(
                 codec,
                 seed,
