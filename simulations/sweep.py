@@ -525,7 +525,7 @@ def run_sweep(
         {"num-supernodes": num_supernodes, "num-cpus": num_cpus, "num-gpus": num_gpus},
         dict(overrides),
     )
-    base = plan.settings()  # fail on a bad setting before Ray starts
+    plan.settings()  # fail on a bad setting before Ray starts
     if last_k < 1:
         raise ValueError(f"last-k must be >= 1 (a run shorter than k averages all its rounds), got {last_k}")
     if restart:
