@@ -42,8 +42,6 @@ from fedquant.secagg.messages import (
 )
 
 log = logging.getLogger("fedquant.secagg")
-#: Reconstruction attempts per secret with a different subset of shares before the round fails.
-MAX_RECONSTRUCTIONS = 8
 
 
 @dataclass(frozen=True)
@@ -274,13 +272,19 @@ class SecAggServer:
             self.key_shares.setdefault(owner, []).append(share)
 
     def _rebuild(self, owner: int, shares: list[bytes], check) -> bytes | None:
-        """A secret from ``threshold`` shares, checked; other subsets are tried if one fails."""
+        """A secret from ``threshold`` shares, checked against its commitment or public key.
+
+        If a window of shares fails the check (a holder sent a bad share), the next cyclic
+        window is tried: up to one window per share, so a run of up to ``len(shares) - t``
+        consecutive bad shares is outvoted.
+        """
         t = self.threshold[owner]
         if len(shares) < t:
             return None
-        for subset in itertools.islice(itertools.combinations(shares, t), MAX_RECONSTRUCTIONS):
+        for start in range(len(shares)):
+            window = [shares[(start + i) % len(shares)] for i in range(t)]
             try:
-                secret = crypto.join_secret(list(subset))
+                secret = crypto.join_secret(window)
             except crypto.CryptoError:
                 continue
             if check(secret):
