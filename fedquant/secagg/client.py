@@ -57,9 +57,9 @@ def share_associated(session: bytes, src: int, dst: int) -> bytes:
     return session + src.to_bytes(8, "little") + dst.to_bytes(8, "little")
 
 
-def share_key(own_seed: bytes, peer_public: bytes, session: bytes) -> bytes:
-    """The AEAD key two clients derive for their share pairs."""
-    return crypto.agree(own_seed, peer_public, b"fedquant-secagg share " + session)
+def share_key(own_seed: bytes, peer_public: bytes, session: bytes, src: int, dst: int) -> bytes:
+    """The AEAD key of the one share pair ``src`` sends ``dst`` in a session."""
+    return crypto.agree(own_seed, peer_public, b"fedquant-secagg share " + share_associated(session, src, dst))
 
 
 @dataclass
@@ -167,7 +167,7 @@ class SecAggClient:
         for index, (peer, peer_keys) in enumerate(zip(nodes, keys)):
             if peer == self.node_id:
                 continue
-            key = share_key(self.encryption_seed, split_keys(peer_keys)[0], self.session)
+            key = share_key(self.encryption_seed, split_keys(peer_keys)[0], self.session, self.node_id, peer)
             plaintext = seed_shares[index] + key_shares[index]
             ciphertexts.append(crypto.encrypt(key, plaintext, share_associated(self.session, self.node_id, peer)))
             destinations.append(peer)
@@ -187,7 +187,7 @@ class SecAggClient:
             raise ProtocolError(f"collect: {len(sources) + 1} live holders, fewer than the threshold")
         for src, sealed in zip(sources, ciphertexts):
             peer_public = split_keys(self.peer_keys[self.peers.index(src)])[0]
-            key = share_key(self.encryption_seed, peer_public, self.session)
+            key = share_key(self.encryption_seed, peer_public, self.session, src, self.node_id)
             try:
                 plaintext = crypto.decrypt(key, sealed, share_associated(self.session, src, self.node_id))
             except crypto.CryptoError as err:

@@ -43,7 +43,7 @@ class SecAggConfig:
     """
 
     threshold: int | float = 0.6
-    bits: int = 4
+    bits: int = 2
     clip: float = 1.0
     neighbours: int | None = None
     noise_multiplier: float = 0.0

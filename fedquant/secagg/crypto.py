@@ -5,7 +5,9 @@ Nothing here is a new primitive; each function names the library call it wraps:
 * key agreement: X25519 (``cryptography``), keys derived from 16-byte seeds with HKDF-SHA256 so
   that the seed, not a 32-byte scalar, is what gets Shamir-shared;
 * key derivation: HKDF-SHA256 with an ``info`` string per purpose and the round's session id;
-* share encryption: ChaCha20-Poly1305 AEAD with the sender and receiver ids as associated data;
+* share encryption: ChaCha20-Poly1305 AEAD under a key used for one message only (derived per
+  session, sender and receiver), so its nonce is fixed at zero and not sent; the ids are also
+  the associated data;
 * secret sharing: Flower's ``flwr.common.secure_aggregation.crypto.shamir`` (PyCryptodome's
   Shamir over GF(2^128));
 * mask expansion: AES-256-CTR keystream (a cryptographic PRG), one key per seed and segment;
@@ -32,8 +34,10 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 #: Flower's share of a 16-byte secret: a 4-byte index and two 16-byte chunks (PKCS#7-padded).
 SHARE_BYTES = 4 + 2 * 16
-#: One encrypted share pair (self-mask seed share, mask-key seed share).
-CIPHERTEXT_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + TAG_BYTES
+#: One encrypted share pair (self-mask seed share, mask-key seed share) and its tag.
+CIPHERTEXT_BYTES = 2 * SHARE_BYTES + TAG_BYTES
+#: Every key encrypts one message (see :func:`encrypt`), so the nonce can be constant.
+_NONCE = bytes(NONCE_BYTES)
 
 
 class CryptoError(ValueError):
@@ -83,17 +87,20 @@ def commitment(secret: bytes) -> bytes:
 
 
 def encrypt(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
-    """ChaCha20-Poly1305: ``nonce || ciphertext || tag``."""
-    nonce = os.urandom(NONCE_BYTES)
-    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, associated)
+    """ChaCha20-Poly1305 ``ciphertext || tag`` under a key that encrypts this message only.
+
+    The caller derives ``key`` for one (session, sender, receiver), which the protocol uses for
+    a single message; a constant nonce is then safe and costs no bytes on the wire.
+    """
+    return ChaCha20Poly1305(key).encrypt(_NONCE, plaintext, associated)
 
 
 def decrypt(key: bytes, sealed: bytes, associated: bytes) -> bytes:
     """Inverse of :func:`encrypt`; :class:`CryptoError` if it does not authenticate."""
-    if len(sealed) < NONCE_BYTES + TAG_BYTES:
+    if len(sealed) < TAG_BYTES:
         raise CryptoError("ciphertext too short")
     try:
-        return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
+        return ChaCha20Poly1305(key).decrypt(_NONCE, sealed, associated)
     except InvalidTag:
         raise CryptoError("ciphertext does not authenticate") from None
 
