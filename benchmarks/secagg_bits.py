@@ -109,10 +109,10 @@ def fedquant_round(updates: list[torch.Tensor], quantizer_bits: int, dropouts: i
     segments = [Segment("update", grid.padded_numel, grid.bits), Segment("weight", 1, WEIGHT_BITS)]
     server = SecAggServer(config, nodes, segments, server_round=1)
     drop = {nodes[j]: "share-keys" for j in range(1, 1 + 5 * dropouts, 5)}
-    transport = LoopbackGrid({nid: SecAggClient(nid) for nid in nodes}, {nid: encoder(i) for i, nid in enumerate(nodes)},
-                             drop)
-    extra = lambda stage, node: (  # noqa: E731
-        RecordDict({GRID_RECORD: ConfigRecord(grid.to_config("fedquant.secagg.grid."))}) if stage == "collect" else None)
+    clients = {nid: SecAggClient(nid) for nid in nodes}
+    transport = LoopbackGrid(clients, {nid: encoder(i) for i, nid in enumerate(nodes)}, drop)
+    grid_record = RecordDict({GRID_RECORD: ConfigRecord(grid.to_config("fedquant.secagg.grid."))})
+    extra = lambda stage, node: grid_record if stage == "collect" else None  # noqa: E731
     result = run_secure_sum(server, transport.send_and_receive, extra)
     if result is None:
         raise RuntimeError(f"secure round failed: {server.failure}")
@@ -217,6 +217,23 @@ def legacy_round(updates: list[torch.Tensor], start: dict[str, torch.Tensor]) ->
     return Row("Flower legacy SecAgg+", dict(grid.up), dict(grid.down), updates[0].numel(), n, error, 64, 0)
 
 
+def wrap_rates(updates: list[torch.Tensor], quantizer_bits: int, seed: int) -> list[tuple[int, float, float]]:
+    """(bits, measured wrap fraction, sub-Gaussian bound per coordinate) for the rule's width and narrower."""
+    import dataclasses
+
+    from fedquant.codecs.summable import wrap_bound
+
+    n, d = len(updates), updates[0].numel()
+    mean = torch.stack(updates).mean(0).numpy()
+    grid = SecAggConfig(bits=quantizer_bits, clip=10.0).scale_rule().grid(d, n, seed, mean)
+    out = []
+    for bits in range(grid.bits, grid.bits - 4, -1):
+        small = dataclasses.replace(grid, bits=bits)
+        total = sum(encode_update(u, small, 7000 + i).integers for i, u in enumerate(updates))
+        out.append((bits, wrapped(total, bits) / grid.padded_numel, wrap_bound(bits, n, quantizer_bits, 0.0, 1)))
+    return out
+
+
 def format_table(rows: list[Row]) -> str:
     stages = ["advertise", "share-keys", "collect", "unmask"]
     legacy_names = {"advertise": "setup", "share-keys": "share_keys", "collect": "collect_masked_vectors",
@@ -254,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"default (q={DEFAULT_BITS}): {default.up_bits():.2f} uplink bits/param "
           f"(target <= {TARGET_BITS:g}, aim {AIM_BITS:g}); Flower legacy {legacy.up_bits():.2f} "
           f"({legacy.up_bits() / default.up_bits():.1f}x)")
+    print(f"wrap-around at q={DEFAULT_BITS} (this round's updates, grid from their mean, growth 2): bits, "
+          "measured fraction of coordinates, bound per coordinate")
+    for bits, rate, bound in wrap_rates(updates, DEFAULT_BITS, args.seed):
+        print(f"  b={bits:2d}  measured {rate:.2e}  bound {bound:.2e}")
     ok = default.up_bits() <= TARGET_BITS and math.isfinite(default.error) and default.wraps == 0
     if not ok:
         print("MISS: the default configuration exceeds the target or wrapped")

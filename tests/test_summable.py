@@ -30,7 +30,8 @@ def updates(n: int, d: int, seed: int, spread: float = 1.0) -> list[torch.Tensor
     rng = np.random.default_rng(seed)
     scale = np.where(np.arange(d) < d // 3, 3.0, 0.3)
     common = rng.standard_normal(d) * scale * 0.01
-    return [torch.tensor(common + spread * 0.01 * scale * rng.standard_normal(d), dtype=torch.float32) for _ in range(n)]
+    own = [spread * 0.01 * scale * rng.standard_normal(d) for _ in range(n)]
+    return [torch.tensor(common + o, dtype=torch.float32) for o in own]
 
 
 def modular_sum(values: list[np.ndarray], bits: int) -> np.ndarray:

@@ -11,7 +11,7 @@ from fedquant.secagg.client import SecAggClient
 from fedquant.secagg.config import SecAggConfig
 from fedquant.secagg.driver import LoopbackGrid, handle_message, run_secure_sum
 from fedquant.secagg.messages import ProtocolError
-from fedquant.secagg.server import SecAggServer, Segment, SecureSum
+from fedquant.secagg.server import SecAggServer, SecureSum, Segment
 
 __all__ = [
     "LoopbackGrid",

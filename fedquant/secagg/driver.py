@@ -64,7 +64,9 @@ def sort_replies(sent: Mapping[int, Message], replies: Iterable[Message], server
     return contents
 
 
-def run_secure_sum(server: SecAggServer, send_and_receive: SendAndReceive, extra: Extra | None = None) -> SecureSum | None:
+def run_secure_sum(
+    server: SecAggServer, send_and_receive: SendAndReceive, extra: Extra | None = None
+) -> SecureSum | None:
     """Run every stage; the secure sum, or ``None`` when the round failed (``server.failure``)."""
     while not server.done:
         sent = stage_messages(server, extra)

@@ -18,7 +18,9 @@ def _info(kind: bytes, session: bytes, segment: str) -> bytes:
     return b"fedquant-secagg " + kind + b"\x00" + session + b"\x00" + segment.encode()
 
 
-def pairwise_mask(mask_seed: bytes, peer_public: bytes, session: bytes, segment: str, count: int, bits: int) -> np.ndarray:
+def pairwise_mask(
+    mask_seed: bytes, peer_public: bytes, session: bytes, segment: str, count: int, bits: int
+) -> np.ndarray:
     """``p_ij`` of one segment: ``count`` uint32 values below ``2**bits``."""
     return expand_mask(agree(mask_seed, peer_public, _info(b"pairwise", session, segment)), count, bits)
 

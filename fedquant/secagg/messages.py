@@ -128,6 +128,6 @@ def read_masked(content: RecordDict, segments: Sequence[tuple[str, int, int]]) -
         if not isinstance(array, Array) or array.dtype != "uint8" or array.stype != MASKED_STYPE:
             raise ProtocolError(f"segment '{name}' is not a packed uint8 Array")
         if tuple(array.shape) != (need,) or not isinstance(array.data, bytes) or len(array.data) != need:
-            raise ProtocolError(f"segment '{name}' holds {len(array.data)} bytes, {size} values of {bits} bits need {need}")
+            raise ProtocolError(f"segment '{name}' does not hold the {need} bytes of {size} values of {bits} bits")
         out[name] = unpack_bits(np.frombuffer(array.data, dtype=np.uint8), bits, size).astype(np.uint32)
     return out

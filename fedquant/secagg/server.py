@@ -236,7 +236,8 @@ class SecAggServer:
         values = read_masked(content, [(s.name, s.size, s.bits) for s in self.segments])
         for seg in self.segments:
             total = self.totals.get(seg.name)
-            self.totals[seg.name] = values[seg.name] if total is None else masks.apply(total, values[seg.name], 1, seg.bits)
+            value = values[seg.name]
+            self.totals[seg.name] = value if total is None else masks.apply(total, value, 1, seg.bits)
 
     def _finish_collect(self) -> None:
         self.forward.clear()
@@ -297,7 +298,7 @@ class SecAggServer:
             commit = split_keys(self.keys[node])[2]
             seed = self._rebuild(node, seed_shares.get(node, []), lambda s, c=commit: crypto.commitment(s) == c)
             if seed is None:
-                return self._fail(f"cannot rebuild the self-mask seed of node {node} (too few or inconsistent shares)")
+                return self._fail(f"cannot rebuild the self-mask seed of node {node} (too few or bad shares)")
             for seg in self.segments:
                 mask = masks.self_mask(seed, self.session, seg.name, seg.size, seg.bits)
                 totals[seg.name] = masks.apply(totals[seg.name], mask, -1, seg.bits)
@@ -305,7 +306,7 @@ class SecAggServer:
             public = split_keys(self.keys[node])[1]
             mask_seed = self._rebuild(node, key_shares.get(node, []), lambda s, p=public: crypto.public_key(s) == p)
             if mask_seed is None:
-                return self._fail(f"cannot rebuild the mask key of dropped node {node} (too few or inconsistent shares)")
+                return self._fail(f"cannot rebuild the mask key of dropped node {node} (too few or bad shares)")
             for peer in self.survivors:
                 if node not in self.sources[peer]:
                     continue  # the survivor never masked with this node
