@@ -135,7 +135,7 @@ class SecAggServer:
         for node in sorted(self.active):
             content = replies.get(node)
             if content is None:
-                self._drop(node, "no reply")
+                self._drop(node, "no reply" if self.stage != "unmask" else "no unmask reply (its input stays summed)")
                 continue
             try:
                 accept(node, content)
