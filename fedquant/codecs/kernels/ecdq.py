@@ -23,6 +23,8 @@ is the count of that table's elements in the chunks before it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -42,27 +44,80 @@ def num_chunks(n: int) -> int:
 
 # ================================================================ contexts (shared by both paths)
 def tables_of(log2k: int) -> int:
-    """Number of tables for ``2**log2k`` dither contexts (folded in pairs beyond one)."""
+    """Dither contexts per table group for ``2**log2k`` contexts (folded in pairs beyond one)."""
     return 1 if log2k == 0 else 1 << (log2k - 1)
 
 
-def fine_to_table(log2k: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(table, flipped)`` of each fine bin for ``2**log2k`` contexts (int64 and bool arrays of ``FINE``)."""
-    k = np.arange(FINE) >> (FINE_BITS - log2k)
-    contexts = 1 << log2k
-    flipped = (k >= contexts // 2) & (log2k > 0)
-    return np.where(flipped, contexts - 1 - k, k).astype(np.int64), flipped
+@dataclass(frozen=True)
+class ContextSpace:
+    """The fine contexts of a lattice's symbols and the tables they fall into for ``2**log2k`` contexts.
+
+    A fine context is ``(group, coset, fine bin, parity)`` (index
+    ``((group * cosets + coset) * FINE + bin) * parities + parity``): the scalar lattice has only the
+    dither bin; E8 (:mod:`fedquant.codecs.kernels.e8`) codes its first seven and its last
+    coordinate in two groups, per coset of ``D8`` in ``E8``, the last with the parity its symbol must
+    have. Bins ``k >= K/2`` of ``K`` fold onto ``K - 1 - k`` with the symbol mirrored (``2h - coset - s``),
+    which flips a symbol's parity in the odd coset.
+    """
+
+    groups: int = 1
+    cosets: int = 1
+    parities: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.groups * self.cosets * FINE * self.parities
+
+    def num_tables(self, log2k: int) -> int:
+        return self.groups * self.cosets * tables_of(log2k) * self.parities
+
+    def coset(self) -> np.ndarray:
+        """Coset of each fine context (int64)."""
+        return (np.arange(self.size) // (FINE * self.parities)) % self.cosets
+
+    def tables(self, log2k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(table, flipped)`` of each fine context (int64 and bool arrays)."""
+        f = np.arange(self.size)
+        par = f % self.parities
+        rest = f // self.parities
+        k = (rest % FINE) >> (FINE_BITS - log2k)
+        group_coset = rest // FINE
+        contexts = 1 << log2k
+        flipped = (k >= contexts // 2) & (log2k > 0)
+        j = np.where(flipped, contexts - 1 - k, k)
+        coded_parity = par ^ (flipped & (group_coset % self.cosets == 1)) if self.parities == 2 else par
+        table = ((group_coset * tables_of(log2k) + j) * self.parities + coded_parity).astype(np.int64)
+        return table, flipped
+
+    def folded(self, hist: np.ndarray, log2k: int) -> np.ndarray:
+        """Counts per table ``(tables, alphabet)`` from the fine histogram ``(size, alphabet)``."""
+        table, flipped = self.tables(log2k)
+        coset = self.coset()
+        width = hist.shape[1]
+        out = np.zeros((self.num_tables(log2k), width), np.int64)
+        for f in np.flatnonzero(hist.any(axis=1)):
+            if flipped[f]:
+                top = width - coset[f]  # mirrored symbols 2h - coset - s
+                out[table[f], :top] += hist[f, :top][::-1]
+            else:
+                out[table[f]] += hist[f]
+        return out
 
 
-def chunk_offsets(fine_counts: np.ndarray, log2k: int) -> tuple[np.ndarray, np.ndarray]:
+SCALAR = ContextSpace()
+
+
+def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each chunk's symbols of each table start in the table-ordered stream.
 
     Parameters
     ----------
     fine_counts : np.ndarray
-        int64 ``(chunks, FINE)``: elements of each fine bin per chunk.
-    log2k : int
-        log2 of the number of dither contexts.
+        int64 ``(chunks, fine contexts)``: symbols of each fine context per chunk.
+    table : np.ndarray
+        Table of each fine context (:meth:`ContextSpace.tables`).
+    num_tables : int
+        Number of tables.
 
     Returns
     -------
@@ -71,12 +126,11 @@ def chunk_offsets(fine_counts: np.ndarray, log2k: int) -> tuple[np.ndarray, np.n
     sizes : np.ndarray
         int64 ``(tables,)``: symbols per table (the tables follow each other in order).
     """
-    table, _ = fine_to_table(log2k)
-    per_table = np.zeros((fine_counts.shape[0], tables_of(log2k)), np.int64)
-    for b in range(FINE):
-        per_table[:, table[b]] += fine_counts[:, b]
+    per_table = np.zeros((fine_counts.shape[0], num_tables), np.int64)
+    for f in np.flatnonzero(fine_counts.any(axis=0)):
+        per_table[:, table[f]] += fine_counts[:, f]
     sizes = per_table.sum(0)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     before = np.cumsum(per_table, axis=0) - per_table
     return np.ascontiguousarray(before + starts[None, :]), sizes
 
@@ -147,7 +201,7 @@ def scan(y, inv, key, hist_half, groups):
 @parallel_kernel
 def order_symbols(y, inv, key, h, table, flipped, offsets, out):
     """Symbols of float32 ``y`` in table order: element ``i`` of table ``t`` goes to the next slot of
-    ``offsets[chunk, t]`` (``table`` / ``flipped`` per fine bin, :func:`fine_to_table`)."""
+    ``offsets[chunk, t]`` (``table`` / ``flipped`` per fine bin, :meth:`ContextSpace.tables`)."""
     n = y.size
     chunks = (n + CHUNK - 1) // CHUNK
     for c in prange(chunks):
@@ -245,12 +299,13 @@ def torch_norm_and_max(y: torch.Tensor) -> tuple[float, float]:
     return float(y.double().square().sum()), float(y.abs().max())
 
 
-def torch_fine_counts(bins: torch.Tensor) -> np.ndarray:
-    """Fine-bin counts per chunk (int64 ``(chunks, FINE)``), as :func:`scan` / :func:`count_bins`."""
-    n = bins.numel()
-    chunk = torch.arange(n, device=bins.device) // CHUNK
-    counts = torch.bincount(chunk * FINE + bins, minlength=num_chunks(n) * FINE)
-    return counts.view(-1, FINE).cpu().numpy()
+def torch_fine_counts(contexts: torch.Tensor, size: int, n: int, positions: torch.Tensor | None = None) -> np.ndarray:
+    """Counts per chunk (of a tensor of ``n`` elements) of each of ``size`` fine contexts, int64
+    ``(chunks, size)`` as the kernels count them; ``positions`` are the element indices of
+    ``contexts`` (default ``0 .. n - 1``)."""
+    where = torch.arange(n, device=contexts.device) if positions is None else positions
+    counts = torch.bincount((where // CHUNK) * size + contexts, minlength=num_chunks(n) * size)
+    return counts.view(-1, size).cpu().numpy()
 
 
 def torch_histogram(bins: torch.Tensor, q: torch.Tensor, half: int) -> np.ndarray:
@@ -260,12 +315,14 @@ def torch_histogram(bins: torch.Tensor, q: torch.Tensor, half: int) -> np.ndarra
     return torch.bincount(flat, minlength=FINE * width).view(FINE, width).cpu().numpy()
 
 
-def torch_table_order(bins: torch.Tensor, log2k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_table_order(
+    contexts: torch.Tensor, log2k: int, space: ContextSpace = SCALAR
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order, flipped)``: the element order of the table-ordered stream (stable by table) and which
-    elements are folded (negated)."""
-    table, flipped = (torch.from_numpy(a).to(bins.device) for a in fine_to_table(log2k))
-    order = torch.sort(table[bins], stable=True).indices
-    return order, flipped[bins]
+    elements are folded, for symbols of fine contexts ``contexts``."""
+    table, flipped = (torch.from_numpy(a).to(contexts.device) for a in space.tables(log2k))
+    order = torch.sort(table[contexts], stable=True).indices
+    return order, flipped[contexts]
 
 
 def torch_order_symbols(q: torch.Tensor, bins: torch.Tensor, h: int, log2k: int) -> np.ndarray:
