@@ -89,18 +89,21 @@ class ContextSpace:
         table = ((group_coset * tables_of(log2k) + j) * self.parities + coded_parity).astype(np.int64)
         return table, flipped
 
-    def folded(self, hist: np.ndarray, log2k: int) -> np.ndarray:
-        """Counts per table ``(tables, alphabet)`` from the fine histogram ``(size, alphabet)``."""
+    def mirrored(self, hist: np.ndarray) -> np.ndarray:
+        """The fine histogram ``(size, alphabet)`` with every row's symbols mirrored (``2h - coset - s``)."""
+        out = hist[:, ::-1].copy()
+        odd = self.coset() == 1
+        out[odd, :-1] = hist[odd, :-1][:, ::-1]
+        out[odd, -1] = 0
+        return out
+
+    def folded(self, hist: np.ndarray, log2k: int, mirrored: np.ndarray | None = None) -> np.ndarray:
+        """Counts per table ``(tables, alphabet)`` from the fine histogram ``(size, alphabet)`` (and its
+        :meth:`mirrored` rows, computed if not given)."""
         table, flipped = self.tables(log2k)
-        coset = self.coset()
-        width = hist.shape[1]
-        out = np.zeros((self.num_tables(log2k), width), np.int64)
-        for f in np.flatnonzero(hist.any(axis=1)):
-            if flipped[f]:
-                top = width - coset[f]  # mirrored symbols 2h - coset - s
-                out[table[f], :top] += hist[f, :top][::-1]
-            else:
-                out[table[f]] += hist[f]
+        mirrored = self.mirrored(hist) if mirrored is None else mirrored
+        out = np.zeros((self.num_tables(log2k), hist.shape[1]), np.int64)
+        np.add.at(out, table, np.where(flipped[:, None], mirrored, hist))
         return out
 
 
@@ -126,9 +129,9 @@ def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -
     sizes : np.ndarray
         int64 ``(tables,)``: symbols per table (the tables follow each other in order).
     """
-    per_table = np.zeros((fine_counts.shape[0], num_tables), np.int64)
-    for f in np.flatnonzero(fine_counts.any(axis=0)):
-        per_table[:, table[f]] += fine_counts[:, f]
+    per_table = np.zeros((num_tables, fine_counts.shape[0]), np.int64)
+    np.add.at(per_table, table, fine_counts.T)
+    per_table = per_table.T
     sizes = per_table.sum(0)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     before = np.cumsum(per_table, axis=0) - per_table

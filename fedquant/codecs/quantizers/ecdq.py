@@ -199,25 +199,39 @@ def _omega_bits(values: np.ndarray) -> np.ndarray:
 
 def coded_bits(tables: np.ndarray) -> float:
     """Estimated bits of the entropy-coded tables ``(T, alphabet)``: each non-empty table's information
-    ``n H``, its count table (Elias omega of the gaps and counts) and ``TABLE_OVERHEAD_BITS``."""
-    total = 0.0
-    for counts in tables:
-        present = np.flatnonzero(counts)
-        if not present.size:
-            continue
-        c = counts[present].astype(np.float64)
-        n = c.sum()
-        total += float(n * math.log2(n) - (c * np.log2(c)).sum()) + TABLE_OVERHEAD_BITS
-        gaps = np.diff(present, prepend=-1)
-        total += float(_omega_bits(np.array([present.size])).sum() + _omega_bits(gaps).sum())
-        total += float(_omega_bits(counts[present]).sum())
-    return total
+    ``n H``, its count table (Elias omega of the number of symbols present, their gaps and counts) and
+    ``TABLE_OVERHEAD_BITS``."""
+    rows, cols = np.nonzero(tables)
+    if not rows.size:
+        return 0.0
+    counts = tables[rows, cols]
+    c = counts.astype(np.float64)
+    sizes = np.bincount(rows, weights=c)
+    sizes = sizes[sizes > 0]
+    info = float((sizes * np.log2(sizes)).sum() - (c * np.log2(c)).sum())
+    first = np.ones(rows.size, bool)
+    first[1:] = rows[1:] != rows[:-1]
+    gaps = np.where(first, cols + 1, cols - np.roll(cols, 1))
+    present = np.bincount(rows)
+    present = present[present > 0]
+    table_bits = _omega_bits(present).sum() + _omega_bits(gaps).sum() + _omega_bits(counts).sum()
+    return info + float(table_bits) + TABLE_OVERHEAD_BITS * present.size
 
 
 def choose_contexts(hist: np.ndarray, space: ContextSpace) -> int:
-    """``log2k`` (0..6) whose tables code the histogram ``(fine contexts, alphabet)`` in the fewest bits."""
-    costs = [coded_bits(space.folded(hist, k)) for k in range(kernels.FINE_BITS + 1)]
-    return int(np.argmin(costs))
+    """``log2k`` (0..6) whose tables code the histogram ``(fine contexts, alphabet)`` in the fewest bits.
+
+    Tries ``log2k = 0, 1, ...`` and stops at the first that costs more than the one before (more
+    contexts first save information, then cost more in tables than they save).
+    """
+    mirrored = space.mirrored(hist)
+    best, best_cost = 0, math.inf
+    for log2k in range(kernels.FINE_BITS + 1):
+        cost = coded_bits(space.folded(hist, log2k, mirrored))
+        if cost >= best_cost:
+            break
+        best, best_cost = log2k, cost
+    return best
 
 
 # ---------------------------------------------------------------- stages of tables on the wire
@@ -339,7 +353,10 @@ class ECDQQuantizer(Quantizer):
         """
         if n == 0 or maxabs == 0:
             return 0.0, 0.0
-        step = float(np.float32(self.c * math.sqrt(sumsq / n)))
+        step = self.c * math.sqrt(sumsq / n)
+        if step > FLOAT32_MAX or maxabs + 3 * step > FLOAT32_MAX:
+            raise ValueError("ecdq.encode: values within a few steps of the float32 range cannot be quantized")
+        step = float(np.float32(step))
         floor = maxabs / (H_MAX - 4)
         if step < floor:  # the smallest float32 at or above the floor
             rounded = np.float32(floor)
