@@ -249,7 +249,7 @@ def write_stage(parts: list[np.ndarray], symbols: np.ndarray, sizes: np.ndarray,
 def read_stage(body: BodyReader, sizes: np.ndarray, alphabet: int) -> np.ndarray:
     """The symbols of a stage (tables of ``sizes`` symbols, in order), each checked by the entropy decoder."""
     lengths = body.take_array("<u4", int(np.count_nonzero(sizes)), "table lengths").astype(np.int64)
-    out = np.empty(int(sizes.sum()), np.uint8 if alphabet <= 256 else np.uint16)
+    out = np.empty(int(sizes.sum()), np.uint16)
     start, k = 0, 0
     for size in sizes:
         if size:
@@ -407,7 +407,7 @@ class ECDQQuantizer(Quantizer):
         log2k = choose_contexts(hist[:, half - h : half + h + 1], SCALAR) if half >= 0 else 0
         table, flipped = SCALAR.tables(log2k)
         offsets, sizes = chunk_offsets(fine_counts, table, SCALAR.num_tables(log2k))
-        symbols = np.empty(n, np.uint8 if 2 * h + 1 <= 256 else np.uint16)
+        symbols = np.empty(n, np.uint16)
         kernels.order_symbols(y, inv, key, h, table, flipped, offsets, symbols)
         stream: list[np.ndarray] = []
         write_stage(stream, symbols, sizes, 2 * h + 1)
@@ -451,7 +451,7 @@ class ECDQQuantizer(Quantizer):
         log2k = choose_contexts(hist, e8.E8) if with_hist and n else 0
         table, flipped = e8.E8.tables(log2k)
         offsets, sizes = chunk_offsets(fine_counts, table, e8.E8.num_tables(log2k))
-        symbols = np.empty(n, np.uint8 if 2 * h + 1 <= 256 else np.uint16)
+        symbols = np.empty(n, np.uint16)
         e8.order_symbols(m, coset, key, h, table, flipped, offsets, symbols)
         return self._side(h, log2k), _e8_stages(coset, symbols, sizes, h)
 
