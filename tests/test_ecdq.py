@@ -192,6 +192,21 @@ def test_e8_beats_z_and_both_beat_eden_at_equal_payload_bits():
     assert e8_err < 0.9 * z_err and z_err < eden_err
 
 
+@pytest.mark.parametrize("lattice", LATTICES)
+def test_declared_error_is_exact_and_the_bound_holds(lattice):
+    """``expected_error`` (given the input) and ``error_bound`` (omega, any input) against measurement."""
+    n = 1 << 16
+    quantizer = ECDQQuantizer(bits=1.5, lattice=lattice)
+    codec = Codec(quantizer)
+    for x in (gaussian(n, 4), student_t3(n, 4), torch.zeros(n).index_fill_(0, torch.tensor([3]), 1e4)):
+        measured = np.mean(
+            [float((codec.decode(codec.encode(x, seed=s), seed=s) - x).double().square().sum()) for s in range(4)]
+        ) / float(x.double().square().sum())
+        assert measured == pytest.approx(quantizer.expected_error(x), rel=0.05)
+        assert measured <= 1.01 * quantizer.error_bound(n)  # a bound on the expectation; 4 draws scatter ~0.2%
+    assert quantizer.error_bound(n) == pytest.approx(quantizer.vnmse(), rel=1e-5)
+
+
 # ---------------------------------------------------------------- unbiasedness
 def _mean_error_ratio(codec: Codec, x: torch.Tensor, trials: int) -> float:
     """``T ||mean - x||^2 / E||x_hat - x||^2``: 1 for an unbiased codec (chi-square, relative sd ~ sqrt(2 / n))."""

@@ -10,7 +10,9 @@ nearest lattice point) and the decoder returns ``step (lambda - u)``. The error 
 * the estimate is **unbiased for every input** (no averaging over rotations needed), and
 * its error is known exactly: vNMSE ``= G c**2`` (``G`` the lattice's normalized second moment:
   1/12 for Z, 929/12960 = 0.0717 for E8), times ``numel / n`` after the rotation's padding,
-  whatever the data: :meth:`ECDQQuantizer.vnmse`, the codec's variance for error feedback.
+  whatever the data: :meth:`ECDQQuantizer.vnmse`; :meth:`~ECDQQuantizer.expected_error` (exact
+  for a given input) and :meth:`~ECDQQuantizer.error_bound` (``omega``, over every input) are what
+  error feedback reads.
 
 Rate. The decoder knows the dither, so the index is coded **given the dither**: an ideal coder
 needs ``H(lambda | u) = I(X; X + N)`` bits, ``N`` uniform on the cell (Zamir & Feder), which on
@@ -321,6 +323,27 @@ class ECDQQuantizer(Quantizer):
         """Error variance per coordinate over ``||y||^2 / n``: ``G c**2``, exact for every input whose
         largest rotated coordinate is below about ``H_MAX c`` times the RMS (beyond, the step grows)."""
         return SECOND_MOMENT[self.kind] * self.c * self.c
+
+    def error_bound(self, numel: int) -> float:
+        """``omega``, the largest ``E||Q(x) - x||^2 / ||x||^2`` over every ``x`` of ``numel`` elements.
+
+        ``G step**2`` per element with ``step = max(c rms, max|x| / (H_MAX - 4))`` and
+        ``max|x|**2 <= ||x||**2``: ``G max(c**2, numel / (H_MAX - 4)**2)``, with a margin for the
+        float32 rounding of the step. The first term holds for tensors below about
+        ``1e9 c**2`` elements.
+        """
+        return SECOND_MOMENT[self.kind] * max(self.c**2, numel / (H_MAX - 4) ** 2) * (1 + 2.0**-20)
+
+    def expected_error(self, flat: torch.Tensor) -> float:
+        """Exact for this (rotated) input: ``G n step**2 / ||x||**2`` with the step the encoder will use
+        (the error is independent of the input; 0 for a zero tensor)."""
+        n = flat.numel()
+        if self.uses_kernels(flat):
+            sumsq, maxabs = kernels.norm_and_max(np.ascontiguousarray(flat.numpy()))
+        else:
+            sumsq, maxabs = kernels.torch_norm_and_max(flat)
+        step, _ = self.step_for(float(sumsq), float(maxabs), n)
+        return SECOND_MOMENT[self.kind] * n * step * step / float(sumsq) if step else 0.0
 
     def num_symbols(self) -> int:
         return 0  # the alphabet is the tensor's own (2h + 1), in its own symbol section
