@@ -89,8 +89,16 @@ def test_e8_rate_table_matches_a_fresh_measurement():
 
 
 def test_auto_lattice_and_refused_settings():
-    assert get_codec("ecdq").quantizer.kind == "e8"
-    assert get_codec("ecdq:bits=0.3").quantizer.kind == "z"
+    quantizer = get_codec("ecdq").quantizer
+    assert quantizer.lattice_for(1 << 20) == quantizer.lattice_for(ecdq.E8_MIN_NUMEL) == "e8"
+    assert quantizer.lattice_for(ecdq.E8_MIN_NUMEL - 8) == "z"
+    assert get_codec("ecdq:bits=0.3").quantizer.lattice_for(1 << 20) == "z"
+    assert get_codec("ecdq:lattice=e8").quantizer.lattice_for(8) == "e8"
+    # auto quantizes exactly as the lattice it picks
+    for n, lattice in [(ecdq.E8_MIN_NUMEL, "e8"), (ecdq.E8_MIN_NUMEL - 8, "z")]:
+        x = gaussian(n, 1)
+        auto, fixed = bare(bits=1.0), bare(bits=1.0, lattice=lattice)
+        assert torch.equal(auto.decode(auto.encode(x, seed=3), seed=3), fixed.decode(fixed.encode(x, seed=3), seed=3))
     assert get_codec("ecdq").spec == "rht+ecdq:bits=1.0,coding=entropy,lattice=auto"
     for spec, message in [("ecdq:bits=0", "bits"), ("ecdq:bits=9", "bits"), ("ecdq:lattice=d4", "lattice")]:
         with pytest.raises(ValueError, match=message):
@@ -213,7 +221,7 @@ def _mean_error_ratio(codec: Codec, x: torch.Tensor, trials: int) -> float:
     total = torch.zeros(x.numel(), dtype=torch.float64)
     for seed in range(trials):
         total += codec.decode(codec.encode(x, seed=seed), seed=seed).double()
-    expected = codec.quantizer.vnmse() * float(x.double().square().sum())
+    expected = codec.quantizer.vnmse(x.numel()) * float(x.double().square().sum())
     return trials * float((total / trials - x.double()).square().sum()) / expected
 
 
@@ -239,7 +247,7 @@ def test_the_unbiasedness_check_detects_a_small_bias():
     class Shifted(Codec):
         def decode(self, payload, seed=0, side_info=None, **kw):
             y = super().decode(payload, seed, side_info, **kw)
-            return y + 0.05 * math.sqrt(codec.quantizer.vnmse()) * x.abs().mean()
+            return y + 0.05 * math.sqrt(codec.quantizer.vnmse(x.numel())) * x.abs().mean()
 
     shifted = Shifted(codec.quantizer, codec.wire_transforms)
     assert _mean_error_ratio(shifted, x, 300) > 1.15
