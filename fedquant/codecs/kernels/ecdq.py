@@ -102,12 +102,20 @@ class ContextSpace:
         :meth:`mirrored` rows, computed if not given)."""
         table, flipped = self.tables(log2k)
         mirrored = self.mirrored(hist) if mirrored is None else mirrored
-        out = np.zeros((self.num_tables(log2k), hist.shape[1]), np.int64)
-        np.add.at(out, table, np.where(flipped[:, None], mirrored, hist))
-        return out
+        return sum_rows_by(np.where(flipped[:, None], mirrored, hist), table, self.num_tables(log2k))
 
 
 SCALAR = ContextSpace()
+
+
+def sum_rows_by(rows: np.ndarray, groups: np.ndarray, count: int) -> np.ndarray:
+    """``out[g] = sum of rows[i] with groups[i] == g`` for ``g < count`` (int64 ``(count, columns)``)."""
+    order = np.argsort(groups, kind="stable")
+    present, starts = np.unique(groups[order], return_index=True)
+    out = np.zeros((count, rows.shape[1]), np.int64)
+    if present.size:
+        out[present] = np.add.reduceat(rows[order], starts, axis=0)
+    return out
 
 
 def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -> tuple[np.ndarray, np.ndarray]:
@@ -129,9 +137,7 @@ def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -
     sizes : np.ndarray
         int64 ``(tables,)``: symbols per table (the tables follow each other in order).
     """
-    per_table = np.zeros((num_tables, fine_counts.shape[0]), np.int64)
-    np.add.at(per_table, table, fine_counts.T)
-    per_table = per_table.T
+    per_table = sum_rows_by(fine_counts.T, table, num_tables).T
     sizes = per_table.sum(0)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     before = np.cumsum(per_table, axis=0) - per_table
