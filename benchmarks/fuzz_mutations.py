@@ -52,8 +52,8 @@ def families() -> list[str]:
     specs += ["rht+qsgd:coding=entropy", "rht+dqsg:coding=fixed", "rht+ndqsg:coding=fixed"]
     # EDEN's fractional rates carry two index streams, and below 1 bit a subsampled one.
     specs += ["eden:bits=1.5", "eden:bits=0.5"]
-    # ECDQ's scalar lattice (the default, E8, is a registry family), and E8 at a wide alphabet.
-    specs += ["ecdq:coding=entropy,lattice=z", "ecdq:coding=fixed,lattice=z", "ecdq:bits=6,coding=entropy"]
+    # ECDQ's E8 lattice (lattice=auto takes the scalar one for tensors this small), also at a wide alphabet.
+    specs += ["ecdq:coding=entropy,lattice=e8", "ecdq:coding=fixed,lattice=e8", "ecdq:bits=6,coding=entropy,lattice=e8"]
     return specs
 
 

@@ -57,6 +57,7 @@ import torch
 from benchmarks.specs import Setting, all_specs, build, parse_codec_list, side_info_for
 from fedquant.codecs import available_codecs
 from fedquant.codecs.buckets import effective_bucket_size
+from fedquant.codecs.quantizers.ecdq import E8_MIN_NUMEL
 from fedquant.codecs.quantizers.grid import ScaledGridQuantizer
 from fedquant.wire.bitpack import bit_width, packed_size
 from fedquant.wire.payload import header_size
@@ -213,7 +214,7 @@ FRONTIER_SOURCES = ("gaussian", "laplace", "student-t3")
 #: coordinates, and the envelope, leave 0.038 of the 0.07 (a seeded 3.7% of the coordinates get one
 #: more bit). ECDQ's ``bits`` is its rate on Gaussian data (the payload adds about 0.005), so b + 0.06
 #: fills the slack.
-_ECDQ_BITS = [round(b + d, 3) for b in FRONTIER_BITS for d in (-0.05, -0.02, 0.0, 0.03, 0.05, 0.06, 0.063)]
+_ECDQ_BITS = [round(b + d, 3) for b in FRONTIER_BITS for d in (-0.2, -0.1, -0.05, -0.02, 0.0, 0.03, 0.05, 0.06, 0.063)]
 FAMILY_SETTINGS: dict[str, list[str]] = {
     "qsgd": [f"qsgd:levels={s}" for s in (1, 2, 3, 4, 6, 8, 12, 16)],
     "terngrad": ["terngrad"],
@@ -230,8 +231,8 @@ EVERY_SOURCE = ("eden", "ecdq", "ecdq-z")
 ROTATING = ("eden", "ecdq")
 FRONTIER_CODINGS = ("fixed", "entropy")
 FRONTIER_SEEDS = (1, 2, 3)
-#: Coordinates of the unbiasedness check: ECDQ's default lattice is E8 from 2**14 (Z below).
-UNBIASED_SIZE = 1 << 14
+#: Coordinates of the unbiasedness check: ECDQ's default lattice is E8 from there (Z below).
+UNBIASED_SIZE = E8_MIN_NUMEL
 
 
 def shannon_unbiased(bits: float) -> float:

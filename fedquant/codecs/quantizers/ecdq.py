@@ -89,8 +89,9 @@ LATTICES = ("auto", "e8", "z")
 E8_MIN_BITS = 0.55
 #: ... and for rotated tensors of at least this many elements: E8 sends about six more count
 #: tables than Z (some 1,800 bits), which its 15% lower error (0.12 bits per coordinate at equal
-#: error) pays for from about 2**14 elements (measured at 1 and 2 bits on 8,192 and 32,768).
-E8_MIN_NUMEL = 1 << 14
+#: error) pays for from about 2**14 elements (measured on Gaussian data at 1 and 2 bits: a wash
+#: at 16,384, 5-6% less error at equal rate at 32,768).
+E8_MIN_NUMEL = 1 << 15
 #: Largest ``h``: symbols 0..2 H_MAX fit 16 bits and the entropy coder's alphabet.
 H_MAX = (1 << 15) - 1
 #: The encoder measures the (context, symbol) histogram for its choice of contexts while ``h``
@@ -290,7 +291,7 @@ class ECDQQuantizer(Quantizer):
         ``e8``: dithered E8 lattice on blocks of 8 coordinates, 0.65 dB rounder cells (about 15%
         less error than ``z`` at the same rate from 0.7 to 8 bits); ``z``: the scalar quantizer;
         ``auto`` (default): ``e8`` from ``E8_MIN_BITS`` = 0.55 bits for rotated tensors of at least
-        ``E8_MIN_NUMEL`` = 16,384 elements, ``z`` otherwise (:meth:`lattice_for`).
+        ``E8_MIN_NUMEL`` = 32,768 elements, ``z`` otherwise (:meth:`lattice_for`).
     coding : {"entropy", "fixed"}
         ``entropy`` (default) codes the symbols with one table per dither context; ``fixed`` packs
         them at ``bit_width(2h + 1)`` bits (same values, many more bits).
