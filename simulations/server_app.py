@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from pathlib import Path
@@ -26,7 +27,7 @@ from simulations.history import RunHistory, run_dir_name
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
 from simulations.node_directory import PartitionDirectory
-from simulations.settings import CLIENT_INFO_KEY, SimSettings
+from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY, SimSettings
 from simulations.task import evaluate, limit_threads
 
 
@@ -192,7 +193,7 @@ def run_server(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=settings.rounds,
-        train_config=ConfigRecord(settings.as_config()),
+        train_config=ConfigRecord({**settings.as_config(), FEDERATION_KEY: uuid.uuid4().hex}),
         evaluate_config=ConfigRecord(settings.as_config()),
         evaluate_fn=evaluate_fn,
     )
