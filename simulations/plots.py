@@ -5,8 +5,8 @@ process (Ray workers, servers without a display) and the caller's backend (e.g. 
 inline backend) is left alone.
 
 Sweep figures give every codec its own colour from Paul Tol's colour-blind-safe "muted" palette
-(black for fp32) and its own marker; past ten codecs the colours repeat with dashed lines and
-other markers. Curves are the mean over the seeds with the 95 % Student-t interval shaded.
+(black for fp32 alone) and its own marker; past ten codecs the colours repeat with dashed lines
+and other markers. Curves are the mean over the seeds with the 95 % Student-t interval shaded.
 """
 
 from __future__ import annotations
@@ -70,12 +70,15 @@ def plot_run(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str = "
 
 
 def codec_style(index: int) -> dict[str, Any]:
-    """Colour, marker and line style of the ``index``-th codec of a figure (all pairs distinct)."""
-    return {
-        "color": PALETTE[index % len(PALETTE)],
-        "marker": MARKERS[index % len(MARKERS)],
-        "ls": ("-", "--", ":")[(index // len(PALETTE)) % 3],
-    }
+    """Colour, marker and line style of the ``index``-th codec of a figure (all pairs distinct).
+
+    Black is the first codec's alone (the reference, fp32); the others cycle through the nine
+    colours, solid first, then dashed and dotted, each with its own marker.
+    """
+    if index == 0:
+        return {"color": PALETTE[0], "marker": MARKERS[0], "ls": "-"}
+    cycle, colour = divmod(index - 1, len(PALETTE) - 1)
+    return {"color": PALETTE[1 + colour], "marker": MARKERS[index % len(MARKERS)], "ls": ("-", "--", ":")[cycle % 3]}
 
 
 def _band(values: list[list[float]]) -> tuple[list[float], list[float], list[float]]:

@@ -332,7 +332,9 @@ def _legend(last_k: int, target: float | None) -> str:
         f"by seed (same clients, same initial model). `verdict`: whether the codec's mean lies inside fp32's "
         f"interval. `rounds/MB/sim. s to {goal}`: first round at or above {goal} test accuracy, over the seeds "
         "that reached it (`sim. s` needs an uplink profile). `nested tensors`: NDQSG only, tensors sent nested "
-        "per round (0: every tensor fell back to DQSG, the row is DQSG's).\n"
+        "per round (0: every tensor fell back to DQSG, the row is DQSG's). `seeds`: the seeds run; `diverged`: "
+        "seeds whose model was still diverged at the last round (the server's check on its own evaluation); "
+        "`collapsed and recovered`: seeds where that check fired in some round but the model recovered.\n"
     )
 
 

@@ -73,7 +73,8 @@ class RunSummary:
     bytes_to_target: float | None
     seconds_to_target: float | None
     nested_tensors: float | None  # NDQSG: mean tensors sent nested per round (0: every tensor went as DQSG)
-    diverged: bool
+    diverged: bool  # still diverged at its last round (the server's check, simulations/divergence.py)
+    collapsed_rounds: int  # rounds flagged diverged, recovered from or not
     wall_seconds: float
 
 
@@ -109,7 +110,8 @@ def summarize_run(
         bytes_to_target=reached[1] if reached else None,
         seconds_to_target=reached[2] if reached else None,
         nested_tensors=statistics.fmean(nested) if nested else None,
-        diverged=any(r.get("diverged") for r in trained),
+        diverged=bool(trained[-1].get("diverged")),
+        collapsed_rounds=sum(bool(r.get("diverged")) for r in trained),
         wall_seconds=wall,
     )
 
@@ -131,7 +133,8 @@ class CodecRow:
     delta: Interval | None = None  # last-k accuracy minus fp32's, paired by seed
     verdict: str = ""
     nested_tensors: float | None = None
-    diverged: int = 0
+    diverged: int = 0  # seeds that ended diverged
+    recovered: int = 0  # seeds flagged diverged in some round that recovered by the last
     errors: list[str] = field(default_factory=list)
 
 
@@ -158,6 +161,7 @@ def codec_rows(runs: Sequence[RunSummary], errors: Mapping[str, list[str]] | Non
                 reached=len(reached),
                 nested_tensors=statistics.fmean(nested) if nested else None,
                 diverged=sum(r.diverged for r in rs),
+                recovered=sum(bool(r.collapsed_rounds) and not r.diverged for r in rs),
                 errors=list(errors.get(codec, [])),
             )
         )
@@ -220,6 +224,7 @@ def markdown_table(rows: Sequence[CodecRow], *, last_k: int, target: float | Non
             else f"{r.nested_tensors:.1f}" + (" (all DQSG)" if not r.nested_tensors else "")
         )
         seeds = ",".join(map(str, r.seeds)) + (f"; {r.diverged} diverged" if r.diverged else "")
+        seeds += f"; {r.recovered} collapsed and recovered" if r.recovered else ""
         seeds += f"; {len(r.errors)} failed" if r.errors else ""
         cells = [
             r.codec,

@@ -18,7 +18,7 @@ from fedquant.codecs.quantizers.eden import eden_vnmse
 
 # Unbiased quantizers whose expected error has a closed form given the input.
 EXACT = ["qsgd", "qsgd:norm=l2,levels=4", "qsgd:levels=1", "terngrad", "dqsg", "dqsg:levels=12", "orq:levels=4",
-         "linear:levels=8", "orq:level_dtype=float16"]  # fmt: skip
+         "linear:levels=8", "orq:level_dtype=float16", "ecdq:bits=1", "ecdq:bits=0.5"]  # fmt: skip
 BIASED = ["signsgd", "signsgd:bucket_size=0", "bingrad-b", "bingrad-b:level_dtype=float16", "bingrad-pb", "fp16"]
 
 
@@ -133,7 +133,9 @@ def _residual_energy(spec: str, rounds: int, scaled: bool = True) -> list[float]
     return out
 
 
-@pytest.mark.parametrize("spec", ["ef+eden:bits=0.5", "ef+terngrad", "ef+qsgd:levels=1,bucket_size=4096"])
+@pytest.mark.parametrize(
+    "spec", ["ef+eden:bits=0.5", "ef+ecdq:bits=0.5", "ef+terngrad", "ef+qsgd:levels=1,bucket_size=4096"]
+)
 def test_ef_with_omega_above_one_keeps_the_residual_theory_predicts(spec):
     # Scaled by gamma = 1/(1+omega), E||e'||^2 = omega/(1+omega) E||x + e||^2; with i.i.d. zero-mean x the
     # steady state is E||e||^2 = omega G^2. Unscaled, E||e'||^2 = omega (G^2 + E||e||^2) grows by omega a round.
