@@ -18,7 +18,8 @@ the others (``--restart`` discards them). Progress lines give codec, seed, round
 Writes into ``--out``: ``sweep.md`` (the table: mean ± 95 % interval over the seeds),
 ``sweep.csv`` (one line per run), ``sweep.png``/``.pdf`` (accuracy against uplink bytes and
 simulated time, :mod:`simulations.plots`), ``sweep-uplink.png`` and each run's history under
-``runs/``; ``--table FILE`` writes the markdown table there too (``docs/codec-table.md``).
+``runs/``; ``--table FILE`` writes the markdown table there too (``docs/codec-table.md``), with
+the figures beside it under the same stem (``docs/codec-table.png``, ``.pdf``, ``-uplink.png``).
 """
 
 from __future__ import annotations
@@ -313,13 +314,23 @@ def write_results(
     if command:
         text += f"\nReproduce: `{command}` (a rerun reuses the runs stored in its `--out` folder)\n"
     paths["md"].write_text(text)
-    if table is not None:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text("<!-- written by simulations/sweep.py; do not edit by hand -->\n" + text)
-        paths["table"] = table
     if curves:
         paths.update(plot_sweep(curves, out / "sweep", title, target=target))
         paths["uplink"] = plot_uplink_bars(rows, out / "sweep-uplink.png", title)
+    if table is not None:  # the table with its figures beside it (codec-table.md: codec-table.png, ...)
+        table.parent.mkdir(parents=True, exist_ok=True)
+        figures = ""
+        if curves:
+            stem = table.with_suffix("")
+            for fmt, path in plot_sweep(curves, stem, title, target=target).items():
+                paths[f"table-{fmt}"] = path
+            paths["table-uplink"] = plot_uplink_bars(rows, stem.with_name(stem.name + "-uplink.png"), title)
+            figures = (
+                f"\n![Accuracy against uplink traffic and simulated time]({stem.name}.png)\n"
+                f"([PDF]({stem.name}.pdf))\n\n![Uplink traffic by codec]({stem.name}-uplink.png)\n"
+            )
+        table.write_text("<!-- written by simulations/sweep.py; do not edit by hand -->\n" + text + figures)
+        paths["table"] = table
     return SweepResult(list(runs), rows, errors, target, paths)
 
 
@@ -590,7 +601,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"any run-config key: {', '.join(SimSettings.keys())}",
     )
     parser.add_argument("--out", type=Path, default=Path("results/sweep"), help="output folder")
-    parser.add_argument("--table", type=Path, default=None, help="also write the markdown table to this file")
+    parser.add_argument(
+        "--table", type=Path, default=None, help="also write the markdown table to this file, its figures beside it"
+    )
     parser.add_argument("--restart", action="store_true", help="discard the runs stored in --out and run all")
     return parser.parse_args(argv)
 

@@ -164,9 +164,11 @@ def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log):
     assert "unknown codec" in " ".join(bad.errors) and len(bad.errors) == 2  # reported, the sweep goes on
     assert fp32.seeds == [0, 1] and fp32.last_k.n == 2 and 31 < fp32.bits_per_param.mean < 36
     assert qsgd.bits_per_param.mean < 6 and qsgd.uplink_mb.mean < fp32.uplink_mb.mean / 5
-    for name in ("sweep.md", "sweep.csv", "sweep.png", "sweep.pdf", "sweep-uplink.png", "table.md"):
+    for name in ("sweep.md", "sweep.csv", "sweep.png", "sweep.pdf", "sweep-uplink.png", "table.md", "table.png",
+                 "table.pdf", "table-uplink.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| qsgd:levels=4 |" in (tmp_path / "table.md").read_text()
+    assert "](table.png)" in (tmp_path / "table.md").read_text()
     with (tmp_path / "sweep.csv").open() as fh:
         lines = list(csv.DictReader(fh))
     assert [(r["codec"], r["seed"]) for r in lines[:4]] == [("fp32", "0"), ("qsgd:levels=4", "0"), ("fp32", "1"),
