@@ -21,10 +21,11 @@ from simulations.data import TensorData, load_partition
 from simulations.models import build_model
 from simulations.node_directory import is_partition_query, partition_answer
 from simulations.placement import worker_identity
-from simulations.settings import CLIENT_INFO_KEY
+from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY
 from simulations.task import evaluate, limit_threads, pick_device, train
 
 app = ClientApp(mods=[quantize_mod])
+FEDERATION_STATE = "fedquant-federation"  # ConfigRecord in context.state: the federation last trained for
 # In the simulation engine's process (loaded there before it dispatches): dispatch messages in time
 # independent of the number of registered nodes. A no-op in Ray workers and SuperNodes.
 vce_dispatch.install()
@@ -50,6 +51,24 @@ def _model(cfg: Any, data: TensorData, arrays: ArrayRecord) -> Any:
     return model
 
 
+def _forget_other_federations(cfg: Any, context: Context) -> None:
+    """Drop the transforms' state (error-feedback residuals) this node kept from another federation.
+
+    A sweep runs several federations on the same nodes, and a node may first be sampled in any
+    round of the next one: the server names each federation (``federation-id``), and a node
+    that sees a new name starts afresh. Without a name (another server), round 1 starts afresh.
+    """
+    federation = str(cfg.get(FEDERATION_KEY, ""))
+    seen = context.state.config_records.get(FEDERATION_STATE)
+    if federation:
+        new = seen is None or seen.get("id") != federation
+        context.state[FEDERATION_STATE] = ConfigRecord({"id": federation})
+    else:
+        new = int(cfg.get("server-round", 0)) == 1
+    if new and STATE_TRANSFORMS_KEY in context.state:
+        del context.state[STATE_TRANSFORMS_KEY]
+
+
 @app.train()
 def train_fn(msg: Message, context: Context) -> Message:
     """Train the received model for ``local-epochs`` on this node's partition."""
@@ -58,10 +77,7 @@ def train_fn(msg: Message, context: Context) -> Message:
     device = pick_device()
     model = _model(cfg, data, msg.content.array_records["arrays"])
     server_round = int(cfg.get("server-round", 0))
-    if server_round == 1 and STATE_TRANSFORMS_KEY in context.state:
-        # A new federation starts (a sweep runs several on the same nodes): forget the
-        # state of the transforms (error-feedback residuals) of the previous one.
-        del context.state[STATE_TRANSFORMS_KEY]
+    _forget_other_federations(cfg, context)
     loss = train(
         model,
         data,

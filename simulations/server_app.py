@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from simulations.history import RunHistory, run_dir_name
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
 from simulations.node_directory import PartitionDirectory
-from simulations.settings import CLIENT_INFO_KEY, SimSettings
+from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY, SimSettings
 from simulations.task import evaluate, limit_threads
 
 
@@ -123,13 +124,19 @@ def _partition_of(msg: Message) -> tuple[int, int]:
 
 
 def run_server(
-    grid: Grid, run_config: dict[str, Any], *, directory: PartitionDirectory | None = None, **overrides: Any
+    grid: Grid,
+    run_config: dict[str, Any],
+    *,
+    directory: PartitionDirectory | None = None,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    **overrides: Any,
 ) -> RunHistory:
     """Run the whole federation as the run config says; returns the history it wrote.
 
     ``overrides`` (snake_case keys) take precedence over the run config; the sweep uses them.
     ``directory`` keeps what was learned about the nodes' partitions from an earlier run on the
-    same grid (the sweep passes one to all its runs).
+    same grid (the sweep passes one to all its runs). ``on_round(row)`` is called with each
+    round's history row (the sweep's progress lines).
     """
     settings = SimSettings.from_run_config(run_config, **overrides)
     test = load_test_set(settings.dataset)
@@ -178,13 +185,15 @@ def run_server(
         row["elapsed-seconds"] = time.perf_counter() - t0
         history.add_round(row)
         log(INFO, "%s", _round_line(row, settings.rounds))
+        if on_round is not None:
+            on_round(row)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=settings.rounds,
-        train_config=ConfigRecord(settings.as_config()),
+        train_config=ConfigRecord({**settings.as_config(), FEDERATION_KEY: uuid.uuid4().hex}),
         evaluate_config=ConfigRecord(settings.as_config()),
         evaluate_fn=evaluate_fn,
     )
@@ -202,6 +211,10 @@ def run_server(
         (final.get("cumulative-uplink-bytes") or 0) / 1e6,
         folder,
     )
+    nested = [r["ndqsg-nested-tensors"] for r in history.rounds if r.get("ndqsg-nested-tensors") is not None]
+    if nested and not any(nested):
+        log(WARNING, "fedquant: NDQSG nested no tensor in any round (every rho reached 2M+1, ndqsg-nested-tensors "
+            "= 0): every tensor went as DQSG, so this run is a DQSG run")  # fmt: skip
     if monitor.diverged:
         log(WARNING, "fedquant: this run DIVERGED (first at round %d: %s); its final accuracy is not meaningful. %s",
             monitor.first_round, monitor.reason, DIVERGENCE_ADVICE)  # fmt: skip

@@ -15,6 +15,9 @@ from simulations.data import check_dataset_name, check_partitioning
 from simulations.models import MODEL_NAMES
 
 CLIENT_INFO_KEY = "client-info"  # ConfigRecord each client adds to its train reply
+# Train-config key naming one federation (one run_server call): a node that sees a new one drops the
+# transform state (error-feedback residuals) it kept from another, even when first sampled after round 1.
+FEDERATION_KEY = "federation-id"
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,18 @@ def test_the_threshold_is_the_lost_share_of_the_gain_over_chance():
     assert monitor.check(3, 0.30, 0.5) is not None
 
 
+def test_each_round_is_flagged_on_its_own_so_a_recovery_reads_as_one():
+    # The per-round flag (the history's diverged column) clears when accuracy comes back; the first
+    # diverged round is kept. The sweep calls a run diverged only when its last round is flagged.
+    monitor = DivergenceMonitor(num_classes=10)
+    flags = _feed(monitor, [0.6, 0.8, 0.12, 0.7, 0.82])
+    assert [f is not None for f in flags] == [False, False, True, False, False]
+    assert monitor.diverged and monitor.first_round == 3
+    # A collapse that stays is flagged in every round after it.
+    stays = DivergenceMonitor(num_classes=10)
+    assert [f is not None for f in _feed(stays, [0.6, 0.8, 0.12, 0.11, 0.13])] == [False, False, True, True, True]
+
+
 @pytest.mark.slow
 def test_a_run_that_blows_up_says_so_in_the_log_and_the_history(tmp_path, flwr_log):
     from simulations.client_app import app as client_app

@@ -52,7 +52,7 @@ def test_round_trip_with_every_coding(name, coding):
             _decode(get_codec(name, coding=others[0]), payload, 5, x)
 
 
-@pytest.mark.parametrize("name", available_codecs())
+@pytest.mark.parametrize("name", [n for n in available_codecs() if n != "ndqsg"])  # ef+ refuses ndqsg
 def test_error_feedback_composes_with_every_codec(name):
     codec = get_codec(f"ef+{name}")
     assert codec.stateful and codec.spec.startswith("ef+") and not codec.unbiased

@@ -75,6 +75,8 @@ class Codec:
         self.stateful_transforms: tuple[StatefulTransform, ...] = tuple(
             t for t in transforms if isinstance(t, StatefulTransform)
         )
+        for t in self.stateful_transforms:
+            t.bind_codec(quantizer)  # error feedback refuses codecs it could diverge with
         self.wire_transforms: tuple[Transform, ...] = tuple(t for t in transforms if isinstance(t, Transform))
 
     # ------------------------------------------------------------------ description
@@ -189,20 +191,37 @@ class Codec:
         """
         flat = self._flat_input(x, seed)
         state = state or {}
-        encoded = []
+        kept = []
         for t in self.stateful_transforms:
-            flat = t.apply(flat, state.get(t.name))
-            encoded.append(flat)
+            flat, keep = t.apply(flat, state.get(t.name), lambda v: self.expected_error(v, seed))
+            kept.append(keep)
         payload = self._encode_flat(flat.contiguous(), seed, x.dtype, tuple(x.shape))
         if not self.stateful_transforms:
             return payload, {}
         side = {"side_info": flat} if self.needs_side_info else {}  # the client knows the exact value
         decoded = self.decode(payload, seed, shape=x.shape, device=flat.device, **side).to(torch.float32).reshape(-1)
         new_state = {}
-        for t, sent in zip(reversed(self.stateful_transforms), reversed(encoded)):
-            new_state[t.name] = t.next_state(sent, decoded).reshape(x.shape)
-            decoded = sent  # an outer transform sees what the inner one was given
+        for t, keep in zip(reversed(self.stateful_transforms), reversed(kept)):
+            new_state[t.name] = t.next_state(keep, decoded).reshape(x.shape)
+            decoded = keep  # an outer transform sees what the inner one was given
         return payload, new_state
+
+    def expected_error(self, flat: torch.Tensor, seed: int = 0) -> float | None:
+        """The wire pipeline's ``E||decode(encode(x)) - x||^2 / ||x||^2`` for this flat tensor, as declared.
+
+        The quantizer's :meth:`~fedquant.codecs.Quantizer.expected_error` of the tensor after the
+        wire transforms (rotations: orthogonal, so the ratio is the same in either coordinates).
+        Quantizers that only declare a bound are not given the rotated tensor.
+        """
+        q = self.quantizer
+        numel = flat.numel()
+        for t in self.wire_transforms:
+            numel = t.output_numel(numel)
+        if type(q).expected_error is Quantizer.expected_error:
+            return q.error_bound(numel)
+        for t in self.wire_transforms:
+            flat = t.forward(flat.contiguous(), seed)
+        return q.expected_error(flat.contiguous())
 
     def _flat_input(self, x: torch.Tensor, seed: int) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

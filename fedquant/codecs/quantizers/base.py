@@ -148,6 +148,27 @@ class Quantizer(Configurable, KernelDispatch):
         """PayloadError if decoded side data is invalid (e.g. a negative scale). Default: no check."""
         return None
 
+    # ------------------------------------------------------------------ error declarations
+    def error_bound(self, numel: int) -> float | None:
+        """A bound on the relative error ``E||Q(x) - x||^2 / ||x||^2`` over every ``x`` of ``numel`` elements.
+
+        For an unbiased quantizer this is its variance ``omega``; a biased one with a bound below
+        1 is contractive. Error feedback (``ef+``) reads it: it refuses a biased quantizer whose
+        bound exceeds 1 (its residual could grow every round) and one that declares none
+        (``None``, the default), and scales unbiased ones by ``1 / (1 + omega)``
+        (:mod:`fedquant.codecs.transforms.error_feedback`). Every quantizer should declare it.
+        """
+        return None
+
+    def expected_error(self, flat: torch.Tensor) -> float | None:
+        """``E[||Q(x) - x||^2 | x] / ||x||^2`` for this input (``flat``: 1-D float32, any device).
+
+        Default: :meth:`error_bound` of its size. Quantizers whose error has a closed form given
+        the input (stochastic rounding, subtractive dither) override it with the exact value,
+        which is what error feedback scales by (a worst-case bound would shrink every update).
+        """
+        return self.error_bound(flat.numel())
+
     # ------------------------------------------------------------------ the two directions
     @abstractmethod
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
@@ -190,6 +211,12 @@ class Quantizer(Configurable, KernelDispatch):
         """Values from the symbol section this quantizer wrote itself (:attr:`own_stream`): the rest
         of ``body``, untrusted, read through its bounds checks."""
         raise NotImplementedError(f"{self.name} does not code its own symbol section")
+
+
+def relative_error(total_squared_error: torch.Tensor | float, flat: torch.Tensor) -> float:
+    """``total_squared_error / ||flat||^2`` as a float (0 for a zero tensor)."""
+    energy = float(flat.double().square().sum())
+    return float(total_squared_error) / energy if energy > 0 else 0.0
 
 
 def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:

@@ -51,7 +51,7 @@ from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_
 from fedquant.codecs.kernels import dither as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, check_alphabet
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, check_alphabet, relative_error
 
 MAX_LEVELS = (1 << 15) - 1  # 2M+1 indices must fit the 16-bit packer
 MAX_RHO = (1 << 16) - 1
@@ -201,6 +201,20 @@ class DQSGQuantizer(DitherQuantizer):
     def half(self) -> int:
         return self.levels
 
+    def error_bound(self, numel: int) -> float:
+        """``omega = d / (12 M^2)``: variance ``step^2 / 12`` per element, ``step = max|g| / M <= ||g_b|| / M``."""
+        return effective_bucket_size(self.bucket_size, numel) / (12 * self.levels**2)
+
+    def expected_error(self, flat: torch.Tensor) -> float:
+        """Exact: ``sum_b n_b step_b^2 / 12`` over the buckets (``n_b`` their element counts)."""
+        numel = flat.numel()
+        d = effective_bucket_size(self.bucket_size, numel)
+        steps = bucket_stat(flat, d, "max", self.uses_kernels(flat)).astype(np.float64) / self.levels
+        counts = np.full(steps.shape, d, dtype=np.float64)
+        if counts.size:
+            counts[-1] = numel - (counts.size - 1) * d
+        return relative_error(float((counts * steps * steps).sum()) / 12, flat)
+
     def _kernel_args(self) -> dict:
         return {"levels": self.levels}
 
@@ -260,6 +274,15 @@ class NDQSGQuantizer(DitherQuantizer):
 
     def half(self) -> int:
         return self.rho // 2
+
+    def error_bound(self, numel: int) -> None:
+        """None: the decoded value depends on the server's side information, which the client lacks.
+
+        A client can decode its own payload only with the exact value as side information, so
+        an error-feedback residual would not be what the server failed to receive (whenever
+        ``alpha < 1`` or a coordinate wraps around): ``ef+ndqsg`` is refused; use ``ef+dqsg``.
+        """
+        return None
 
     def _kernel_args(self) -> dict:
         return {"levels": self.levels, "nested": True, "rho": self.rho, "alpha": self.alpha}

@@ -17,15 +17,17 @@ devices their torch twins, with identical bytes.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from fedquant.codecs.buckets import bucket_stat, effective_bucket_size
+from fedquant.codecs.buckets import bucket_stat, effective_bucket_size, to_buckets
 from fedquant.codecs.clipping import clip_sigma
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, relative_error
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
@@ -56,6 +58,31 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
 
     def num_symbols(self) -> int:
         return 2 * self.grid()[0] + 1
+
+    def error_bound(self, numel: int) -> float:
+        """``omega``: ``min(d / 4s^2, sqrt(d) / s)`` per bucket of ``d`` (QSGD's Lemma 3.1 argument).
+
+        Each element's rounding variance is at most ``step^2 / 4`` and at most ``step |v_i|``, with
+        ``step = m / s <= ||v||_2 / s``. With ``s = 1`` and the max scale (TernGrad) the error
+        ``m ||v||_1 - ||v||^2`` is largest at ``v = (1, t, .., t)``: ``(sqrt(d) - 1) / 2``.
+        With TernGrad's clipping the codec is biased and the bound is ``max(omega, 1)``.
+        """
+        s, norm = self.grid()
+        d = effective_bucket_size(self.bucket_size, numel)
+        omega = (math.sqrt(d) - 1) / 2 if s == 1 and norm == "max" else min(d / (4 * s * s), math.sqrt(d) / s)
+        return omega if self.unbiased else max(omega, 1.0)
+
+    def expected_error(self, flat: torch.Tensor) -> float:
+        """Exact: ``sum_i step^2 f_i (1 - f_i)``, ``f_i`` the fractional part of ``|v_i| / step``."""
+        if not self.unbiased:
+            return self.error_bound(flat.numel())
+        s, norm = self.grid()
+        d = effective_bucket_size(self.bucket_size, flat.numel())
+        steps = grid_steps(bucket_stat(flat, d, norm, self.uses_kernels(flat)), s)
+        step = torch.from_numpy(steps).to(flat.device, torch.float64)[:, None]
+        t = to_buckets(flat, d).double().abs() / torch.where(step > 0, step, torch.ones_like(step))
+        frac = t - torch.floor(t)
+        return relative_error((step * step * frac * (1 - frac)).sum(), flat)
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         s, norm = self.grid()

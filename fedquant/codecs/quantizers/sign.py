@@ -45,6 +45,10 @@ class SignSGDQuantizer(BucketScaledQuantizer):
     def num_symbols(self) -> int:
         return 2
 
+    def error_bound(self, numel: int) -> float:
+        """``1 - 1/d``: the error ``||v||^2 - ||v||_1^2 / d`` of a bucket is at most that (``||v||_1 >= ||v||_2``)."""
+        return 1.0 - 1.0 / effective_bucket_size(self.bucket_size, numel)
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         d = effective_bucket_size(self.bucket_size, flat.numel())
         use_kernels = self.uses_kernels(flat)

@@ -15,6 +15,8 @@ Transforms are flat float32 tensor to flat float32 tensor, on the tensor's devic
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -47,10 +49,19 @@ class StatefulTransform(Configurable):
 
     biased: bool = True
 
-    @abstractmethod
-    def apply(self, flat: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
-        """What the rest of the pipeline encodes instead of ``flat``, given this tensor's state."""
+    def bind_codec(self, quantizer: Any) -> None:
+        """Called once when a codec puts this transform in front of ``quantizer``; ValueError if it cannot run there."""
+        return None
 
     @abstractmethod
-    def next_state(self, encoded: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-        """The state to keep, from what was encoded and what the decoder will get back."""
+    def apply(
+        self, flat: torch.Tensor, state: torch.Tensor | None, expected_error: Callable[[torch.Tensor], float | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(what the rest of the pipeline encodes instead of flat, what next_state needs)``.
+
+        ``expected_error(v)`` is the rest of the pipeline's ``E||C(v) - v||^2 / ||v||^2`` for ``v``.
+        """
+
+    @abstractmethod
+    def next_state(self, kept: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+        """The state to keep, from :meth:`apply`'s second value and what the decoder will get back."""
