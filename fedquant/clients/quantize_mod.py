@@ -141,7 +141,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
             old = sent.numpy()
             if new.shape != old.shape:
                 return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
-            update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
+            # np.asarray: a 0-d difference is a NumPy scalar, which torch.from_numpy refuses.
+            update = torch.from_numpy(np.asarray(new.astype(np.float32) - old.astype(np.float32))).to(device)
             seed = tensor_seed(client_seed, name)
             tensor_codec = tensor_codecs.get(name, codec)
             residual = None
