@@ -1,0 +1,139 @@
+"""The relative admission rules of a run: their references across rounds and the steps a round takes.
+
+:class:`~fedquant.strategies.QuantizedStrategy` holds one :class:`InfluenceBounds` and calls, per
+train round: :meth:`~InfluenceBounds.screen_non_float` before decoding (integer and bool entries,
+cheap), :meth:`~InfluenceBounds.judge_update` for every decoded reply (reject or clip its norm),
+:meth:`~InfluenceBounds.bound_weights` on the admitted replies, :meth:`~InfluenceBounds.end_round`;
+per evaluate round :meth:`~InfluenceBounds.bound_weights`. Each step is a function of the round's
+replies and this object's references, so a staged round can call them in its own order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from flwr.app import Message, MetricRecord
+
+from fedquant.strategies.admission import REASON_NON_FLOAT, REASON_PAYLOAD, AdmissionRules, MedianReference
+from fedquant.strategies.metric_screen import weights_of, write_weights
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
+from fedquant.strategies.update_bounds import (
+    bool_digest,
+    bool_majority,
+    clip_update,
+    integer_change,
+    non_float_names,
+    scale_integers,
+    sent_bool_digest,
+)
+
+Reject = Callable[[int, tuple[str, str]], None]
+
+
+class InfluenceBounds:
+    """Minority-proof references (update norm, integer change, train and evaluate weights) and the rules using them.
+
+    Parameters
+    ----------
+    rules : AdmissionRules
+        The factors and switches.
+    weight_key : str
+        The metric the inner strategy weights replies by.
+    """
+
+    def __init__(self, rules: AdmissionRules, weight_key: str) -> None:
+        self.rules = rules
+        self.weight_key = weight_key
+        self.norms = MedianReference()
+        self.integer_changes = MedianReference()
+        self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
+
+    def __repr__(self) -> str:
+        return f"InfluenceBounds(norms={self.norms!r})"
+
+    # ------------------------------------------------------------------ non-float entries
+    def screen_non_float(
+        self,
+        replies: Mapping[int, Message],
+        received: Callable[[int], Mapping[str, np.ndarray]],
+        reject: Reject,
+    ) -> tuple[dict[int, Message], int]:
+        """The replies whose integer and bool entries pass, and how many had their integer change clipped.
+
+        ``reject(node, problem)`` is called for the others.
+        """
+        if not self.rules.check_non_float or not replies:
+            return dict(replies), 0
+        sent = received(next(iter(replies)))
+        ints, bools = non_float_names(sent)
+        if not ints and not bools:
+            return dict(replies), 0
+        changes: dict[int, float] = {}
+        digests: dict[int, bytes] = {}
+        kept: dict[int, Message] = {}
+        for node, reply in replies.items():
+            try:
+                changes[node] = integer_change(reply.content, received(node), ints)
+                digests[node] = bool_digest(reply.content, received(node), bools)
+            except RejectedReply as err:
+                reject(node, (REASON_PAYLOAD, str(err)))
+                continue
+            kept[node] = reply
+        majority = bool_majority(digests, sent_bool_digest(sent, bools))
+        reference = self.integer_changes.value(list(changes.values())) if ints else None
+        admitted: dict[int, Message] = {}
+        clipped = 0
+        admitted_changes: list[float] = []
+        for node, reply in kept.items():
+            if bools and digests[node] != majority:
+                reject(node, (REASON_NON_FLOAT, "its bool entries differ from those of the round's majority"))
+                continue
+            problem, scale = self._verdict(changes[node], reference)
+            if problem is not None:
+                reject(node, (REASON_NON_FLOAT, f"integer entries: {problem}"))
+                continue
+            if scale < 1:
+                scale_integers(reply.content, received(node), ints, scale)
+                clipped += 1
+            admitted[node] = reply
+            admitted_changes.append(changes[node] * scale)
+        if ints:
+            self.integer_changes.end_round(admitted_changes)
+        return admitted, clipped
+
+    def _verdict(self, norm: float, reference: float | None) -> tuple[str | None, float]:
+        if reference is not None and reference == 0 and norm > 0 and self.rules.relative_norms:
+            return "changed where the round's reference change is 0", 1.0
+        return self.rules.norm_verdict(norm, reference)
+
+    # ------------------------------------------------------------------ float updates
+    def norm_reference(self, current: Sequence[float]) -> float | None:
+        """The reference norm given this round's ``current`` norms (None when no relative rule is on)."""
+        return self.norms.value(current) if self.rules.relative_norms else None
+
+    def judge_update(
+        self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: float | None
+    ) -> tuple[str | None, DecodedReply, bool]:
+        """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply, clipped if needed."""
+        problem, scale = self.rules.norm_verdict(decoded.update_norm, reference)
+        if problem is not None or scale >= 1:
+            return problem, decoded, False
+        return None, clip_update(decoded, received, scale), True
+
+    # ------------------------------------------------------------------ weights
+    def bound_weights(self, records: Sequence[MetricRecord], kind: str) -> int:
+        """Clip the weights of admitted records relative to the round (written into them); how many were clipped."""
+        weights = weights_of(records, self.weight_key)
+        if weights is None:
+            return 0
+        reference = self.weights[kind].value(weights)
+        bounded = self.rules.bound_weights(weights, reference)
+        self.weights[kind].end_round(bounded)
+        return write_weights(records, self.weight_key, bounded)
+
+    # ------------------------------------------------------------------ rounds
+    def end_round(self, admitted_norms: Sequence[float]) -> None:
+        """Remember the round's admitted update norms (after clipping) for the next reference."""
+        if self.rules.relative_norms:
+            self.norms.end_round(admitted_norms)
