@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 import traceback
@@ -76,7 +77,7 @@ from torch import nn
 from fedquant.clients import quantize_mod
 from fedquant.protocol import METRIC_CLIENT_ENCODE_SECONDS, METRIC_CLIENT_MSE
 from fedquant.rng import derive_seed
-from fedquant.strategies import QuantizedStrategy
+from fedquant.strategies import AdmissionRules, QuantizedStrategy
 from simulations.data import TensorData, load_partition, load_test_set
 from simulations.task import evaluate, train
 
@@ -85,6 +86,7 @@ ROUNDS = 20
 CODEC = "eden:bits=2"
 HIDDEN = 64
 LOCAL_EPOCHS, BATCH_SIZE, LEARNING_RATE = 1, 16, 0.05
+CLIP_NORM, MIN_STEPS = 0.0, 0
 NORM_SCALE = 9.5  # just inside the default norm rule (10 x the median)
 BOOSTED_WEIGHT = 1e9  # the old absolute weight cap
 HONEST_SEEDS = 5
@@ -190,11 +192,33 @@ def _weight_boost(view, node):
     return view.with_update(node, {k: target * v for k, v in _direction(view).items()})
 
 
-def _little_is_enough(view, node, z: float = 1.0):
+LIE_Z: float | None = None  # None: the paper's z_max for n clients and m attackers
+
+
+def lie_z(n: int, m: int) -> float:
+    """Baruch et al. (2019)'s z_max: the attackers stay closer to the mean than ``s`` honest clients."""
+    s = math.floor(n / 2 + 1) - m
+    return float(statistics.NormalDist().inv_cdf((n - s) / n))
+
+
+def _little_is_enough(view, node):
     honest = [view.update(n) for n in view.honest]
+    z = LIE_Z if LIE_Z is not None else lie_z(len(view.honest), len(view.attackers))
     return view.with_update(
         node, {k: np.mean([u[k] for u in honest], 0) - z * np.std([u[k] for u in honest], 0) for k in view.float_keys}
     )
+
+
+def _in_bound_push(view, node):
+    """A fixed random direction at the largest norm the rules admit (they clip it to clip_factor x the reference)."""
+    rules = AdmissionRules()
+    target = 0.99 * (rules.norm_factor or 10.0) * view.median_norm()
+    return view.with_update(node, {k: target * v for k, v in _direction(view).items()})
+
+
+def _in_bound_weight(metrics: dict) -> dict:
+    rules = AdmissionRules()
+    return {**metrics, "num-examples": 0.99 * (rules.weight_reject_factor or 1e6) * metrics["num-examples"]}
 
 
 def _int_counter(view, node):
@@ -215,7 +239,9 @@ ATTACKS = {
     for a in [
         Attack("weight-boost", _weight_boost, lambda m: {**m, "num-examples": BOOSTED_WEIGHT}),
         Attack("scaled-honest", _scaled(NORM_SCALE)),
-        Attack("sign-flip", _scaled(-NORM_SCALE)),
+        Attack("sign-flip", _scaled(-1.0)),
+        Attack("sign-flip-9.5x", _scaled(-NORM_SCALE)),
+        Attack("in-bound-push", _in_bound_push, _in_bound_weight),
         Attack("little-is-enough", _little_is_enough),
         Attack("colluders-100x", _scaled(100.0)),
         Attack("zero-update", lambda view, node: dict(view.received)),
@@ -266,7 +292,7 @@ class Federation:
         data = self.task.partitions[pid]
         loss = train(
             model, data, epochs=LOCAL_EPOCHS, batch_size=BATCH_SIZE, lr=LEARNING_RATE,
-            seed=derive_seed(self.seed, "batches", server_round, pid),
+            seed=derive_seed(self.seed, "batches", server_round, pid), clip_norm=CLIP_NORM, min_steps=MIN_STEPS,
         )  # fmt: skip
         arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
         return arrays, {"train-loss": loss, "num-examples": len(data)}

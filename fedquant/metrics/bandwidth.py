@@ -30,6 +30,9 @@ MetricRecord:
 ``rejected-<reason>``        of those, the ones dropped for each reason of
                              :mod:`fedquant.strategies.admission` (every reason, 0 when none)
 ``rejected-share``           ``rejected-replies`` over the replies that carried content (0.0 without)
+``admission-warnings``       warnings the round logged: it rejected ``warn_rejected_share`` or more
+                             of its replies, or its update norms split into two groups more than
+                             ``norm_factor`` apart (the norm rule cannot tell which one is honest)
 ``clipped-<reason>``         replies kept with a clipped weight (``num-examples``), update norm
                              (``update-norm``) or integer change (``non-float``)
 ``client-state-resets``      accepted replies whose client reset a non-finite error-feedback residual
@@ -67,6 +70,7 @@ CUMULATIVE_UPLINK_BYTES = "cumulative-uplink-bytes"
 QUANTIZATION_MSE = "quantization-mse"
 REJECTED_REPLIES = "rejected-replies"
 REJECTED_SHARE = "rejected-share"
+ADMISSION_WARNINGS = "admission-warnings"
 CLIENT_STATE_RESETS = "client-state-resets"
 SIMULATED_UPLOAD_SECONDS = "simulated-upload-seconds"
 ENCODE_SECONDS = "encode-seconds"
@@ -150,6 +154,8 @@ class RoundTraffic:
         What accepted replies reported (each checked finite and >= 0).
     client_state_resets : int
         Accepted replies whose client reset its error-feedback state.
+    admission_warnings : int
+        Warnings the admission rules logged this round.
     update_norms : list of float
         L2 norms of the accepted decoded updates.
     upload_seconds : list of float
@@ -167,6 +173,7 @@ class RoundTraffic:
     rejected_reasons: list[str] = field(default_factory=list)
     clipped_reasons: list[str] = field(default_factory=list)
     client_state_resets: int = 0
+    admission_warnings: int = 0
     decode_seconds: float = 0.0
     client_mse: list[float] = field(default_factory=list)
     client_encode_seconds: list[float] = field(default_factory=list)
@@ -213,6 +220,7 @@ class RoundTraffic:
             REJECTED_SHARE: len(self.rejected_reasons) / self.replies if self.replies else 0.0,
             **{clipped_reason_key(reason): self.clipped_reasons.count(reason) for reason in clip_reasons},
             CLIENT_STATE_RESETS: self.client_state_resets,
+            ADMISSION_WARNINGS: self.admission_warnings,
             DECODE_SECONDS: self.decode_seconds,
         }
         if self.client_mse:

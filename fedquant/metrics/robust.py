@@ -28,6 +28,15 @@ def finite(value: object) -> bool:
         return False
 
 
+def describe(value: object) -> str:
+    """A short, safe rendering of an untrusted number for log messages (huge ints are not printed in full)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return type(value).__name__
+
+
 def trim_count(n: int, trim: float) -> int:
     """How many of ``n`` values the window leaves out at each end."""
     if n < 3 or trim <= 0:

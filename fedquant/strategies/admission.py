@@ -17,14 +17,16 @@ reason               rule                                                       
                      (:mod:`~fedquant.strategies.metric_screen`); a value of another    ``finite_metrics``
                      type than its key carries in the round; NaN/Inf
 ``num-examples``     the weight (``num-examples``, or the inner strategy's              ``check_weight``,
-                     ``weighted_by_key``) is missing, a list, not finite, <= 0, or      ``max_weight``
-                     above ``max_weight``; **clipped** to ``weight_factor`` x the       ``weight_factor``,
-                     round's reference weight and to a ``max_weight_share`` of the      ``max_weight_share``
-                     round's total weight
+                     ``weighted_by_key``) is missing, a list, not finite, <= 0, above   ``max_weight``,
+                     ``max_weight`` or ``weight_reject_factor`` x the round's           ``weight_reject_factor``
+                     reference weight; **clipped** to ``weight_factor`` x the           ``weight_factor``,
+                     reference and to a ``max_weight_share`` of the round's total       ``max_weight_share``
 ``payload``          the payload or the arrays do not decode (see the codecs)           always on
 ``non-float``        a bool entry differs from the round's majority (or, without one,   ``check_non_float``
                      from what was sent); integer entries follow the update-norm rule
                      against their own reference
+``direction``        **clipped**: the update's component opposite the previous round's  ``clip_opposing``
+                     change of the global model is removed
 ``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` x the         ``norm_factor``,
                      reference norm, or ``max_update_norm``; **clipped** to             ``max_update_norm``,
                      ``clip_factor`` x the reference above that                         ``clip_factor``
@@ -69,6 +71,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
+from fedquant.metrics.robust import describe, finite
+
 REASON_DUPLICATE = "duplicate-node"
 REASON_UNEXPECTED = "unexpected-node"
 REASON_METRICS = "metrics"
@@ -77,6 +81,7 @@ REASON_PAYLOAD = "payload"
 REASON_NON_FLOAT = "non-float"
 REASON_NORM = "update-norm"
 REASON_PLAN = "decode-plan"
+REASON_DIRECTION = "direction"
 REASONS = (
     REASON_DUPLICATE,
     REASON_UNEXPECTED,
@@ -88,7 +93,7 @@ REASONS = (
     REASON_PLAN,
 )
 #: The reasons a reply can be clipped for (it stays in the aggregate).
-CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_NORM)
+CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_DIRECTION, REASON_NORM)
 DEFAULT_WEIGHT_KEY = "num-examples"
 
 
@@ -125,6 +130,10 @@ class AdmissionRules:
         below are what limits a client's share of the aggregate.
     weight_factor : float or None
         Clip a weight to this multiple of the round's reference weight (default 3); None: off.
+    weight_reject_factor : float or None
+        Drop a reply whose weight exceeds this multiple of the reference weight (default 10): a
+        claim that large is not a client of this federation; clipping it would still hand it
+        ``weight_factor`` times a typical share. None: off.
     max_weight_share : float or None
         Clip weights so that no reply holds more than this share of the round's total (default
         0.5: no single reply outweighs all others); None: off. With ``n`` replies a share below
@@ -137,6 +146,10 @@ class AdmissionRules:
         that norm (default 2; keeps its direction); None: off.
     max_update_norm : float or None
         Absolute bound on a decoded update's L2 norm (default None: none).
+    clip_opposing : bool
+        Remove from every update its component opposite the previous round's change of the global
+        model (default True): an update pointing against the federation's last step (a sign flip)
+        keeps only its orthogonal part, so one client cannot undo the others' progress.
     check_non_float : bool
         Bool entries must agree with the round's majority; integer entries are bounded by
         ``norm_factor``/``clip_factor`` against their own reference (default True).
@@ -167,10 +180,12 @@ class AdmissionRules:
     check_weight: bool = True
     max_weight: float | None = 1e9
     weight_factor: float | None = 3.0
+    weight_reject_factor: float | None = 10.0
     max_weight_share: float | None = 0.5
     norm_factor: float | None = 10.0
     clip_factor: float | None = 2.0
     max_update_norm: float | None = None
+    clip_opposing: bool = True
     check_non_float: bool = True
     metric_keys: frozenset[str] | None = None
     list_metrics: frozenset[str] = field(default_factory=frozenset)
@@ -179,9 +194,10 @@ class AdmissionRules:
     warn_rejected_share: float = 0.3
 
     def __post_init__(self) -> None:
-        for name in ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "clip_factor"):
+        names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
+        for name in names:
             _positive(name, getattr(self, name))
-        for name in ("norm_factor", "weight_factor", "clip_factor"):
+        for name in ("norm_factor", "weight_factor", "weight_reject_factor", "clip_factor"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (a multiple of the reference), got {value!r}")
@@ -213,10 +229,12 @@ class AdmissionRules:
             check_weight=False,
             max_weight=None,
             weight_factor=None,
+            weight_reject_factor=None,
             max_weight_share=None,
             norm_factor=None,
             clip_factor=None,
             check_non_float=False,
+            clip_opposing=False,
             metric_trim=0.0,
         )
 
@@ -234,11 +252,18 @@ class AdmissionRules:
             return f"the MetricRecord has no '{weight_key}'"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"'{weight_key}' must be a single number, got {type(value).__name__}"
-        if not math.isfinite(value) or value <= 0:
-            return f"'{weight_key}' must be a finite number > 0, got {value!r}"
+        if not finite(value) or value <= 0:
+            return f"'{weight_key}' must be a finite number > 0, got {describe(value)}"
         if self.max_weight is not None and value > self.max_weight:
-            return f"'{weight_key}' = {value!r} exceeds the cap of {self.max_weight:g}"
+            return f"'{weight_key}' = {describe(value)} exceeds the cap of {self.max_weight:g}"
         return None
+
+    def weight_outlier(self, value: float, reference: float | None, weight_key: str) -> str | None:
+        """A sentence when a weight exceeds ``weight_reject_factor`` x the reference, else None."""
+        factor = self.weight_reject_factor
+        if factor is None or reference is None or not reference > 0 or not value > factor * reference:
+            return None
+        return f"'{weight_key}' = {describe(value)} exceeds {factor:g} x the reference weight {reference:.4g}"
 
     def bound_weights(self, weights: Sequence[float], reference: float | None) -> list[float]:
         """The weights after ``weight_factor`` (against ``reference``) and ``max_weight_share``.

@@ -13,9 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-from flwr.app import Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 
-from fedquant.strategies.admission import REASON_NON_FLOAT, REASON_PAYLOAD, AdmissionRules, MedianReference
+from fedquant.strategies.admission import (
+    REASON_DIRECTION,
+    REASON_NON_FLOAT,
+    REASON_NORM,
+    REASON_PAYLOAD,
+    AdmissionRules,
+    MedianReference,
+)
 from fedquant.strategies.metric_screen import weights_of, write_weights
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
 from fedquant.strategies.update_bounds import (
@@ -23,7 +30,9 @@ from fedquant.strategies.update_bounds import (
     bool_majority,
     clip_update,
     integer_change,
+    model_change,
     non_float_names,
+    remove_opposing,
     scale_integers,
     sent_bool_digest,
 )
@@ -48,6 +57,7 @@ class InfluenceBounds:
         self.norms = MedianReference()
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
+        self.direction: dict[str, np.ndarray] = {}  # the previous round's change of the global model
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -112,16 +122,54 @@ class InfluenceBounds:
         """The reference norm given this round's ``current`` norms (None when no relative rule is on)."""
         return self.norms.value(current) if self.rules.relative_norms else None
 
+    def norm_split(self, norms: Sequence[float]) -> float | None:
+        """How far apart the upper and lower halves of a vote's norms lie (median of each), when that is
+        more than ``norm_factor``: then the reference may be an attacker's, and the round should say so."""
+        factor = self.rules.norm_factor
+        if factor is None or len(norms) < 4:
+            return None
+        ordered = sorted(norms)
+        half = len(ordered) // 2
+        low, high = float(np.median(ordered[:half])), float(np.median(ordered[-half:]))
+        if high > factor * low:
+            return high / low if low > 0 else float("inf")
+        return None
+
     def judge_update(
         self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: float | None
-    ) -> tuple[str | None, DecodedReply, bool]:
-        """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply, clipped if needed."""
+    ) -> tuple[str | None, DecodedReply, list[str]]:
+        """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply and
+        what was clipped (``"direction"``, ``"update-norm"``).
+
+        First the component opposite the previous round's change of the global model is removed
+        (``clip_opposing``), then the norm rule judges what remains.
+        """
+        clipped = []
+        if self.rules.clip_opposing and self.direction:
+            projected = remove_opposing(decoded, received, self.direction)
+            if projected is not None:
+                decoded = projected
+                clipped.append(REASON_DIRECTION)
         problem, scale = self.rules.norm_verdict(decoded.update_norm, reference)
         if problem is not None or scale >= 1:
-            return problem, decoded, False
-        return None, clip_update(decoded, received, scale), True
+            return problem, decoded, clipped
+        return None, clip_update(decoded, received, scale), [*clipped, REASON_NORM]
+
+    def remember_direction(self, aggregated: ArrayRecord | None, model: ArrayRecord) -> None:
+        """Keep the round's change of the global model (the direction the next round is checked against)."""
+        if aggregated is not None and self.rules.clip_opposing:
+            self.direction = model_change(aggregated, model)
 
     # ------------------------------------------------------------------ weights
+    def screen_weights(self, records: Mapping[int, MetricRecord], kind: str) -> dict[int, str]:
+        """Per node, a sentence for the weights above ``weight_reject_factor`` x the round's reference."""
+        weights = {n: r.get(self.weight_key) for n, r in records.items()}
+        if self.rules.weight_reject_factor is None or weights_of(list(records.values()), self.weight_key) is None:
+            return {}
+        reference = self.weights[kind].value(list(weights.values()))
+        problems = {n: self.rules.weight_outlier(w, reference, self.weight_key) for n, w in weights.items()}
+        return {n: p for n, p in problems.items() if p is not None}
+
     def bound_weights(self, records: Sequence[MetricRecord], kind: str) -> int:
         """Clip the weights of admitted records relative to the round (written into them); how many were clipped."""
         weights = weights_of(records, self.weight_key)

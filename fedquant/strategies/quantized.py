@@ -16,6 +16,7 @@ from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
 from fedquant.metrics.bandwidth import (
+    ADMISSION_WARNINGS,
     REJECTED_REPLIES,
     REJECTED_SHARE,
     RoundTraffic,
@@ -88,7 +89,8 @@ class _RoundPlan:
     seeds: dict[int, int]
     sent: dict[int, ArrayRecord]
     traffic: RoundTraffic
-    dtypes: dict[str, np.dtype] = field(default_factory=dict)  # of the model the inner strategy configured
+    model: ArrayRecord | None = None  # the global model the inner strategy configured the round with
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)  # its dtypes
     received_numpy: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
     def received(self, node_id: int) -> dict[str, np.ndarray]:
@@ -285,6 +287,7 @@ class QuantizedStrategy(Strategy):
         if self.budget is not None:
             assignments = self.budget.choose(server_round, assignments, arrays)
         plan = _RoundPlan(assignments=assignments, seeds={}, sent={}, traffic=RoundTraffic())
+        plan.model = arrays
         plan.dtypes = {name: np.dtype(array.dtype) for name, array in arrays.items()}
         for message in messages:
             node_id = message.metadata.dst_node_id
@@ -340,6 +343,7 @@ class QuantizedStrategy(Strategy):
         if admitted:
             arrays, metrics = self.strategy.aggregate_train(server_round, survivors)
             arrays = restore_dtypes(arrays, plan.dtypes)
+            self.bounds.remember_direction(arrays, plan.model)
             metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
         else:
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
@@ -352,7 +356,9 @@ class QuantizedStrategy(Strategy):
             CLIP_REASONS,
             self.admission.metric_trim,
         )
-        self._warn_rejections(server_round, "train", len(plan.traffic.rejected_reasons), plan.traffic.replies)
+        plan.traffic.admission_warnings += self._warn_rejections(
+            server_round, "train", len(plan.traffic.rejected_reasons), plan.traffic.replies
+        )
         metrics = MetricRecord() if metrics is None else metrics
         for key, value in {**own, **both_ways, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
@@ -369,10 +375,10 @@ class QuantizedStrategy(Strategy):
         cheapest first: who sent it (unexpected and duplicate nodes), its metrics, its integer
         and bool entries, then, after decoding, its update norm (rejected or clipped against the
         minority-proof reference of :class:`~fedquant.strategies.influence.InfluenceBounds`).
-        Decoding follows the plan's order in groups of equal ``rank``: the first group's norms are
-        judged together once it is decoded, before any of it becomes side information; later
-        groups one by one against the replies admitted before them, so an outlier never reaches
-        the side information.
+        Decoding follows the plan's order; the replies decodable without side information vote
+        first (their norms are judged together once all are decoded, before any becomes side
+        information, :func:`_vote_groups`), the others are judged against the replies admitted
+        before them, so an outlier never reaches the side information.
         """
         traffic = plan.traffic
         content_replies = [r for r in replies if not r.has_error()]
@@ -404,12 +410,11 @@ class QuantizedStrategy(Strategy):
         needs_side = any(a.needs_side_info for a in plan.assignments.values())
 
         def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> None:
-            problem, decoded, was_clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
+            problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
             if problem is not None:
                 self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
                 return
-            if was_clipped:
-                traffic.clipped_reasons.append(REASON_NORM)
+            traffic.clipped_reasons += clipped
             reply = by_node[node_id]
             if needs_side:
                 side.add(decoded.updates)
@@ -425,7 +430,7 @@ class QuantizedStrategy(Strategy):
 
         start = time.perf_counter()
         order = self.decode_plan.decode_order(arrival, plan.assignments)
-        for group in _rank_groups(order, plan.assignments):
+        for group in _vote_groups(order, plan.assignments):
             admitted_before = bool(traffic.update_norms)
             reference = self.bounds.norm_reference(traffic.update_norms)
             pending: list[tuple[int, DecodedReply]] = []
@@ -438,6 +443,15 @@ class QuantizedStrategy(Strategy):
                 else:
                     pending.append((node_id, decoded))
             group_reference = self.bounds.norm_reference([d.update_norm for _, d in pending])
+            split = self.bounds.norm_split([d.update_norm for _, d in pending])
+            if split is not None:
+                traffic.admission_warnings += 1
+                log(
+                    WARNING,
+                    "%s: round %s: the update norms split into two groups %.3g x apart; the norm rule cannot tell "
+                    "which is honest (more than half of the vote may be attacking)",
+                    LOG_PREFIX, server_round, split,
+                )  # fmt: skip
             for node_id, decoded in pending:
                 judge(node_id, decoded, group_reference)
         self.bounds.end_round(traffic.update_norms)
@@ -482,7 +496,10 @@ class QuantizedStrategy(Strategy):
                 passed.append(reply)
             else:
                 self._reject(server_round, node_id, problem, traffic)
-        return passed, schema
+        outliers = self.bounds.screen_weights({id(r): single_metric_record(r.content) for r in passed}, kind)
+        for reply in [r for r in passed if id(r) in outliers]:
+            self._reject(server_round, reply.metadata.src_node_id, (REASON_WEIGHT, outliers[id(reply)]), traffic)
+        return [r for r in passed if id(r) not in outliers], schema
 
     def _decode_one(
         self, server_round: int, node_id: int, reply: Message, plan: _RoundPlan, side: SideInformation
@@ -507,10 +524,10 @@ class QuantizedStrategy(Strategy):
             self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
             return None
 
-    def _warn_rejections(self, server_round: int, kind: str, rejected: int, replies: int) -> None:
-        """A warning when admission rejected a large share of a round (``warn_rejected_share``)."""
+    def _warn_rejections(self, server_round: int, kind: str, rejected: int, replies: int) -> int:
+        """A warning when admission rejected a large share of a round (``warn_rejected_share``); 1 if logged."""
         if not replies or rejected < self.admission.warn_rejected_share * replies:
-            return
+            return 0
         majority = " (a majority: more than half of the round may be attacking, or the rules do not fit it)"
         log(
             WARNING,
@@ -522,6 +539,7 @@ class QuantizedStrategy(Strategy):
             kind,
             majority if 2 * rejected > replies else "",
         )
+        return 1
 
     def _send_model(
         self, server_round: int, node_id: int, record: ArrayRecord, traffic: RoundTraffic
@@ -592,12 +610,13 @@ class QuantizedStrategy(Strategy):
         if admitted:
             metrics = self.strategy.aggregate_evaluate(server_round, survivors)
             metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
-        self._warn_rejections(server_round, "evaluate", dropped, len(content_replies))
+        warned = self._warn_rejections(server_round, "evaluate", dropped, len(content_replies))
         if dropped or clipped:
             metrics = MetricRecord() if metrics is None else metrics
             metrics[REJECTED_REPLIES] = dropped
             metrics[REJECTED_SHARE] = dropped / len(content_replies)
             metrics[clipped_reason_key(REASON_WEIGHT)] = clipped
+            metrics[ADMISSION_WARNINGS] = warned
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
@@ -630,15 +649,17 @@ def _with_config_entries(
     return RecordDict(records)
 
 
-def _rank_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> list[list[int]]:
-    """Split a decode order into runs of equal ``rank`` (the plan's groups, e.g. NDQSG's P1 and P2)."""
-    groups: list[list[int]] = []
-    for node_id in order:
-        if groups and assignments[groups[-1][-1]].rank == assignments[node_id].rank:
-            groups[-1].append(node_id)
-        else:
-            groups.append([node_id])
-    return groups
+def _vote_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> list[list[int]]:
+    """Split a decode order into the first vote and the rest, each in decode order.
+
+    The first vote holds every reply decodable without side information (NDQSG's P1, and its P2
+    replies whose tensors all fall back to DQSG): the more replies vote on the norm reference
+    before anything becomes side information, the larger the minority it withstands. The rest
+    (decoded against side information) is judged against the replies admitted before it.
+    """
+    first = [n for n in order if not assignments[n].needs_side_info]
+    rest = [n for n in order if assignments[n].needs_side_info]
+    return [group for group in (first, rest) if group]
 
 
 def _pop_client_metrics(content: RecordDict) -> tuple[float | None, float | None, bool]:

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, _check_plain_entry
@@ -140,3 +141,55 @@ def restore_dtypes(arrays: ArrayRecord | None, dtypes: Mapping[str, np.dtype]) -
         out[name] = Array(np.require(restored, requirements="C"))
         changed = True
     return ArrayRecord(out) if changed else arrays
+
+
+def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The reply's whole float update ``dense - received`` per entry (float64)."""
+    return {
+        name: array.numpy().astype(np.float64) - received[name].astype(np.float64)
+        for name, array in decoded.arrays.items()
+        if received[name].dtype.kind == "f"
+    }
+
+
+def remove_opposing(
+    decoded: DecodedReply, received: Mapping[str, np.ndarray], direction: Mapping[str, np.ndarray]
+) -> DecodedReply | None:
+    """The reply without the component of its update opposite ``direction``; None when it has none.
+
+    ``update - (update . d / |d|^2) d`` for ``update . d < 0``: what remains is orthogonal to ``d``.
+    """
+    update = float_update(decoded, received)
+    keys = [k for k in update if k in direction and direction[k].shape == update[k].shape]
+    dot = sum(float(np.vdot(update[k], direction[k])) for k in keys)
+    square = sum(float(np.vdot(direction[k], direction[k])) for k in keys)
+    if not dot < 0 or not square > 0:
+        return None
+    coef = dot / square
+    for k in keys:
+        update[k] = update[k] - coef * direction[k]
+    arrays: dict[str, Array] = {}
+    for name, array in decoded.arrays.items():
+        sent = received[name]
+        if name in keys:
+            value = sent.astype(np.float64) + update[name]
+            arrays[name] = Array(np.require(value.astype(sent.dtype), requirements="C"))
+        else:
+            arrays[name] = array
+    updates = {
+        name: torch.from_numpy(update[name].astype(np.float32)).reshape(u.shape) if name in keys else u
+        for name, u in decoded.updates.items()
+    }
+    norm = math.sqrt(sum(float(np.sum(u**2)) for u in update.values()))
+    return DecodedReply(decoded.record_name, ArrayRecord(arrays), updates, norm)
+
+
+def model_change(new: ArrayRecord, old: ArrayRecord) -> dict[str, np.ndarray]:
+    """``new - old`` over the float entries both hold with the same shape (float64)."""
+    out = {}
+    for name, array in old.items():
+        if name in new and np.dtype(array.dtype).kind == "f":
+            before, after = array.numpy().astype(np.float64), new[name].numpy().astype(np.float64)
+            if before.shape == after.shape:
+                out[name] = after - before
+    return out
