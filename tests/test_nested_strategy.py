@@ -134,7 +134,15 @@ def test_group_split_fraction_at_least_one_and_deterministic():
     assert len(NestedDecodePlan().groups(1, nodes[:4])[0]) == 3  # round(0.5 * 4) = 2 is raised to 3
     assert NestedDecodePlan(p1_fraction=1.0).groups(1, nodes) == (nodes, [])
     assert NestedDecodePlan().groups(1, [7]) == ([7], [])
-    bad_values = ({"p1_fraction": 0}, {"min_p1": 0}, {"rho": 4}, {"rho": 1}, {"alpha": 0.0}, {"alpha": "best"}, {"initial_rho": 2})
+    bad_values = (
+        {"p1_fraction": 0},
+        {"min_p1": 0},
+        {"rho": 4},
+        {"rho": 1},
+        {"alpha": 0.0},
+        {"alpha": "best"},
+        {"initial_rho": 2},
+    )
     for bad in (*bad_values, {"min_numel": 0}, {"rule": "fastest"}):
         with pytest.raises(ValueError):
             NestedDecodePlan(**bad)

@@ -25,8 +25,8 @@ reason               rule                                                       
 ``non-float``        a bool entry differs from the round's majority (or, without one,   ``check_non_float``
                      from what was sent); integer entries follow the update-norm rule
                      against their own reference
-``direction``        **clipped**: the update's component opposite the previous round's  ``clip_opposing``
-                     change of the global model is removed
+``direction``        **clipped**: the update's component opposite the round's consensus ``clip_opposing``
+                     (mean admitted update of the first vote) is removed
 ``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` x the         ``norm_factor``,
                      reference norm, or ``max_update_norm``; **clipped** to             ``max_update_norm``,
                      ``clip_factor`` x the reference above that                         ``clip_factor``
@@ -147,9 +147,10 @@ class AdmissionRules:
     max_update_norm : float or None
         Absolute bound on a decoded update's L2 norm (default None: none).
     clip_opposing : bool
-        Remove from every update its component opposite the previous round's change of the global
-        model (default True): an update pointing against the federation's last step (a sign flip)
-        keeps only its orthogonal part, so one client cannot undo the others' progress.
+        Remove from every update its component opposite the round's consensus, the mean of the
+        first vote's admitted (norm-clipped) updates (default True): an update pointing against
+        the others (a sign flip) keeps only its orthogonal part, so a minority cannot undo the
+        majority's progress.
     check_non_float : bool
         Bool entries must agree with the round's majority; integer entries are bounded by
         ``norm_factor``/``clip_factor`` against their own reference (default True).
@@ -209,7 +210,11 @@ class AdmissionRules:
         if self.metric_trim >= 0.5:
             raise ValueError(f"metric_trim must be in [0, 0.5), got {self.metric_trim!r}")
         _positive("warn_rejected_share", self.warn_rejected_share)
-        if isinstance(self.max_list_length, bool) or not isinstance(self.max_list_length, int) or self.max_list_length < 0:
+        if (
+            isinstance(self.max_list_length, bool)
+            or not isinstance(self.max_list_length, int)
+            or self.max_list_length < 0
+        ):
             raise ValueError(f"max_list_length must be an int >= 0, got {self.max_list_length!r}")
         for name in ("metric_keys", "list_metrics"):
             value = getattr(self, name)

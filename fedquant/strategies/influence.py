@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Message, MetricRecord
 
 from fedquant.strategies.admission import (
-    REASON_DIRECTION,
     REASON_NON_FLOAT,
     REASON_NORM,
     REASON_PAYLOAD,
@@ -29,8 +28,8 @@ from fedquant.strategies.update_bounds import (
     bool_digest,
     bool_majority,
     clip_update,
+    float_update,
     integer_change,
-    model_change,
     non_float_names,
     remove_opposing,
     scale_integers,
@@ -57,7 +56,7 @@ class InfluenceBounds:
         self.norms = MedianReference()
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
-        self.direction: dict[str, np.ndarray] = {}  # the previous round's change of the global model
+        self.consensus: dict[str, np.ndarray] = {}  # the round's mean admitted update (first vote)
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -138,27 +137,34 @@ class InfluenceBounds:
     def judge_update(
         self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: float | None
     ) -> tuple[str | None, DecodedReply, list[str]]:
-        """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply and
-        what was clipped (``"direction"``, ``"update-norm"``).
-
-        First the component opposite the previous round's change of the global model is removed
-        (``clip_opposing``), then the norm rule judges what remains.
-        """
-        clipped = []
-        if self.rules.clip_opposing and self.direction:
-            projected = remove_opposing(decoded, received, self.direction)
-            if projected is not None:
-                decoded = projected
-                clipped.append(REASON_DIRECTION)
+        """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply,
+        clipped to ``clip_factor x reference`` if needed (``clipped == ["update-norm"]``)."""
         problem, scale = self.rules.norm_verdict(decoded.update_norm, reference)
         if problem is not None or scale >= 1:
-            return problem, decoded, clipped
-        return None, clip_update(decoded, received, scale), [*clipped, REASON_NORM]
+            return problem, decoded, []
+        return None, clip_update(decoded, received, scale), [REASON_NORM]
 
-    def remember_direction(self, aggregated: ArrayRecord | None, model: ArrayRecord) -> None:
-        """Keep the round's change of the global model (the direction the next round is checked against)."""
-        if aggregated is not None and self.rules.clip_opposing:
-            self.direction = model_change(aggregated, model)
+    def start_round(self) -> None:
+        """Forget the previous round's consensus direction."""
+        self.consensus = {}
+
+    def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
+        """The round's consensus direction: the mean update of the first vote's admitted replies
+        (norm-clipped, so a minority moves it by at most its clipped share)."""
+        if not self.rules.clip_opposing or not decoded:
+            return
+        total: dict[str, np.ndarray] = {}
+        for reply, sent in zip(decoded, received, strict=True):
+            for name, update in float_update(reply, sent).items():
+                total[name] = total[name] + update if name in total else update
+        self.consensus = {name: value / len(decoded) for name, value in total.items()}
+
+    def align(self, decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> tuple[DecodedReply, bool]:
+        """The reply without its component opposite the round's consensus; whether it had one."""
+        if not self.rules.clip_opposing or not self.consensus:
+            return decoded, False
+        projected = remove_opposing(decoded, received, self.consensus)
+        return (decoded, False) if projected is None else (projected, True)
 
     # ------------------------------------------------------------------ weights
     def screen_weights(self, records: Mapping[int, MetricRecord], kind: str) -> dict[int, str]:

@@ -61,9 +61,7 @@ class MetricSchema:
     strict: bool = True
 
 
-def vote_schema(
-    records: Sequence[MetricRecord | None], weight_key: str, rules: AdmissionRules
-) -> MetricSchema | None:
+def vote_schema(records: Sequence[MetricRecord | None], weight_key: str, rules: AdmissionRules) -> MetricSchema | None:
     """The round's schema from the replies' MetricRecords (None when the rule is off or none has one)."""
     present = [r for r in records if r is not None]
     if not rules.consistent_metrics or not present:
@@ -108,7 +106,10 @@ def check_record(
         if weight_key in missing and rules.check_weight:
             return REASON_WEIGHT, f"the MetricRecord has no '{weight_key}'"
         if missing or (extra and schema.strict):
-            return REASON_METRICS, f"MetricRecord keys differ from the round's: missing {sorted(missing)}, extra {sorted(extra)}"
+            return (
+                REASON_METRICS,
+                f"MetricRecord keys differ from the round's: missing {sorted(missing)}, extra {sorted(extra)}",
+            )
     problem = rules.weight_problem(record.get(weight_key), weight_key)
     if problem is not None:
         return REASON_WEIGHT, problem
@@ -203,5 +204,3 @@ def clamp_metrics(
 
 def _finite_lists(values: Sequence[list]) -> bool:
     return all(all(is_number(x) for x in v) and finite(v) for v in values)
-
-

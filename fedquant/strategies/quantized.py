@@ -44,6 +44,7 @@ from fedquant.protocol import (
 from fedquant.rng import derive_seed
 from fedquant.strategies.admission import (
     CLIP_REASONS,
+    REASON_DIRECTION,
     REASON_DUPLICATE,
     REASON_NON_FLOAT,
     REASON_NORM,
@@ -109,14 +110,17 @@ class QuantizedStrategy(Strategy):
     client's ConfigRecord the codec spec, the client's seed for the round and the encoding
     threshold (keys in :mod:`fedquant.protocol`). In ``aggregate_train`` it checks and
     decodes every reply, rebuilds dense arrays ``received + decoded update``, hands those to the
-    wrapped strategy and adds the round's bandwidth metrics to its MetricRecord. Evaluation
-    passes through unchanged.
+    wrapped strategy and adds the round's bandwidth metrics to its MetricRecord. Evaluate messages
+    pass through unchanged; their replies go through the same admission rules.
 
     Every reply is untrusted. Replies that cannot be decoded (malformed, another codec or shape,
-    NaN/Inf, wrong keys) or that fail the admission rules (bad ``num-examples``, inconsistent or
-    non-finite metrics, an update norm far above the round's median, a node that replied twice;
-    see :class:`~fedquant.strategies.admission.AdmissionRules`) are dropped alone, with a logged
-    reason naming the node, and counted in ``rejected-replies`` and ``rejected-<reason>``;
+    NaN/Inf, wrong keys) or that fail the admission rules (bad ``num-examples`` or one far above
+    the round's, metrics of another key set or type than the round's, an update norm far above
+    the round's reference, odd integer or bool entries, a node that replied twice; see
+    :class:`~fedquant.strategies.admission.AdmissionRules`) are dropped alone, with a logged
+    reason naming the node, and counted in ``rejected-replies`` and ``rejected-<reason>``; weights
+    and update norms above the relative bounds are clipped (``clipped-<reason>``), and aggregated
+    client metrics are kept within the honest range (:mod:`fedquant.strategies.metric_screen`);
     replies that carry an error go to the wrapped strategy as they are (Flower's handling). If
     no reply survives, the round returns no arrays and the current model is kept.
 
@@ -151,11 +155,10 @@ class QuantizedStrategy(Strategy):
         Whether clients measure ``quantization-mse`` (default True). Measuring decodes every
         payload once more on the client, which costs about one decode per tensor per round.
     admission : AdmissionRules, optional
-        Which replies (train and evaluate) reach the wrapped strategy: finite positive
-        ``num-examples`` under a cap, consistent and finite metrics, update L2 norm within
-        10 x the round's median, no duplicate nodes (see
-        :mod:`fedquant.strategies.admission`). Default ``AdmissionRules()``: every rule on;
-        ``AdmissionRules.off()`` keeps only the payload checks.
+        Which replies (train and evaluate) reach the wrapped strategy, and with what weight and
+        update: weights and update norms bounded relative to the round, typed and finite
+        metrics, no duplicate nodes (see :mod:`fedquant.strategies.admission`). Default
+        ``AdmissionRules()``: every rule on; ``AdmissionRules.off()`` keeps only the payload checks.
     downlink_codec : str or Codec, optional
         Compress the model sent to clients too (default None: dense float arrays). A client that
         holds one of the last ``downlink_references`` models the server sent gets the difference
@@ -343,7 +346,6 @@ class QuantizedStrategy(Strategy):
         if admitted:
             arrays, metrics = self.strategy.aggregate_train(server_round, survivors)
             arrays = restore_dtypes(arrays, plan.dtypes)
-            self.bounds.remember_direction(arrays, plan.model)
             metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
         else:
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
@@ -409,12 +411,18 @@ class QuantizedStrategy(Strategy):
         side = self.decode_plan.side_information()
         needs_side = any(a.needs_side_info for a in plan.assignments.values())
 
-        def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> None:
+        def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> DecodedReply | None:
             problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
             if problem is not None:
                 self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
-                return
+                return None
             traffic.clipped_reasons += clipped
+            return decoded
+
+        def accept(node_id: int, decoded: DecodedReply) -> None:
+            decoded, turned = self.bounds.align(decoded, plan.received(node_id))
+            if turned:
+                traffic.clipped_reasons.append(REASON_DIRECTION)
             reply = by_node[node_id]
             if needs_side:
                 side.add(decoded.updates)
@@ -429,6 +437,7 @@ class QuantizedStrategy(Strategy):
             accepted.add(id(reply))
 
         start = time.perf_counter()
+        self.bounds.start_round()
         order = self.decode_plan.decode_order(arrival, plan.assignments)
         for group in _vote_groups(order, plan.assignments):
             admitted_before = bool(traffic.update_norms)
@@ -438,22 +447,19 @@ class QuantizedStrategy(Strategy):
                 decoded = self._decode_one(server_round, node_id, by_node[node_id], plan, side)
                 if decoded is None:
                     continue
-                if admitted_before:
-                    judge(node_id, decoded, reference)
-                else:
+                if not admitted_before:
                     pending.append((node_id, decoded))
-            group_reference = self.bounds.norm_reference([d.update_norm for _, d in pending])
-            split = self.bounds.norm_split([d.update_norm for _, d in pending])
-            if split is not None:
-                traffic.admission_warnings += 1
-                log(
-                    WARNING,
-                    "%s: round %s: the update norms split into two groups %.3g x apart; the norm rule cannot tell "
-                    "which is honest (more than half of the vote may be attacking)",
-                    LOG_PREFIX, server_round, split,
-                )  # fmt: skip
-            for node_id, decoded in pending:
-                judge(node_id, decoded, group_reference)
+                elif (judged := judge(node_id, decoded, reference)) is not None:
+                    accept(node_id, judged)
+            if not pending:
+                continue
+            norms = [d.update_norm for _, d in pending]
+            self._warn_norm_split(server_round, norms, traffic)
+            group_reference = self.bounds.norm_reference(norms)
+            judged = [(n, d) for n, d in ((n, judge(n, d, group_reference)) for n, d in pending) if d is not None]
+            self.bounds.set_consensus([d for _, d in judged], [plan.received(n) for n, _ in judged])
+            for node_id, decoded in judged:
+                accept(node_id, decoded)
         self.bounds.end_round(traffic.update_norms)
         traffic.decode_seconds = time.perf_counter() - start
         return accepted, schema
@@ -523,6 +529,19 @@ class QuantizedStrategy(Strategy):
         except RejectedReply as err:
             self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
             return None
+
+    def _warn_norm_split(self, server_round: int, norms: list[float], traffic: RoundTraffic) -> None:
+        """A warning when a vote's update norms fall into two groups too far apart for the norm rule."""
+        split = self.bounds.norm_split(norms)
+        if split is None:
+            return
+        traffic.admission_warnings += 1
+        log(
+            WARNING,
+            "%s: round %s: the update norms split into two groups %.3g x apart; the norm rule cannot tell "
+            "which is honest (more than half of the vote may be attacking)",
+            LOG_PREFIX, server_round, split,
+        )  # fmt: skip
 
     def _warn_rejections(self, server_round: int, kind: str, rejected: int, replies: int) -> int:
         """A warning when admission rejected a large share of a round (``warn_rejected_share``); 1 if logged."""

@@ -182,14 +182,3 @@ def remove_opposing(
     }
     norm = math.sqrt(sum(float(np.sum(u**2)) for u in update.values()))
     return DecodedReply(decoded.record_name, ArrayRecord(arrays), updates, norm)
-
-
-def model_change(new: ArrayRecord, old: ArrayRecord) -> dict[str, np.ndarray]:
-    """``new - old`` over the float entries both hold with the same shape (float64)."""
-    out = {}
-    for name, array in old.items():
-        if name in new and np.dtype(array.dtype).kind == "f":
-            before, after = array.numpy().astype(np.float64), new[name].numpy().astype(np.float64)
-            if before.shape == after.shape:
-                out[name] = after - before
-    return out
