@@ -156,7 +156,10 @@ class InfluenceBounds:
         total: dict[str, np.ndarray] = {}
         for reply, sent in zip(decoded, received, strict=True):
             for name, update in float_update(reply, sent).items():
-                total[name] = total[name] + update if name in total else update
+                if name in total:
+                    total[name] += update
+                else:
+                    total[name] = update.astype(np.float64)
         self.consensus = {name: value / len(decoded) for name, value in total.items()}
 
     def align(self, decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> tuple[DecodedReply, bool]:

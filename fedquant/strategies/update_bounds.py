@@ -144,12 +144,18 @@ def restore_dtypes(arrays: ArrayRecord | None, dtypes: Mapping[str, np.dtype]) -
 
 
 def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The reply's whole float update ``dense - received`` per entry (float64)."""
-    return {
-        name: array.numpy().astype(np.float64) - received[name].astype(np.float64)
-        for name, array in decoded.arrays.items()
-        if received[name].dtype.kind == "f"
-    }
+    """The reply's whole float update per entry (float32): the decoded update of the encoded
+    entries (no copy), ``dense - received`` of the plain ones."""
+    out = {}
+    for name, array in decoded.arrays.items():
+        sent = received[name]
+        if sent.dtype.kind != "f":
+            continue
+        if name in decoded.updates:
+            out[name] = decoded.updates[name].reshape(sent.shape).numpy()
+        else:
+            out[name] = (array.numpy().astype(np.float64) - sent.astype(np.float64)).astype(np.float32)
+    return out
 
 
 def remove_opposing(
@@ -161,13 +167,12 @@ def remove_opposing(
     """
     update = float_update(decoded, received)
     keys = [k for k in update if k in direction and direction[k].shape == update[k].shape]
-    dot = sum(float(np.vdot(update[k], direction[k])) for k in keys)
-    square = sum(float(np.vdot(direction[k], direction[k])) for k in keys)
+    dot = sum(float(np.dot(update[k].ravel(), direction[k].ravel().astype(np.float64))) for k in keys)
+    square = sum(float(np.dot(direction[k].ravel(), direction[k].ravel().astype(np.float64))) for k in keys)
     if not dot < 0 or not square > 0:
         return None
     coef = dot / square
-    for k in keys:
-        update[k] = update[k] - coef * direction[k]
+    update = {k: (u.astype(np.float64) - coef * direction[k] if k in keys else u) for k, u in update.items()}
     arrays: dict[str, Array] = {}
     for name, array in decoded.arrays.items():
         sent = received[name]
@@ -180,5 +185,5 @@ def remove_opposing(
         name: torch.from_numpy(update[name].astype(np.float32)).reshape(u.shape) if name in keys else u
         for name, u in decoded.updates.items()
     }
-    norm = math.sqrt(sum(float(np.sum(u**2)) for u in update.values()))
+    norm = math.sqrt(sum(float(np.sum(np.square(u, dtype=np.float64))) for u in update.values()))
     return DecodedReply(decoded.record_name, ArrayRecord(arrays), updates, norm)
