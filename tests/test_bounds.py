@@ -176,3 +176,23 @@ def test_every_valid_payload_fits_its_body_bound(spec, numel):
         if getattr(codec.quantizer, "coding", "fixed") == "fixed":
             assert body == bound
         codec.decode(payload, seed=3, side_info=side, shape=(numel,), dtype=torch.float32)
+
+
+def test_rules_off_accept_replies_without_a_metric_record():
+    """``AdmissionRules.off()`` keeps only the payload checks: no metric record is needed, nothing raises."""
+    from flwr.app import ConfigRecord
+    from flwr.serverapp.exception import InconsistentMessageReplies
+    from flwr.serverapp.strategy import FedMedian
+
+    from fedquant.clients import quantize_mod
+    from fedquant.strategies import QuantizedStrategy
+    from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
+
+    strategy = QuantizedStrategy(
+        FedMedian(min_available_nodes=3), "fp32", min_numel=MIN_NUMEL, admission=AdmissionRules.off()
+    )
+    grid = InProcessGrid(make_client_app([quantize_mod]), 3)
+    replies = grid.send_and_receive(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
+    del replies[0].content["metrics"]
+    with pytest.raises(InconsistentMessageReplies):  # Flower's own check: with the rules off, its behaviour is back
+        strategy.aggregate_train(1, replies)

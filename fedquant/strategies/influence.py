@@ -172,9 +172,9 @@ class InfluenceBounds:
     # ------------------------------------------------------------------ weights
     def screen_weights(self, records: Mapping[int, MetricRecord], kind: str) -> dict[int, str]:
         """Per node, a sentence for the weights above ``weight_reject_factor`` x the round's reference."""
-        weights = {n: r.get(self.weight_key) for n, r in records.items()}
         if self.rules.weight_reject_factor is None or weights_of(list(records.values()), self.weight_key) is None:
             return {}
+        weights = {n: r[self.weight_key] for n, r in records.items()}
         reference = self.weights[kind].value(list(weights.values()))
         problems = {n: self.rules.weight_outlier(w, reference, self.weight_key) for n, w in weights.items()}
         return {n: p for n, p in problems.items() if p is not None}

@@ -165,6 +165,8 @@ def write_weights(records: Sequence[MetricRecord], weight_key: str, bounded: Seq
 
 def weights_of(records: Sequence[MetricRecord], weight_key: str) -> list[float] | None:
     """The records' weights, or None when one is not a positive finite number (the weight rule is off)."""
+    if any(r is None for r in records):
+        return None
     weights = [r.get(weight_key) for r in records]
     if all(is_number(w) and finite(w) and w > 0 for w in weights):
         return weights  # type: ignore[return-value]
@@ -184,8 +186,8 @@ def clamp_metrics(
     Only keys every record carries are touched, the weight key and the inner strategy's own keys
     stay; a value of the wrong type or not finite becomes the median of the replies' values.
     """
-    if aggregated is None or not records:
-        return aggregated
+    if aggregated is None or not records or any(r is None for r in records):
+        return aggregated  # (replies without a single MetricRecord reach here only with the rules off)
     keys = schema.keys if schema is not None else frozenset.intersection(*(frozenset(r.keys()) for r in records))
     for key in keys:
         if key == weight_key or key not in aggregated or not all(key in r for r in records):
