@@ -550,3 +550,21 @@ def test_fuzzed_metric_records_never_raise(kind):
             assert isinstance(key, str)
             values = value if isinstance(value, list) else [value]
             assert all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def test_the_budget_correction_is_one_value_per_round():
+    """The correction window kept the last 3 replies per setting, not rounds: one large admitted reply
+    among ten (an entropy-coded outlier, or a liar within the rules) set everyone's correction."""
+    from fedquant.strategies.budget import UploadBudget
+    from fedquant.strategies.decode_plan import ClientAssignment
+
+    codec = get_codec("qsgd:levels=16")
+    model = initial_arrays()
+    budget = UploadBudget(bytes_budget=10**9, min_numel=MIN_NUMEL)
+    nodes = list(range(101, 111))
+    budget.choose(1, {n: ClientAssignment(codec) for n in nodes}, model)
+    prior = probe_reply_bytes(codec, model, MIN_NUMEL)
+    sizes = {n: prior for n in nodes}
+    sizes[nodes[-1]] = 5 * prior  # the last to arrive
+    budget.observe(1, sizes)
+    assert budget.predict(codec, model) == pytest.approx(prior)
