@@ -52,6 +52,7 @@ partitions instead. Exits 1 when the gate is missed or any run raised.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import statistics
 import sys
@@ -135,7 +136,14 @@ class Task:
 
 def load_task(partitioning: str = "iid", alpha: float = 0.5) -> Task:
     parts = [load_partition("digits", i, NUM_CLIENTS, partitioning, alpha, 0) for i in range(NUM_CLIENTS)]
-    return Task(parts, load_test_set("digits"))
+    return Task([_batchable(p) for p in parts], load_test_set("digits"))
+
+
+def _batchable(data: TensorData) -> TensorData:
+    """The partition without its last image when that image would be a batch of its own (BatchNorm needs two)."""
+    if len(data) % BATCH_SIZE != 1:
+        return data
+    return TensorData(data.x[:-1], data.y[:-1], data.num_classes)
 
 
 # ---------------------------------------------------------------------------------------------- attacks
@@ -278,6 +286,7 @@ class Federation:
         _set_task_identity()
         self.task, self.attack, self.seed, self.available = task, attack, seed, available
         self.server_round = 0
+        self.error_replies = 0  # replies quantize_mod turned into errors (a client-side failure)
         self.nodes = [1001 + i for i in range(NUM_CLIENTS)]
         self.attackers = self.nodes[:attackers] if attack is not None else []
         self.contexts = {
@@ -327,7 +336,9 @@ class Federation:
                  "metrics": MetricRecord(metrics)}
             )  # fmt: skip
             reply = quantize_mod(msg, self.contexts[node], lambda m, _c, c=content: Message(c, reply_to=m))
-            if attacking and self.attack.tamper is not None:
+            if reply.has_error():
+                self.error_replies += 1
+            elif attacking and self.attack.tamper is not None:
                 self.attack.tamper(reply)
             replies.append(reply)
         return replies
@@ -382,6 +393,7 @@ class RunResult:
     error: str | None = None
     train_metrics: list[dict] = field(default_factory=list)
     eval_metrics: list[dict] = field(default_factory=list)
+    error_replies: int = 0
     seconds: float = 0.0
 
     def counts(self, prefix: str) -> Counter:
@@ -415,6 +427,7 @@ def run(task: Task, defence: str, attack: Attack | None, attackers: int, seed: i
         result.error = f"{type(err).__name__}: {err}"
         traceback.print_exc(limit=3, file=sys.stderr)
     result.arrays = arrays
+    result.error_replies = federation.error_replies
     model = BenchModel()
     try:
         model.load_arrays(arrays)
@@ -468,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--honest", action="store_true", help="honest rejections/clippings per reason instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # one INFO line per round and call otherwise
     if args.honest:
         return honest_table(args.rounds, args.seeds)
     defences = ["FedAvg"] if args.quick else args.defences.split(",")
@@ -551,24 +565,34 @@ def print_metric_table(honest: list[RunResult], rows: list[tuple[Attack, int, Ru
 
 
 def honest_table(rounds: int, seeds: int) -> int:
-    """Honest runs only: replies rejected and clipped per reason (FedAvg, default rules), accuracy over seeds."""
+    """Honest runs only: train replies rejected and clipped per reason, evaluate replies rejected, client
+    error replies (FedAvg, default rules), accuracy over seeds. Exits 1 when a run raised."""
     print(f"honest clients, FedAvg, default AdmissionRules, {NUM_CLIENTS} clients, {rounds} rounds, {seeds} seeds")
-    print("| partitioning | replies | rejected | by reason | clipped | by reason | accuracy |")
-    print("|---|---|---|---|---|---|---|")
+    print("| partitioning | train replies | rejected | by reason | clipped | by reason | evaluate rejected "
+          "| error replies | accuracy |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    failed = False
     for partitioning in ("iid", "dirichlet"):
         task = load_task(partitioning)
         results = [run(task, "FedAvg", None, 0, seed, rounds) for seed in range(seeds)]
         replies = seeds * rounds * NUM_CLIENTS
         rejected = sum((r.counts("rejected-") for r in results), Counter())
+        rejected.pop("share", None)
         clipped = sum((r.counts("clipped-") for r in results), Counter())
-        for key in ("share",):
-            rejected.pop(key, None)
+        evaluate_rejected = sum(int(m.get("rejected-replies", 0)) for r in results for m in r.eval_metrics)
+        errors = sum(r.error_replies for r in results)
         accs = [r.accuracy for r in results]
         print(
             f"| {partitioning} | {replies} | {sum(rejected.values())} | {dict(+rejected) or '-'} | "
-            f"{sum(clipped.values())} | {dict(+clipped) or '-'} | {np.mean(accs):.3f} ± {np.std(accs):.3f} |"
+            f"{sum(clipped.values())} | {dict(+clipped) or '-'} | {evaluate_rejected} | {errors} | "
+            f"{np.mean(accs):.3f} ± {np.std(accs):.3f} |",
+            flush=True,
         )
-    return 0
+        for r in results:
+            if r.error:
+                print(f"FAIL: a {partitioning} run raised: {r.error}")
+                failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -243,6 +243,31 @@ def test_an_evaluate_reply_cannot_set_the_aggregated_loss(weight):
         assert metrics["clipped-num-examples"] == 1 and metrics["rejected-replies"] == 0
 
 
+def _without(nodes):
+    return lambda replies, _m: [r for r in replies if r.metadata.src_node_id not in nodes]
+
+
+def test_a_sign_flipped_update_is_rejected():
+    """One client sending its own update x -1 (honest norm and weight, inside every bound) pulled the
+    model back by a tenth of a round's step, every round."""
+    arrays, metrics = _round(_wrap(), tamper=_scaled({ATTACKER}, -1.0))
+    assert metrics["rejected-direction"] == 1 and metrics["rejected-replies"] == 1
+    honest, _ = _round(_wrap(), tamper=_without({ATTACKER}))
+    assert _distance(arrays, honest) < 1e-6
+
+
+def test_sign_flips_are_rejected_up_to_a_minority_and_a_majority_sets_the_direction(flwr_log):
+    """4 of 10 sign flips (a minority) are all rejected; 6 of 10 (above) turn the consensus: the 4 honest
+    updates are rejected and the round warns, as expected without an honest majority."""
+    minority = {101, 102, 103, 104}
+    _, metrics = _round(_wrap(), tamper=_scaled(minority, -1.0))
+    assert metrics["rejected-direction"] == 4 and metrics["rejected-replies"] == 4
+    majority = {101, 102, 103, 104, 105, 106}
+    _, metrics = _round(_wrap(), tamper=_scaled(majority, -1.0))
+    assert metrics["rejected-direction"] == 4 and metrics["rejected-replies"] == 4
+    assert _warned(flwr_log, "admission rejected 4 of 10 train replies")
+
+
 # ---------------------------------------------------------------------------------------------- NDQSG
 def _ndqsg(n: int, **plan) -> QuantizedStrategy:
     return _wrap(n, codec="ndqsg", decode_plan=NestedDecodePlan(p1_fraction=0.5, **plan))

@@ -18,7 +18,7 @@ from fedquant.metrics.robust import bounded_mean, describe, trim_count, window
 from fedquant.strategies import AdmissionRules
 from fedquant.strategies.admission import MedianReference, cap_shares
 from fedquant.strategies.metric_screen import check_record, clamp_metrics, conform, vote_schema
-from fedquant.strategies.update_bounds import restore_dtypes
+from fedquant.strategies.update_bounds import consensus_cosine, restore_dtypes
 from fedquant.wire.payload import read_payload
 
 RULES = AdmissionRules()
@@ -155,6 +155,21 @@ def test_restore_dtypes_rounds_integers_and_votes_bools():
     assert out["mask"].numpy().tolist() == [False, True] and out["w"].numpy().dtype == np.float32
     huge = restore_dtypes(ArrayRecord({"steps": Array(np.array(1e30))}), sent)
     assert int(huge["steps"].numpy()) == np.iinfo(np.int64).max - 1023  # clipped into range, no overflow
+
+
+# ---------------------------------------------------------------------------------------------- direction
+def test_consensus_cosine_counts_the_update_itself():
+    """A reply outside the first vote is judged against the vote's sum plus itself: an update orthogonal
+    to the consensus (noise) gets a positive cosine, a flipped one smaller than the consensus a negative one."""
+    consensus = {"w": np.array([3.0, 0.0])}
+    assert consensus_cosine({"w": np.array([0.0, 1.0])}, consensus, include_self=True) > 0
+    assert consensus_cosine({"w": np.array([0.0, 1.0])}, consensus, include_self=False) == 0
+    assert consensus_cosine({"w": np.array([-1.0, 0.0])}, consensus, include_self=True) == pytest.approx(-1.0)
+    assert consensus_cosine({"w": np.array([-1.0, 0.0])}, consensus, include_self=False) == pytest.approx(-1.0)
+    # an update larger than the consensus outweighs it (the norm rule bounds it to clip_factor x the reference)
+    assert consensus_cosine({"w": np.array([-4.0, 0.0])}, consensus, include_self=True) == pytest.approx(1.0)
+    assert consensus_cosine({"w": np.zeros(2)}, consensus, include_self=True) is None
+    assert consensus_cosine({"other": np.ones(2)}, consensus, include_self=False) is None
 
 
 # ---------------------------------------------------------------------------------------------- body sizes

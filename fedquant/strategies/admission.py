@@ -25,11 +25,12 @@ reason               rule                                                       
 ``non-float``        a bool entry differs from the round's majority (or, without one,   ``check_non_float``
                      from what was sent); integer entries follow the update-norm rule
                      against their own reference
-``direction``        **clipped**: the update's component opposite the round's consensus ``clip_opposing``
-                     (mean admitted update of the first vote) is removed
 ``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` x the         ``norm_factor``,
                      reference norm, or ``max_update_norm``; **clipped** to             ``max_update_norm``,
                      ``clip_factor`` x the reference above that                         ``clip_factor``
+``direction``        the update points against the round's consensus: a negative       ``reject_opposing``
+                     inner product with the sum of the first vote's updates (itself
+                     included)
 ``decode-plan``      the decode plan refused the reply (e.g. NDQSG's second group       always on
                      with no first-group reply to decode against)
 ===================  ================================================================  =====================
@@ -91,9 +92,10 @@ REASONS = (
     REASON_NON_FLOAT,
     REASON_NORM,
     REASON_PLAN,
+    REASON_DIRECTION,
 )
 #: The reasons a reply can be clipped for (it stays in the aggregate).
-CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_DIRECTION, REASON_NORM)
+CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_NORM)
 DEFAULT_WEIGHT_KEY = "num-examples"
 
 
@@ -146,11 +148,12 @@ class AdmissionRules:
         that norm (default 2; keeps its direction); None: off.
     max_update_norm : float or None
         Absolute bound on a decoded update's L2 norm (default None: none).
-    clip_opposing : bool
-        Remove from every update its component opposite the round's consensus, the mean of the
-        first vote's admitted (norm-clipped) updates (default True): an update pointing against
-        the others (a sign flip) keeps only its orthogonal part, so a minority cannot undo the
-        majority's progress.
+    reject_opposing : bool
+        Drop an update whose inner product with the round's consensus is negative (default True).
+        The consensus is the sum of the first vote's updates after the norm rule, the update itself
+        included, so a sign-flipped honest update is dropped while an honest one of noise alone
+        passes: an update is dropped only when the others pull against it more than it pulls its own
+        way.
     check_non_float : bool
         Bool entries must agree with the round's majority; integer entries are bounded by
         ``norm_factor``/``clip_factor`` against their own reference (default True).
@@ -186,7 +189,7 @@ class AdmissionRules:
     norm_factor: float | None = 10.0
     clip_factor: float | None = 2.0
     max_update_norm: float | None = None
-    clip_opposing: bool = True
+    reject_opposing: bool = True
     check_non_float: bool = True
     metric_keys: frozenset[str] | None = None
     list_metrics: frozenset[str] = field(default_factory=frozenset)
@@ -239,7 +242,7 @@ class AdmissionRules:
             norm_factor=None,
             clip_factor=None,
             check_non_float=False,
-            clip_opposing=False,
+            reject_opposing=False,
             metric_trim=0.0,
         )
 

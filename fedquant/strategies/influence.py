@@ -28,10 +28,10 @@ from fedquant.strategies.update_bounds import (
     bool_digest,
     bool_majority,
     clip_update,
+    consensus_cosine,
     float_update,
     integer_change,
     non_float_names,
-    remove_opposing,
     scale_integers,
     sent_bool_digest,
 )
@@ -56,7 +56,7 @@ class InfluenceBounds:
         self.norms = MedianReference()
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
-        self.consensus: dict[str, np.ndarray] = {}  # the round's mean admitted update (first vote)
+        self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -145,13 +145,13 @@ class InfluenceBounds:
         return None, clip_update(decoded, received, scale), [REASON_NORM]
 
     def start_round(self) -> None:
-        """Forget the previous round's consensus direction."""
+        """Forget the previous round's consensus."""
         self.consensus = {}
 
     def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
-        """The round's consensus direction: the mean update of the first vote's admitted replies
-        (norm-clipped, so a minority moves it by at most its clipped share)."""
-        if not self.rules.clip_opposing or not decoded:
+        """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
+        so a minority moves it by at most its clipped share)."""
+        if not self.rules.reject_opposing or not decoded:
             return
         total: dict[str, np.ndarray] = {}
         for reply, sent in zip(decoded, received, strict=True):
@@ -160,14 +160,22 @@ class InfluenceBounds:
                     total[name] += update
                 else:
                     total[name] = update.astype(np.float64)
-        self.consensus = {name: value / len(decoded) for name, value in total.items()}
+        self.consensus = total
 
-    def align(self, decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> tuple[DecodedReply, bool]:
-        """The reply without its component opposite the round's consensus; whether it had one."""
-        if not self.rules.clip_opposing or not self.consensus:
-            return decoded, False
-        projected = remove_opposing(decoded, received, self.consensus)
-        return (decoded, False) if projected is None else (projected, True)
+    def opposition(self, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool) -> str | None:
+        """A sentence when the update points against the round's consensus (negative inner product), else None.
+
+        The consensus counts the update itself (``in_vote``: it is in the first vote's sum; else it is
+        added), so an update is rejected only when the others pull the other way more than it pulls its
+        own: an honest update of noise alone (nearly orthogonal to the others) always passes, a sign-flipped
+        honest one does as soon as the honest updates agree (cosine above ``1 / (n - 1)`` between them).
+        """
+        if not self.rules.reject_opposing or not self.consensus:
+            return None
+        cosine = consensus_cosine(float_update(decoded, received), self.consensus, include_self=not in_vote)
+        if cosine is None or cosine >= 0:
+            return None
+        return f"its update points against the round's consensus (cosine {cosine:.3g})"
 
     # ------------------------------------------------------------------ weights
     def screen_weights(self, records: Mapping[int, MetricRecord], kind: str) -> dict[int, str]:

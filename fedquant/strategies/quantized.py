@@ -419,10 +419,11 @@ class QuantizedStrategy(Strategy):
             traffic.clipped_reasons += clipped
             return decoded
 
-        def accept(node_id: int, decoded: DecodedReply) -> None:
-            decoded, turned = self.bounds.align(decoded, plan.received(node_id))
-            if turned:
-                traffic.clipped_reasons.append(REASON_DIRECTION)
+        def accept(node_id: int, decoded: DecodedReply, in_vote: bool) -> None:
+            problem = self.bounds.opposition(decoded, plan.received(node_id), in_vote)
+            if problem is not None:
+                self._reject(server_round, node_id, (REASON_DIRECTION, problem), traffic)
+                return
             reply = by_node[node_id]
             if needs_side:
                 side.add(decoded.updates)
@@ -450,7 +451,7 @@ class QuantizedStrategy(Strategy):
                 if not admitted_before:
                     pending.append((node_id, decoded))
                 elif (judged := judge(node_id, decoded, reference)) is not None:
-                    accept(node_id, judged)
+                    accept(node_id, judged, in_vote=False)
             if not pending:
                 continue
             norms = [d.update_norm for _, d in pending]
@@ -459,7 +460,7 @@ class QuantizedStrategy(Strategy):
             judged = [(n, d) for n, d in ((n, judge(n, d, group_reference)) for n, d in pending) if d is not None]
             self.bounds.set_consensus([d for _, d in judged], [plan.received(n) for n, _ in judged])
             for node_id, decoded in judged:
-                accept(node_id, decoded)
+                accept(node_id, decoded, in_vote=True)
         self.bounds.end_round(traffic.update_norms)
         traffic.decode_seconds = time.perf_counter() - start
         return accepted, schema

@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, _check_plain_entry
@@ -158,32 +157,21 @@ def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> d
     return out
 
 
-def remove_opposing(
-    decoded: DecodedReply, received: Mapping[str, np.ndarray], direction: Mapping[str, np.ndarray]
-) -> DecodedReply | None:
-    """The reply without the component of its update opposite ``direction``; None when it has none.
-
-    ``update - (update . d / |d|^2) d`` for ``update . d < 0``: what remains is orthogonal to ``d``.
-    """
-    update = float_update(decoded, received)
-    keys = [k for k in update if k in direction and direction[k].shape == update[k].shape]
-    dot = sum(float(np.dot(update[k].ravel(), direction[k].ravel().astype(np.float64))) for k in keys)
-    square = sum(float(np.dot(direction[k].ravel(), direction[k].ravel().astype(np.float64))) for k in keys)
-    if not dot < 0 or not square > 0:
+def consensus_cosine(
+    update: Mapping[str, np.ndarray], consensus: Mapping[str, np.ndarray], include_self: bool
+) -> float | None:
+    """Cosine between an update and the consensus (plus the update itself with ``include_self``), over
+    the entries both hold; None when either is zero."""
+    keys = [k for k in update if k in consensus and consensus[k].shape == update[k].shape]
+    dot = square = own = 0.0
+    for k in keys:
+        u = update[k].ravel().astype(np.float64)
+        c = consensus[k].ravel()
+        if include_self:
+            c = c + u
+        dot += float(np.dot(u, c))
+        square += float(np.dot(c, c))
+        own += float(np.dot(u, u))
+    if not (square > 0 and own > 0):
         return None
-    coef = dot / square
-    update = {k: (u.astype(np.float64) - coef * direction[k] if k in keys else u) for k, u in update.items()}
-    arrays: dict[str, Array] = {}
-    for name, array in decoded.arrays.items():
-        sent = received[name]
-        if name in keys:
-            value = sent.astype(np.float64) + update[name]
-            arrays[name] = Array(np.require(value.astype(sent.dtype), requirements="C"))
-        else:
-            arrays[name] = array
-    updates = {
-        name: torch.from_numpy(update[name].astype(np.float32)).reshape(u.shape) if name in keys else u
-        for name, u in decoded.updates.items()
-    }
-    norm = math.sqrt(sum(float(np.sum(np.square(u, dtype=np.float64))) for u in update.values()))
-    return DecodedReply(decoded.record_name, ArrayRecord(arrays), updates, norm)
+    return dot / math.sqrt(square * own)
