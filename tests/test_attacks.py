@@ -257,11 +257,14 @@ def test_a_sign_flipped_update_is_rejected():
 
 
 def test_sign_flips_are_rejected_up_to_a_minority_and_a_majority_sets_the_direction(flwr_log):
-    """4 of 10 sign flips (a minority) are all rejected; 6 of 10 (above) turn the consensus: the 4 honest
-    updates are rejected and the round warns, as expected without an honest majority."""
+    """4 of 10 sign flips (a minority) are all rejected; 5 of 10 (exactly half) cancel the consensus and
+    nobody is rejected (``rho (n - 2k + 1) > 1`` cannot hold); 6 of 10 turn it: the 4 honest updates are
+    rejected and the round warns, as expected without an honest majority."""
     minority = {101, 102, 103, 104}
     _, metrics = _round(_wrap(), tamper=_scaled(minority, -1.0))
     assert metrics["rejected-direction"] == 4 and metrics["rejected-replies"] == 4
+    _, metrics = _round(_wrap(), tamper=_scaled(minority | {105}, -1.0))
+    assert metrics["rejected-direction"] == 0
     majority = {101, 102, 103, 104, 105, 106}
     _, metrics = _round(_wrap(), tamper=_scaled(majority, -1.0))
     assert metrics["rejected-direction"] == 4 and metrics["rejected-replies"] == 4

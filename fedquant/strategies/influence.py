@@ -163,17 +163,19 @@ class InfluenceBounds:
         self.consensus = total
 
     def opposition(self, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool) -> str | None:
-        """A sentence when the update points against the round's consensus (negative inner product), else None.
+        """A sentence when the update points against the round's consensus (cosine below
+        ``-opposing_margin``), else None.
 
         The consensus counts the update itself (``in_vote``: it is in the first vote's sum; else it is
         added), so an update is rejected only when the others pull the other way more than it pulls its
-        own: an honest update of noise alone (nearly orthogonal to the others) always passes, a sign-flipped
-        honest one does as soon as the honest updates agree (cosine above ``1 / (n - 1)`` between them).
+        own: an honest update of noise alone (nearly orthogonal to the others) passes, a sign-flipped
+        honest one is rejected once the honest updates agree (cosine above ``1 / (n - 1)`` between them,
+        plus the margin).
         """
         if not self.rules.reject_opposing or not self.consensus:
             return None
         cosine = consensus_cosine(float_update(decoded, received), self.consensus, include_self=not in_vote)
-        if cosine is None or cosine >= 0:
+        if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"
 
