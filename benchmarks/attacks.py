@@ -44,8 +44,8 @@ the codec's randomness, not the data nor the initial model). Gate: every attack 
 bound-riding ones, with one attacker, must leave the FedAvg model within FedAvg's honest spread.
 
 Run: ``python -m benchmarks.attacks`` (a distance/accuracy run, not a timing: no bench lock; about
-30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few minutes); ``--honest``
-prints the honest clients' rejections and clippings per reason on IID and Dirichlet (0.5)
+30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few
+minutes); ``--honest`` prints the honest clients' rejections and clippings per reason on IID and Dirichlet (0.5)
 partitions instead. Exits 1 when the gate is missed or any run raised.
 """
 
