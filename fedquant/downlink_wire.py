@@ -94,5 +94,5 @@ def rebuild_model(wire: ArrayRecord, base: ArrayRecord | None, codec: Codec, see
                 value = (ref.astype(np.float32, copy=False) + delta).astype(ref.dtype, copy=False)
         except ValueError as err:  # PayloadError is a ValueError
             raise DownlinkError(f"downlink tensor '{name}': {err}") from err
-        out[name] = Array(np.ascontiguousarray(value))
+        out[name] = Array(np.require(value, requirements="C"))  # keeps 0-d shapes
     return ArrayRecord(out)

@@ -40,9 +40,10 @@ Client -> server (the reply):
   server sent, which the server knows, so a client cannot choose it.
 * The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of the
   decoded update over all encoded elements, as the client measures it; absent for codecs that
-  need decoder side information) and ``fedquant.encode-seconds``. The server removes them before
-  the inner strategy sees the reply and reports their means as ``quantization-mse`` and
-  ``encode-seconds``.
+  need decoder side information) and ``fedquant.encode-seconds``; ``fedquant.state-resets``
+  (tensors whose error-feedback residual was not finite and was reset) when there were any. The
+  server removes them before the inner strategy sees the reply and reports bounded means as
+  ``quantization-mse`` and ``encode-seconds``, and ``client-state-resets``.
 
 Per tensor the codec's seed is ``derive_seed(client_seed, tensor_name)``.
 """
@@ -67,7 +68,8 @@ KEY_TENSOR_CODECS = "fedquant.tensor-codecs"
 
 METRIC_CLIENT_MSE = "fedquant.quantization-mse"
 METRIC_CLIENT_ENCODE_SECONDS = "fedquant.encode-seconds"
-CLIENT_METRIC_KEYS = (METRIC_CLIENT_MSE, METRIC_CLIENT_ENCODE_SECONDS)
+METRIC_CLIENT_STATE_RESETS = "fedquant.state-resets"
+CLIENT_METRIC_KEYS = (METRIC_CLIENT_MSE, METRIC_CLIENT_ENCODE_SECONDS, METRIC_CLIENT_STATE_RESETS)
 # MetricRecord the mod creates when the ClientApp's reply has none; the server drops it again.
 CLIENT_METRICRECORD_NAME = "fedquant"
 

@@ -141,8 +141,8 @@ def test_two_metric_records_reject_that_reply():
 
 def test_weight_cap_is_configurable_and_each_rule_can_be_off():
     huge = _set_metric("num-examples", 1e15)
-    _, metrics = _round(_wrap(admission=AdmissionRules(max_weight=1e16)), huge)
-    assert metrics["rejected-replies"] == 0
+    _, metrics = _round(_wrap(admission=AdmissionRules(max_weight=1e16, weight_reject_factor=None)), huge)
+    assert metrics["rejected-replies"] == 0 and metrics["clipped-num-examples"] == 1
     _, metrics = _round(_wrap(admission=AdmissionRules(max_weight=50)), None)
     assert metrics["rejected-num-examples"] == NUM_NODES  # every client has 96 examples
     with pytest.raises(ValueError, match="norm_factor"):

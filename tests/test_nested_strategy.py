@@ -128,11 +128,21 @@ def test_group_split_fraction_at_least_one_and_deterministic():
     assert plan.groups(1, renamed) == ([n + 1000 for n in p1], [n + 1000 for n in p2])
     assert NestedDecodePlan(seed=3).groups(1, nodes) == (p1, p2)  # same seed and round, same split
     assert len({tuple(plan.groups(r, nodes)[0]) for r in range(1, 11)}) > 1  # roles rotate over rounds
-    assert len(NestedDecodePlan(p1_fraction=0.01).groups(1, nodes)[0]) == 1  # at least one P1
-    assert len(NestedDecodePlan(p1_fraction=0.25).groups(1, nodes)[0]) == 2
+    assert len(NestedDecodePlan(p1_fraction=0.01).groups(1, nodes)[0]) == 3  # at least min_p1 = 3
+    assert len(NestedDecodePlan(p1_fraction=0.01, min_p1=1).groups(1, nodes)[0]) == 1
+    assert len(NestedDecodePlan(p1_fraction=0.25, min_p1=1).groups(1, nodes)[0]) == 2
+    assert len(NestedDecodePlan().groups(1, nodes[:4])[0]) == 3  # round(0.5 * 4) = 2 is raised to 3
     assert NestedDecodePlan(p1_fraction=1.0).groups(1, nodes) == (nodes, [])
     assert NestedDecodePlan().groups(1, [7]) == ([7], [])
-    bad_values = ({"p1_fraction": 0}, {"rho": 4}, {"rho": 1}, {"alpha": 0.0}, {"alpha": "best"}, {"initial_rho": 2})
+    bad_values = (
+        {"p1_fraction": 0},
+        {"min_p1": 0},
+        {"rho": 4},
+        {"rho": 1},
+        {"alpha": 0.0},
+        {"alpha": "best"},
+        {"initial_rho": 2},
+    )
     for bad in (*bad_values, {"min_numel": 0}, {"rule": "fastest"}):
         with pytest.raises(ValueError):
             NestedDecodePlan(**bad)
@@ -408,7 +418,8 @@ def test_ndqsg_trains_the_fake_task_without_extra_arguments():
     result = strategy.start(grid, fakes.initial_arrays(), num_rounds=3)
     for server_round in (1, 2, 3):
         m = result.train_metrics_clientapp[server_round]
-        assert m["rejected-replies"] == 0 and m[METRIC_P1_DECODED] == 2 and m[METRIC_P2_DROPPED] == 0
+        # P1 holds min_p1 = 3 of the 4 clients (a group one attacker cannot outvote)
+        assert m["rejected-replies"] == 0 and m[METRIC_P1_DECODED] == 3 and m[METRIC_P2_DROPPED] == 0
     assert fakes.global_loss(result.arrays, 4) < 0.95 * fakes.global_loss(fakes.initial_arrays(), 4)
 
 

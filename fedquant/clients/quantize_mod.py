@@ -28,6 +28,7 @@ from fedquant.protocol import (
     KEY_TENSOR_CODECS,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
+    METRIC_CLIENT_STATE_RESETS,
     is_encoded,
     parse_tensor_codecs,
     payload_array,
@@ -77,7 +78,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     ``fedquant.encode-seconds``. With a codec that keeps client state (``ef+...``: error
     feedback) each tensor's state is kept in ``context.state`` (:mod:`fedquant.clients.state`)
     and the MSE is that of the codec on ``update + residual`` (the new residual), not against
-    the update alone. Updates are encoded on the client's GPU when it has one
+    the update alone; a stored residual that is not finite is dropped (the tensor starts afresh)
+    and counted in ``fedquant.state-resets``. Updates are encoded on the client's GPU when it has one
     (:func:`encode_device`).
 
     When the server compresses the model it sends (``QuantizedStrategy(downlink_codec=...)``),
@@ -130,7 +132,7 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     device = encode_device()
     out: dict[str, Array] = {}
     new_state: dict[str, dict[str, torch.Tensor]] = {}
-    sq_error, encoded_numel = 0.0, 0
+    sq_error, encoded_numel, state_resets = 0.0, 0, 0
     with kernel_threads():  # as many kernel threads as this client's torch uses
         for name, sent in received.items():
             numel = int(np.prod(sent.shape, dtype=np.int64))
@@ -141,13 +143,16 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
             old = sent.numpy()
             if new.shape != old.shape:
                 return _error(msg, f"{MOD_NAME}: '{name}' came back as {list(new.shape)}, received {list(old.shape)}")
-            update = torch.from_numpy(new.astype(np.float32) - old.astype(np.float32)).to(device)
+            # np.asarray: a 0-d difference is a NumPy scalar, which torch.from_numpy refuses.
+            update = torch.from_numpy(np.asarray(new.astype(np.float32) - old.astype(np.float32))).to(device)
             seed = tensor_seed(client_seed, name)
             tensor_codec = tensor_codecs.get(name, codec)
             residual = None
             if tensor_codec.stateful:
                 transforms = [t.name for t in tensor_codec.stateful_transforms]
                 previous = load_state(ctxt.state, name, old.shape, transforms)
+                if not all(bool(torch.isfinite(v).all()) for v in previous.values()):
+                    previous, state_resets = {}, state_resets + 1  # a NaN/Inf residual never recovers: start afresh
                 payload, new_state[name] = tensor_codec.encode_stateful(update, seed, previous)
                 residual = new_state[name].get(ErrorFeedback.name)
             else:
@@ -171,6 +176,8 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     if encoded_numel:
         metrics[METRIC_CLIENT_MSE] = sq_error / encoded_numel
     metrics[METRIC_CLIENT_ENCODE_SECONDS] = time.perf_counter() - start
+    if state_resets:
+        metrics[METRIC_CLIENT_STATE_RESETS] = state_resets
     if held_reference is not None:
         metrics[METRIC_DOWNLINK_REFERENCE] = held_reference
     return reply

@@ -53,4 +53,4 @@ def store_state(state: RecordDict, tensor_states: Mapping[str, Mapping[str, torc
     for tensor_name, per_transform in tensor_states.items():
         for transform, value in per_transform.items():
             value = value.detach().cpu().to(torch.float32).numpy()
-            record[state_entry(transform, tensor_name)] = Array(np.ascontiguousarray(value))
+            record[state_entry(transform, tensor_name)] = Array(np.require(value, requirements="C"))  # keeps 0-d

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from fedquant.codecs.coders.layout import decode_body, encode_body
+from fedquant.codecs.coders.layout import decode_body, encode_body, max_body_bytes
 from fedquant.codecs.quantizers.base import Quantizer
 from fedquant.codecs.transforms.base import StatefulTransform, Transform
 from fedquant.errors import PayloadError
 from fedquant.wire.body import BodyReader
-from fedquant.wire.payload import DTYPE_CODES, read_payload, write_payload
+from fedquant.wire.payload import DTYPE_CODES, Payload, read_payload, write_payload
 
 DEFAULT_MAX_NUMEL = 1 << 31
 #: Without an expected shape, a payload may declare this many elements whatever its size ...
@@ -283,26 +283,38 @@ class Codec:
             For any malformed, corrupted or mismatched payload, or one that decodes to NaN/Inf.
         """
         check_seed(seed)
-        p = read_payload(payload)
-        if p.codec_name != self.name:
-            raise PayloadError(f"payload holds codec '{p.codec_name}', this decoder is '{self.name}'")
-        if p.spec != self.wire_spec:
-            raise PayloadError(f"payload was encoded as '{p.spec}', this decoder expects '{self.wire_spec}'")
-        if shape is not None:
-            if tuple(shape) != p.shape:
-                raise PayloadError(f"payload declares shape {list(p.shape)}, expected {list(shape)}")
-        else:
-            # The nonzero dimensions, not the element count: shape (0, 2**63) holds no elements
-            # but no tensor can take it.
-            limit = numel_limit(memoryview(payload).nbytes) if max_numel is None else max_numel
-            bulk = math.prod(d for d in p.shape if d)
-            if bulk > limit:
+
+        def check_header(p: Payload) -> None:  # before the CRC: cheap rejections first
+            if p.codec_name != self.name:
+                raise PayloadError(f"payload holds codec '{p.codec_name}', this decoder is '{self.name}'")
+            if p.spec != self.wire_spec:
+                raise PayloadError(f"payload was encoded as '{p.spec}', this decoder expects '{self.wire_spec}'")
+            if shape is not None:
+                if tuple(shape) != p.shape:
+                    raise PayloadError(f"payload declares shape {list(p.shape)}, expected {list(shape)}")
+            else:
+                # The nonzero dimensions, not the element count: shape (0, 2**63) holds no elements
+                # but no tensor can take it.
+                limit = numel_limit(memoryview(payload).nbytes) if max_numel is None else max_numel
+                bulk = math.prod(d for d in p.shape if d)
+                if bulk > limit:
+                    raise PayloadError(
+                        f"payload declares shape {list(p.shape)}: its nonzero dimensions multiply to {bulk} "
+                        f"elements, more than the {limit} allowed"
+                    )
+            if dtype is not None and dtype != p.dtype:
+                raise PayloadError(f"payload declares dtype {p.dtype}, expected {dtype}")
+            size = p.numel
+            for t in self.wire_transforms:
+                size = t.output_numel(size)
+            bound = max_body_bytes(self.quantizer, size)
+            if p.body.nbytes > bound:
                 raise PayloadError(
-                    f"payload declares shape {list(p.shape)}: its nonzero dimensions multiply to {bulk} elements, "
-                    f"more than the {limit} allowed"
+                    f"{self.name} payload body holds {p.body.nbytes} bytes, more than the {bound} that "
+                    f"{p.numel} elements can need"
                 )
-        if dtype is not None and dtype != p.dtype:
-            raise PayloadError(f"payload declares dtype {p.dtype}, expected {dtype}")
+
+        p = read_payload(payload, check_header)
         numel = p.numel
         side = None
         if side_info is not None:

@@ -22,16 +22,26 @@ MetricRecord:
 ``downlink-mse``             mean over messages of the mean squared error of the model a client
                              rebuilds against the server's model (0.0 without a downlink codec)
 ``cumulative-uplink-bytes``  running sum of ``uplink-bytes`` over this strategy's rounds
-``quantization-mse``         mean over accepted replies of the clients' own MSE measurement
-                             (absent when no client measured it)
+``quantization-mse``         mean over accepted replies of the clients' own MSE measurement, clamped
+                             into the window of their values (:mod:`fedquant.metrics.robust`) so
+                             a few clients cannot move it; negative or non-finite reports are
+                             ignored (absent when no client measured it)
 ``rejected-replies``         replies dropped from the aggregate
 ``rejected-<reason>``        of those, the ones dropped for each reason of
                              :mod:`fedquant.strategies.admission` (every reason, 0 when none)
+``rejected-share``           ``rejected-replies`` over the replies that carried content (0.0 without)
+``admission-warnings``       warnings the round logged: it rejected ``warn_rejected_share`` or more
+                             of its replies, or its update norms split into two groups more than
+                             ``norm_factor`` apart (the norm rule cannot tell which one is honest)
+``clipped-<reason>``         replies kept with a clipped weight (``num-examples``), update norm
+                             (``update-norm``) or integer change (``non-float``)
+``client-state-resets``      accepted replies whose client reset a non-finite error-feedback residual
 ``update-norm-median``       median L2 norm of the accepted decoded updates, and
 ``update-norm-max-ratio``    the largest of them over that median: the headroom under the
                              admission rule's ``norm_factor`` (absent without accepted replies)
 ``simulated-upload-seconds`` only with ``uplink_bandwidth``: max over replies of bytes / bandwidth
-``encode-seconds``           mean client encode time (mod), ``decode-seconds`` server decode time
+``encode-seconds``           mean client encode time (mod; bounded as ``quantization-mse``),
+                             ``decode-seconds`` server decode time
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ from functools import lru_cache
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
+from fedquant.metrics.robust import bounded_mean
+
 # Exact metric keys the strategy adds to the train MetricRecord (see DESIGN.md).
 UPLINK_BYTES = "uplink-bytes"
 UPLINK_BYTES_DENSE = "uplink-bytes-dense"
@@ -57,6 +69,9 @@ DOWNLINK_MSE = "downlink-mse"
 CUMULATIVE_UPLINK_BYTES = "cumulative-uplink-bytes"
 QUANTIZATION_MSE = "quantization-mse"
 REJECTED_REPLIES = "rejected-replies"
+REJECTED_SHARE = "rejected-share"
+ADMISSION_WARNINGS = "admission-warnings"
+CLIENT_STATE_RESETS = "client-state-resets"
 SIMULATED_UPLOAD_SECONDS = "simulated-upload-seconds"
 ENCODE_SECONDS = "encode-seconds"
 DECODE_SECONDS = "decode-seconds"
@@ -67,6 +82,11 @@ UPDATE_NORM_MAX_RATIO = "update-norm-max-ratio"
 def rejected_reason_key(reason: str) -> str:
     """The per-round metric that counts the replies dropped for ``reason``."""
     return f"rejected-{reason}"
+
+
+def clipped_reason_key(reason: str) -> str:
+    """The per-round metric that counts the replies kept with a value clipped for ``reason``."""
+    return f"clipped-{reason}"
 
 
 def content_bytes(content: RecordDict) -> int:
@@ -124,10 +144,18 @@ class RoundTraffic:
         The same replies as float32 ArrayRecords.
     params : int
         Parameters in those replies (one model per reply).
+    replies : int
+        Replies that carried content.
     rejected_reasons : list of str
         One reason (see :mod:`fedquant.strategies.admission`) per reply dropped from the aggregate.
+    clipped_reasons : list of str
+        One reason per clipping of a reply kept in the aggregate.
     client_mse, client_encode_seconds : list of float
-        What accepted replies reported.
+        What accepted replies reported (each checked finite and >= 0).
+    client_state_resets : int
+        Accepted replies whose client reset its error-feedback state.
+    admission_warnings : int
+        Warnings the admission rules logged this round.
     update_norms : list of float
         L2 norms of the accepted decoded updates.
     upload_seconds : list of float
@@ -141,7 +169,11 @@ class RoundTraffic:
     uplink_bytes: int = 0
     dense_bytes: int = 0
     params: int = 0
+    replies: int = 0
     rejected_reasons: list[str] = field(default_factory=list)
+    clipped_reasons: list[str] = field(default_factory=list)
+    client_state_resets: int = 0
+    admission_warnings: int = 0
     decode_seconds: float = 0.0
     client_mse: list[float] = field(default_factory=list)
     client_encode_seconds: list[float] = field(default_factory=list)
@@ -153,15 +185,23 @@ class RoundTraffic:
         self.uplink_bytes += reply_bytes
         self.dense_bytes += dense_bytes
         self.params += params
+        self.replies += 1
 
     def metrics(
-        self, cumulative_uplink_bytes: int, with_upload_seconds: bool, reasons: Iterable[str] = ()
+        self,
+        cumulative_uplink_bytes: int,
+        with_upload_seconds: bool,
+        reasons: Iterable[str] = (),
+        clip_reasons: Iterable[str] = (),
+        trim: float = 0.0,
     ) -> dict[str, int | float]:
-        """The round's metrics under their exact keys; ``rejected-<reason>`` for each of ``reasons``.
+        """The round's metrics under their exact keys; ``rejected-<reason>`` / ``clipped-<reason>`` for each reason.
 
         ``compression-ratio`` and ``bits-per-param`` are 0.0 in a round without replies;
         ``quantization-mse`` and ``encode-seconds`` are left out when no accepted reply reported
-        them (codecs that need side information cannot measure their error on the client).
+        them (codecs that need side information cannot measure their error on the client); both
+        are means clamped into the window of the clients' values (``trim``, see
+        :mod:`fedquant.metrics.robust`).
         """
         out: dict[str, int | float] = {
             UPLINK_BYTES: self.uplink_bytes,
@@ -177,12 +217,16 @@ class RoundTraffic:
             CUMULATIVE_UPLINK_BYTES: cumulative_uplink_bytes,
             REJECTED_REPLIES: len(self.rejected_reasons),
             **{rejected_reason_key(reason): self.rejected_reasons.count(reason) for reason in reasons},
+            REJECTED_SHARE: len(self.rejected_reasons) / self.replies if self.replies else 0.0,
+            **{clipped_reason_key(reason): self.clipped_reasons.count(reason) for reason in clip_reasons},
+            CLIENT_STATE_RESETS: self.client_state_resets,
+            ADMISSION_WARNINGS: self.admission_warnings,
             DECODE_SECONDS: self.decode_seconds,
         }
         if self.client_mse:
-            out[QUANTIZATION_MSE] = float(np.mean(self.client_mse))
+            out[QUANTIZATION_MSE] = bounded_mean(self.client_mse, trim)
         if self.client_encode_seconds:
-            out[ENCODE_SECONDS] = float(np.mean(self.client_encode_seconds))
+            out[ENCODE_SECONDS] = bounded_mean(self.client_encode_seconds, trim)
         if self.update_norms:
             median = float(np.median(self.update_norms))
             out[UPDATE_NORM_MEDIAN] = median

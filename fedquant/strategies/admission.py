@@ -1,95 +1,180 @@
-"""Admission rules: which untrusted replies the server lets into the aggregate.
+"""Admission rules: which untrusted replies the server lets into the aggregate, and with what influence.
 
 A reply that decodes is still untrusted: its metrics steer the weighted average and its update,
 valid bytes and all, can be of any size. :class:`AdmissionRules` holds the checks
 :class:`~fedquant.strategies.QuantizedStrategy` applies to every reply, train and evaluate, on
 top of the payload checks of the codecs. Every rule is on by default and each can be switched
-off on its own.
+off on its own. A rule either **rejects** a reply (it is dropped alone, the round goes on) or
+**clips** it (it stays, with a smaller weight or update).
 
-===================  ================================================================  =========
+===================  ================================================================  =====================
 reason               rule                                                               switch
-===================  ================================================================  =========
+===================  ================================================================  =====================
 ``duplicate-node``   two or more replies name the same source node: all of them are    ``reject_duplicates``
                      dropped (none can be told apart from a forged copy)
-``unexpected-node``  a reply from a node that was not sent a train message this round   always on
-``metrics``          the reply does not hold exactly one MetricRecord, its keys differ   ``consistent_metrics``,
-                     from those most of its peers send, or a value is NaN/Inf           ``finite_metrics``
+``unexpected-node``  a reply from a node that was not sent a message this round         always on
+``metrics``          not exactly one MetricRecord; a key set other than the round's     ``consistent_metrics``,
+                     (:mod:`~fedquant.strategies.metric_screen`); a value of another    ``finite_metrics``
+                     type than its key carries in the round; NaN/Inf
 ``num-examples``     the weight (``num-examples``, or the inner strategy's              ``check_weight``,
-                     ``weighted_by_key``) is missing, a list, not finite, <= 0, or      ``max_weight``
-                     above ``max_weight``
+                     ``weighted_by_key``) is missing, a list, not finite, <= 0, above   ``max_weight``,
+                     ``max_weight`` or ``weight_reject_factor`` x the round's           ``weight_reject_factor``
+                     reference weight; **clipped** to ``weight_factor`` x the           ``weight_factor``,
+                     reference and to a ``max_weight_share`` of the round's total       ``max_weight_share``
 ``payload``          the payload or the arrays do not decode (see the codecs)           always on
-``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` times the     ``norm_factor``,
-                     median norm of the round's decoded updates, or ``max_update_norm``  ``max_update_norm``
+``non-float``        a bool entry differs from the round's majority (or, without one,   ``check_non_float``
+                     from what was sent); integer entries follow the update-norm rule
+                     against their own reference
+``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` x the         ``norm_factor``,
+                     reference norm, or ``max_update_norm``; **clipped** to             ``max_update_norm``,
+                     ``clip_factor`` x the reference above that                         ``clip_factor``
+``direction``        the update points against the round's consensus: its cosine with   ``reject_opposing``,
+                     the sum of the first vote's updates (itself included) is below     ``opposing_margin``
+                     ``-opposing_margin``
 ``decode-plan``      the decode plan refused the reply (e.g. NDQSG's second group       always on
                      with no first-group reply to decode against)
-===================  ================================================================  =========
+===================  ================================================================  =====================
 
-Rejected replies are dropped alone (the round goes on with the others), logged with the node id
-and the reason, counted in ``rejected-replies`` and, per reason, in ``rejected-<reason>``.
+Rejected replies are logged with the node id and the reason, counted in ``rejected-replies`` and,
+per reason, in ``rejected-<reason>``; clipped ones in ``clipped-<reason>``.
 
-Why the norm rule rejects rather than clips: an update ``norm_factor`` times larger than the
-round's median is not what honest training of the same model from the same starting point
-produces; clipping it would still let its sender push the model by ``norm_factor`` median norms
-in a direction of its choice every round, while dropping it costs one reply. (To bound every
-client's influence by clipping, wrap the inner strategy in Flower's
-``DifferentialPrivacyServerSideFixedClipping``, which works under this wrapper.) The median
-needs an honest majority of the round's decoded replies: with one or two replies it cannot tell
-which one is off, so give ``max_update_norm`` an absolute bound where that matters.
+**References a minority cannot move.** Relative bounds are multiples of a reference
+(:class:`MedianReference`): the median of this round's values (the norms of the replies decoded
+so far, across decode groups), the values admitted in the previous round, and the previous
+round's reference, which breaks ties. It stays within the range of honest values as long as
+attackers hold at most half of that pool, so in a round where the same clients attack every
+round, at most half of the round's replies (5 of 10; the first round has no history, there a
+strict minority). Above that the median is theirs: a majority of zero updates gets every honest
+update rejected, a majority of large ones raises the bound (a warning and ``rejected-share`` tell
+the user when a round rejects much).
+
+**One client's influence on a FedAvg round.** After the rules, a reply's weight share is at most
+``s = min(max_weight_share, f w / (f w + W))`` (``f = weight_factor``, ``w`` the reference weight,
+``W`` the other replies' total) and its update norm at most ``c x r`` (``c = clip_factor``, ``r``
+the reference norm). Its term in the weighted mean of updates is then at most ``s c r``; with
+``n`` equal honest weights ``s = f / (f + n - 1)``: 3/12 = 0.25 for ``n = 10``, so one client adds
+at most ``0.25 x 2 = 0.5`` reference norms, in any direction, per round (see
+``docs/threat-model.md``).
+
+Why clip between ``clip_factor`` and ``norm_factor`` and reject above: an update 10 x the median is
+not what honest training produces (rejecting it costs one reply), one 2-10 x the median may be an
+honest client with more data or steeper loss; clipping it keeps its direction and bounds what a
+liar gains by claiming it. For a stricter, weight-free bound on every client, wrap the inner
+strategy in Flower's ``DifferentialPrivacyServerSideFixedClipping``, which works under this wrapper.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 from flwr.app import MetricRecord, RecordDict
+
+from fedquant.metrics.robust import describe, finite
 
 REASON_DUPLICATE = "duplicate-node"
 REASON_UNEXPECTED = "unexpected-node"
 REASON_METRICS = "metrics"
 REASON_WEIGHT = "num-examples"
 REASON_PAYLOAD = "payload"
+REASON_NON_FLOAT = "non-float"
 REASON_NORM = "update-norm"
 REASON_PLAN = "decode-plan"
+REASON_DIRECTION = "direction"
 REASONS = (
     REASON_DUPLICATE,
     REASON_UNEXPECTED,
     REASON_METRICS,
     REASON_WEIGHT,
     REASON_PAYLOAD,
+    REASON_NON_FLOAT,
     REASON_NORM,
     REASON_PLAN,
+    REASON_DIRECTION,
 )
+#: The reasons a reply can be clipped for (it stays in the aggregate).
+CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_NORM)
 DEFAULT_WEIGHT_KEY = "num-examples"
+
+
+def _positive(name: str, value: object, minimum: float = 0.0, inclusive: bool = False) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= minimum if inclusive else value > minimum)
+    if not ok:
+        bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+        raise ValueError(f"{name} must be a finite number {bound} or None, got {value!r}")
 
 
 @dataclass(frozen=True)
 class AdmissionRules:
-    """The checks every reply must pass before it reaches the wrapped strategy.
+    """The checks every reply must pass before it reaches the wrapped strategy, and its bounds.
 
     Parameters
     ----------
     reject_duplicates : bool
         Drop every reply of a node that replied more than once in a round (default True).
     consistent_metrics : bool
-        A reply must carry exactly one MetricRecord with the key set most of the round's replies
-        carry (ties go to the set that holds the weight key, then the larger set); others are
-        dropped alone, where Flower's strategies would abort the whole round (default True).
+        Every reply must carry exactly one MetricRecord with the round's key set (the set a strict
+        majority of replies carry; without one, ``metric_keys`` and the weight key) and values of
+        the type each key carries in the round; odd replies are dropped alone, where Flower's
+        strategies would abort the round or raise (default True).
     finite_metrics : bool
         Drop replies with a NaN or Inf metric value (default True).
     check_weight : bool
         The weight metric (``num-examples`` or the inner strategy's ``weighted_by_key``) must be
         present, a single finite number and > 0 (default True).
     max_weight : float or None
-        Largest accepted weight (default 1e9 examples); None for no cap. A client can still claim
-        any weight up to it: with a weighted mean that buys it up to all of the aggregate's
-        weight (within the norm bound); strategies that ignore weights (FedMedian, Krum) don't.
+        Largest accepted weight (default 1e9 examples); None for no cap. The relative bounds
+        below are what limits a client's share of the aggregate.
+    weight_factor : float or None
+        Clip a weight to this multiple of the round's reference weight (default 3); None: off.
+    weight_reject_factor : float or None
+        Drop a reply whose weight exceeds this multiple of the reference weight (default 10): a
+        claim that large is not a client of this federation; clipping it would still hand it
+        ``weight_factor`` times a typical share. None: off.
+    max_weight_share : float or None
+        Clip weights so that no reply holds more than this share of the round's total (default
+        0.5: no single reply outweighs all others); None: off. With ``n`` replies a share below
+        ``1 / n`` is met by equal weights.
     norm_factor : float or None
-        Drop a decoded update whose L2 norm exceeds ``norm_factor`` times the median L2 norm of
-        the round's decoded updates (default 10); None switches the rule off.
+        Drop a decoded update whose L2 norm exceeds this multiple of the reference norm (default
+        10); None switches the rule off.
+    clip_factor : float or None
+        Scale down a decoded update whose L2 norm exceeds this multiple of the reference norm to
+        that norm (default 2; keeps its direction); None: off.
     max_update_norm : float or None
         Absolute bound on a decoded update's L2 norm (default None: none).
+    reject_opposing : bool
+        Drop an update whose cosine with the round's consensus is below ``-opposing_margin``
+        (default True). The consensus is the sum of the first vote's updates after the norm rule,
+        the update itself included, so a sign-flipped honest update is dropped while an honest one
+        of noise alone passes: an update is dropped only when the others pull against it more than
+        it pulls its own way.
+    opposing_margin : float
+        How far below zero the cosine must lie (default 0.05, in ``[0, 1)``): non-IID honest
+        updates nearly orthogonal to the round (cosine -0.004 seen on digits Dirichlet 0.5) pass.
+    check_non_float : bool
+        Bool entries must agree with the round's majority; integer entries are bounded by
+        ``norm_factor``/``clip_factor`` against their own reference (default True).
+    metric_keys : frozenset of str, optional
+        The metric keys clients send, declared (besides the weight key). They win when no key set
+        has a strict majority in a round; without them, the keys a strict majority carries do and
+        other keys are stripped, so exactly half of the clients cannot get the others rejected.
+    list_metrics : frozenset of str
+        Metric keys that may carry lists (default none: every metric must be a number).
+    max_list_length : int
+        Longest accepted list value (default 1024).
+    metric_trim : float
+        The aggregated value of each client metric is kept within the range of the round's
+        values without the ``max(1, floor(metric_trim x n))`` lowest and highest (``n >= 3``), so
+        that many clients cannot move it beyond the honest range (default 0.25).
+    warn_rejected_share : float
+        Log a warning when a round rejects at least this share of its replies (default 0.3); the
+        share is reported as ``rejected-share`` every round.
 
     Examples
     --------
@@ -101,18 +186,52 @@ class AdmissionRules:
     finite_metrics: bool = True
     check_weight: bool = True
     max_weight: float | None = 1e9
+    weight_factor: float | None = 3.0
+    weight_reject_factor: float | None = 10.0
+    max_weight_share: float | None = 0.5
     norm_factor: float | None = 10.0
+    clip_factor: float | None = 2.0
     max_update_norm: float | None = None
+    reject_opposing: bool = True
+    opposing_margin: float = 0.05
+    check_non_float: bool = True
+    metric_keys: frozenset[str] | None = None
+    list_metrics: frozenset[str] = field(default_factory=frozenset)
+    max_list_length: int = 1024
+    metric_trim: float = 0.25
+    warn_rejected_share: float = 0.3
 
     def __post_init__(self) -> None:
-        for name in ("max_weight", "norm_factor", "max_update_norm"):
+        names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
+        for name in names:
+            _positive(name, getattr(self, name))
+        for name in ("norm_factor", "weight_factor", "weight_reject_factor", "clip_factor"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (a multiple of the reference), got {value!r}")
+        if self.max_weight_share is not None:
+            _positive("max_weight_share", self.max_weight_share)
+            if self.max_weight_share > 1:
+                raise ValueError(f"max_weight_share must be in (0, 1], got {self.max_weight_share!r}")
+        _positive("metric_trim", self.metric_trim, inclusive=True)
+        if not 0 <= self.opposing_margin < 1:
+            raise ValueError(f"opposing_margin must be in [0, 1), got {self.opposing_margin!r}")
+        if self.metric_trim >= 0.5:
+            raise ValueError(f"metric_trim must be in [0, 0.5), got {self.metric_trim!r}")
+        _positive("warn_rejected_share", self.warn_rejected_share)
+        if (
+            isinstance(self.max_list_length, bool)
+            or not isinstance(self.max_list_length, int)
+            or self.max_list_length < 0
+        ):
+            raise ValueError(f"max_list_length must be an int >= 0, got {self.max_list_length!r}")
+        for name in ("metric_keys", "list_metrics"):
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
-        if self.norm_factor is not None and self.norm_factor < 1:
-            raise ValueError(f"norm_factor must be >= 1 (a multiple of the median norm), got {self.norm_factor!r}")
+            if isinstance(value, str) or not all(isinstance(k, str) for k in value):
+                raise ValueError(f"{name} must be a set of metric key strings, got {value!r}")
+            object.__setattr__(self, name, frozenset(value))
 
     @classmethod
     def off(cls) -> AdmissionRules:
@@ -123,78 +242,141 @@ class AdmissionRules:
             finite_metrics=False,
             check_weight=False,
             max_weight=None,
+            weight_factor=None,
+            weight_reject_factor=None,
+            max_weight_share=None,
             norm_factor=None,
+            clip_factor=None,
+            check_non_float=False,
+            reject_opposing=False,
+            metric_trim=0.0,
         )
 
-    # ------------------------------------------------------------------ metrics
-    def consensus_keys(self, contents: Sequence[RecordDict], weight_key: str) -> frozenset[str] | None:
-        """The MetricRecord key set most replies carry (None when the rule is off or none has one)."""
-        if not self.consistent_metrics:
-            return None
-        counts: dict[frozenset[str], int] = {}
-        for content in contents:
-            record = single_metric_record(content)
-            if record is not None:
-                keys = frozenset(record.keys())
-                counts[keys] = counts.get(keys, 0) + 1
-        if not counts:
-            return None
-        return max(counts, key=lambda keys: (counts[keys], weight_key in keys, len(keys), sorted(keys)))
+    @property
+    def relative_norms(self) -> bool:
+        """Whether any rule compares norms with a reference."""
+        return self.norm_factor is not None or self.clip_factor is not None
 
-    def check_metrics(
-        self, content: RecordDict, weight_key: str, consensus: frozenset[str] | None
-    ) -> tuple[str, str] | None:
-        """``(reason, sentence)`` when the reply's metrics fail a rule, else None."""
-        record = single_metric_record(content)
-        if record is None:
-            if self.consistent_metrics or self.check_weight:
-                found = len(content.metric_records)
-                return REASON_METRICS, f"expected exactly one MetricRecord, found {found}"
+    # ------------------------------------------------------------------ weights
+    def weight_problem(self, value: object, weight_key: str) -> str | None:
+        """A sentence when a reply's weight is to be rejected, else None."""
+        if not self.check_weight:
             return None
-        if consensus is not None and frozenset(record.keys()) != consensus:
-            missing, extra = sorted(consensus - set(record.keys())), sorted(set(record.keys()) - consensus)
-            if weight_key in missing:
-                return REASON_WEIGHT, f"the MetricRecord has no '{weight_key}'"
-            return REASON_METRICS, f"MetricRecord keys differ from the round's: missing {missing}, extra {extra}"
-        if self.check_weight:
-            problem = self._weight_problem(record.get(weight_key), weight_key)
-            if problem is not None:
-                return REASON_WEIGHT, problem
-        if self.finite_metrics:
-            for key, value in record.items():
-                if not _all_finite(value):
-                    return REASON_METRICS, f"metric '{key}' is not finite"
-        return None
-
-    def _weight_problem(self, value: object, weight_key: str) -> str | None:
         if value is None:
             return f"the MetricRecord has no '{weight_key}'"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"'{weight_key}' must be a single number, got {type(value).__name__}"
-        if not math.isfinite(value) or value <= 0:
-            return f"'{weight_key}' must be a finite number > 0, got {value!r}"
+        if not finite(value) or value <= 0:
+            return f"'{weight_key}' must be a finite number > 0, got {describe(value)}"
         if self.max_weight is not None and value > self.max_weight:
-            return f"'{weight_key}' = {value!r} exceeds the cap of {self.max_weight:g}"
+            return f"'{weight_key}' = {describe(value)} exceeds the cap of {self.max_weight:g}"
         return None
+
+    def weight_outlier(self, value: float, reference: float | None, weight_key: str) -> str | None:
+        """A sentence when a weight exceeds ``weight_reject_factor`` x the reference, else None."""
+        factor = self.weight_reject_factor
+        if factor is None or reference is None or not reference > 0 or not value > factor * reference:
+            return None
+        return f"'{weight_key}' = {describe(value)} exceeds {factor:g} x the reference weight {reference:.4g}"
+
+    def bound_weights(self, weights: Sequence[float], reference: float | None) -> list[float]:
+        """The weights after ``weight_factor`` (against ``reference``) and ``max_weight_share``.
+
+        Weights only go down; a weight that was within both bounds is returned unchanged.
+        """
+        out = [float(w) for w in weights]
+        if self.weight_factor is not None and reference is not None and reference > 0:
+            cap = self.weight_factor * reference
+            out = [min(w, cap) for w in out]
+        if self.max_weight_share is not None and out:
+            out = cap_shares(out, self.max_weight_share)
+        return [w if w < float(orig) else orig for w, orig in zip(out, weights, strict=True)]
 
     # ------------------------------------------------------------------ update norms
-    def norm_reference(self, norms: Sequence[float]) -> float | None:
-        """The median of the given norms, the reference of ``norm_factor`` (None: rule off or no norms)."""
-        if self.norm_factor is None or not norms:
-            return None
-        ordered = sorted(norms)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+    def norm_verdict(self, norm: float, reference: float | None) -> tuple[str | None, float]:
+        """``(sentence, scale)``: a sentence when the update is to be rejected, else the factor to scale it by.
+
+        ``scale`` is 1.0 unless ``clip_factor`` clips the update to ``clip_factor x reference``.
+        """
+        if not math.isfinite(norm):
+            return "the update's L2 norm is not finite", 1.0
+        if self.max_update_norm is not None and norm > self.max_update_norm:
+            return f"update L2 norm {norm:.4g} exceeds max_update_norm {self.max_update_norm:.4g}", 1.0
+        if reference is None:
+            return None, 1.0
+        if self.norm_factor is not None and norm > self.norm_factor * reference:
+            return f"update L2 norm {norm:.4g} exceeds {self.norm_factor:g} x the reference norm {reference:.4g}", 1.0
+        if self.clip_factor is not None and norm > self.clip_factor * reference:
+            return None, self.clip_factor * reference / norm
+        return None, 1.0
 
     def check_norm(self, norm: float, reference: float | None) -> str | None:
-        """A sentence when an update of L2 norm ``norm`` is to be dropped, else None."""
-        if not math.isfinite(norm):
-            return "the update's L2 norm is not finite"
-        if self.max_update_norm is not None and norm > self.max_update_norm:
-            return f"update L2 norm {norm:.4g} exceeds max_update_norm {self.max_update_norm:.4g}"
-        if reference is not None and self.norm_factor is not None and norm > self.norm_factor * reference:
-            return f"update L2 norm {norm:.4g} exceeds {self.norm_factor:g} x the round's median norm {reference:.4g}"
-        return None
+        """A sentence when an update of L2 norm ``norm`` is to be dropped, else None (clipping aside)."""
+        return self.norm_verdict(norm, reference)[0]
+
+
+class MedianReference:
+    """A reference value (norm, weight) that a minority of the round cannot move.
+
+    :meth:`value` is the median of the given current values, the values admitted in the previous
+    round (:meth:`end_round`) and the previous round's reference. The previous reference breaks
+    ties: with exactly half of the pool from attackers, the median is still an honest value or the
+    previous reference. This is the one seam of the relative rules: a recalibrated rule replaces
+    this class (``QuantizedStrategy`` builds one per quantity).
+    """
+
+    def __init__(self) -> None:
+        self.previous: list[float] = []
+        self.tie_breaker: float | None = None
+
+    def __repr__(self) -> str:
+        return f"MedianReference(previous={len(self.previous)} values, tie_breaker={self.tie_breaker})"
+
+    def pool(self, current: Sequence[float]) -> list[float]:
+        """What the median is taken over."""
+        extra = [] if self.tie_breaker is None else [self.tie_breaker]
+        return [float(v) for v in current if math.isfinite(v)] + self.previous + extra
+
+    def value(self, current: Sequence[float]) -> float | None:
+        """The reference for this round given its ``current`` values (None without any value)."""
+        pool = self.pool(current)
+        return float(np.median(pool)) if pool else None
+
+    def end_round(self, admitted: Sequence[float]) -> None:
+        """Remember the values admitted this round (after clipping) for the next one."""
+        admitted = [float(v) for v in admitted if math.isfinite(v)]
+        if not admitted:
+            return
+        self.tie_breaker = self.value(admitted)
+        self.previous = admitted
+
+
+def cap_shares(weights: Sequence[float], share: float) -> list[float]:
+    """Lower the largest weights so none exceeds ``share`` of the total (water-filling).
+
+    The capped weights become equal to ``share x total`` of the new total; the others stay. With
+    ``share x n <= 1`` every weight becomes the smallest (equal shares).
+    """
+    n = len(weights)
+    if n == 0:
+        return []
+    if share * n <= 1:
+        low = min(weights)
+        return [low] * n
+    order = sorted(range(n), key=lambda i: -weights[i])
+    rest = float(sum(weights))
+    out = [float(w) for w in weights]
+    for capped in range(n):  # cap the `capped` largest weights at x = share * R / (1 - share * capped)
+        if capped:
+            rest -= weights[order[capped - 1]]
+        if share * capped >= 1:  # unreachable for share * n > 1; equal shares are the safe answer
+            break
+        x = share * rest / (1 - share * capped) if capped else share * rest
+        if weights[order[capped]] <= x * (1 + 1e-12):
+            for i in order[:capped]:
+                out[i] = x
+            return out
+    return [min(weights)] * n
 
 
 def single_metric_record(content: RecordDict) -> MetricRecord | None:
@@ -204,14 +386,14 @@ def single_metric_record(content: RecordDict) -> MetricRecord | None:
 
 
 def weight_key_of(strategy: object) -> str:
-    """The metric a strategy weights replies by (``weighted_by_key``, else ``num-examples``)."""
-    key = getattr(strategy, "weighted_by_key", None)
-    return key if isinstance(key, str) else DEFAULT_WEIGHT_KEY
+    """The metric a strategy weights replies by (``weighted_by_key``, else ``num-examples``).
 
-
-def _all_finite(value: object) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_all_finite(v) for v in value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return math.isfinite(value)
-    return True
+    Wrappers such as Flower's DP strategies hold the weighting strategy in ``.strategy``.
+    """
+    seen = 0
+    while strategy is not None and seen < 8:
+        key = getattr(strategy, "weighted_by_key", None)
+        if isinstance(key, str):
+            return key
+        strategy, seen = getattr(strategy, "strategy", None), seen + 1
+    return DEFAULT_WEIGHT_KEY

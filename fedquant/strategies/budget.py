@@ -14,9 +14,10 @@ codecs that need side information, whose parameters NDQSG's decode plan sets).
 
 Size model: the reply a setting produces for the current model, measured once per setting by
 encoding a seeded Gaussian update of the model's shapes (exact for fixed-width coding: payload
-sizes do not depend on the values), times a correction learned from the replies observed in the
-last ``window`` rounds (the largest observed/predicted ratio, so entropy-coded sizes are not
-under-estimated).
+sizes do not depend on the values), times a correction learned from the last ``window`` rounds:
+per round, the median observed/predicted ratio of the *admitted* replies of that setting (so a
+rejected reply, or a minority of admitted ones, cannot move it), and over the rounds the largest,
+so entropy-coded sizes are not under-estimated.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 
 import numpy as np
 import torch
@@ -186,8 +187,10 @@ class UploadBudget:
         ratios = self._ratios.get(codec.spec)
         return max(ratios) if ratios else 1.0
 
-    def observe(self, server_round: int, reply_bytes: Mapping[int, int]) -> dict[str, float]:
-        """Learn from the bytes of the replies that came back; the round's controller metrics.
+    def observe(
+        self, server_round: int, reply_bytes: Mapping[int, int], admitted: Container[int] | None = None
+    ) -> dict[str, float]:
+        """Learn from the bytes of the admitted replies; the round's controller metrics (over all replies).
 
         Parameters
         ----------
@@ -195,14 +198,19 @@ class UploadBudget:
             The round.
         reply_bytes : mapping of int to int
             Per replying node, the bytes its reply's ArrayRecords hold.
+        admitted : container of int, optional
+            The nodes whose replies the admission rules let in (default: all): only they teach
+            the size model, so a rejected reply of any size cannot coarsen everyone's setting.
         """
         chosen = self.chosen.pop(server_round, {})
         predicted = self._predicted.pop(server_round, {})
         coarsest = self._coarsest.pop(server_round, {})
+        observed: dict[str, list[float]] = {}
         for node_id, spec in chosen.items():
-            if node_id in reply_bytes and predicted.get(node_id):
-                ratios = self._ratios.setdefault(spec, deque(maxlen=self.window))
-                ratios.append(reply_bytes[node_id] / predicted[node_id])
+            if node_id in reply_bytes and predicted.get(node_id) and (admitted is None or node_id in admitted):
+                observed.setdefault(spec, []).append(reply_bytes[node_id] / predicted[node_id])
+        for spec, ratios in observed.items():  # one value per round and setting
+            self._ratios.setdefault(spec, deque(maxlen=self.window)).append(float(np.median(ratios)))
         values = [setting_value(self._ladder_codec(spec)) for spec in chosen.values()]
         metrics: dict[str, float] = {}
         if values:

@@ -163,7 +163,7 @@ class NestedDecodePlan(DecodePlan):
     ----------
     p1_fraction : float
         Fraction of the sampled clients in P1, in (0, 1]; ``round(p1_fraction * n)`` clients, at
-        least one (P1 provides the side information). Default 0.5 (the authors' ratio).
+        least ``min_p1`` (P1 provides the side information). Default 0.5 (the authors' ratio).
     rho : int, optional
         Fixed odd ``rho >= 3`` for every P2 tensor. None (default): chosen per tensor each round
         from the spread of the previous round's decoded P1 updates of that tensor (see the module
@@ -185,6 +185,11 @@ class NestedDecodePlan(DecodePlan):
     min_numel : int
         Tensors with fewer elements get no ``rho`` of their own (default 1024): they neither set
         nor share another tensor's ``rho`` and go with ``initial_rho``.
+    min_p1 : int
+        Fewest P1 clients when the round has that many (default 3). P1's updates become the side
+        information every P2 reply is decoded against, and P1's norms are judged by P1's own vote
+        (with the previous round's admitted norms): with 2 members one attacker is half the vote
+        and gets any update admitted. 3 is the smallest group a single attacker cannot outvote.
     rule : {"variance", "rate"}
         How each tensor's ``rho`` is chosen (:func:`~fedquant.codecs.quantizers.nested_rules.choose_parameters`):
         ``"variance"`` (default) keeps DQSG's error (wraps add at most ``max_excess``);
@@ -202,6 +207,7 @@ class NestedDecodePlan(DecodePlan):
         seed: int = 0,
         min_numel: int = DEFAULT_MIN_NUMEL,
         rule: str = "variance",
+        min_p1: int = 3,
     ) -> None:
         if not (isinstance(p1_fraction, (int, float)) and 0 < p1_fraction <= 1):
             raise ValueError(f"p1_fraction must be in (0, 1], got {p1_fraction!r}")
@@ -220,6 +226,8 @@ class NestedDecodePlan(DecodePlan):
             raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if isinstance(min_p1, bool) or not isinstance(min_p1, int) or min_p1 < 1:
+            raise ValueError(f"min_p1 must be a positive int, got {min_p1!r}")
         self.p1_fraction = float(p1_fraction)
         self.rho = rho
         self.alpha = alpha if alpha == "auto" else float(alpha)
@@ -228,6 +236,7 @@ class NestedDecodePlan(DecodePlan):
         self.seed = seed
         self.min_numel = min_numel
         self.rule = rule
+        self.min_p1 = min_p1
         self.estimates: dict[str, SpreadEstimate] = {}  # per tensor, from the latest P1 updates of it
         self._rounds: dict[int, _RoundState] = {}
 
@@ -269,7 +278,7 @@ class NestedDecodePlan(DecodePlan):
         nodes = list(node_ids)
         if not nodes:
             return [], []
-        n1 = min(len(nodes), max(1, round(self.p1_fraction * len(nodes))))
+        n1 = min(len(nodes), max(self.min_p1, round(self.p1_fraction * len(nodes))))
         order = np.random.default_rng(derive_seed(self.seed, server_round, "ndqsg-groups")).permutation(len(nodes))
         p1 = [nodes[i] for i in sorted(order[:n1])]
         chosen = set(p1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -16,14 +16,18 @@ from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
 from fedquant.metrics.bandwidth import (
+    ADMISSION_WARNINGS,
     REJECTED_REPLIES,
+    REJECTED_SHARE,
     RoundTraffic,
+    clipped_reason_key,
     content_bytes,
     dense_float32_bytes,
     record_numel,
 )
 from fedquant.metrics.history import EVALUATE_PREFIX, TRAIN_PREFIX, HistoryRecorder
 from fedquant.metrics.links import link_metrics, transfer_seconds
+from fedquant.metrics.robust import finite, is_number
 from fedquant.protocol import (
     CLIENT_METRICRECORD_NAME,
     DEFAULT_MIN_NUMEL,
@@ -34,17 +38,23 @@ from fedquant.protocol import (
     KEY_TENSOR_CODECS,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
+    METRIC_CLIENT_STATE_RESETS,
     tensor_codecs_entry,
 )
 from fedquant.rng import derive_seed
 from fedquant.strategies.admission import (
+    CLIP_REASONS,
+    REASON_DIRECTION,
     REASON_DUPLICATE,
+    REASON_NON_FLOAT,
     REASON_NORM,
     REASON_PAYLOAD,
     REASON_PLAN,
     REASON_UNEXPECTED,
+    REASON_WEIGHT,
     REASONS,
     AdmissionRules,
+    single_metric_record,
     weight_key_of,
 )
 from fedquant.strategies.budget import UploadBudget
@@ -56,7 +66,18 @@ from fedquant.strategies.decode_plan import (
     default_plan,
 )
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
+from fedquant.strategies.influence import InfluenceBounds
+from fedquant.strategies.metric_screen import (
+    MetricSchema,
+    check_record,
+    clamp_metrics,
+    conform,
+    vote_schema,
+)
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply
+from fedquant.strategies.update_bounds import (
+    restore_dtypes,
+)
 
 LOG_PREFIX = "QuantizedStrategy"
 
@@ -69,6 +90,8 @@ class _RoundPlan:
     seeds: dict[int, int]
     sent: dict[int, ArrayRecord]
     traffic: RoundTraffic
+    model: ArrayRecord | None = None  # the global model the inner strategy configured the round with
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)  # its dtypes
     received_numpy: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
     def received(self, node_id: int) -> dict[str, np.ndarray]:
@@ -87,14 +110,17 @@ class QuantizedStrategy(Strategy):
     client's ConfigRecord the codec spec, the client's seed for the round and the encoding
     threshold (keys in :mod:`fedquant.protocol`). In ``aggregate_train`` it checks and
     decodes every reply, rebuilds dense arrays ``received + decoded update``, hands those to the
-    wrapped strategy and adds the round's bandwidth metrics to its MetricRecord. Evaluation
-    passes through unchanged.
+    wrapped strategy and adds the round's bandwidth metrics to its MetricRecord. Evaluate messages
+    pass through unchanged; their replies go through the same admission rules.
 
     Every reply is untrusted. Replies that cannot be decoded (malformed, another codec or shape,
-    NaN/Inf, wrong keys) or that fail the admission rules (bad ``num-examples``, inconsistent or
-    non-finite metrics, an update norm far above the round's median, a node that replied twice;
-    see :class:`~fedquant.strategies.admission.AdmissionRules`) are dropped alone, with a logged
-    reason naming the node, and counted in ``rejected-replies`` and ``rejected-<reason>``;
+    NaN/Inf, wrong keys) or that fail the admission rules (bad ``num-examples`` or one far above
+    the round's, metrics of another key set or type than the round's, an update norm far above
+    the round's reference, odd integer or bool entries, a node that replied twice; see
+    :class:`~fedquant.strategies.admission.AdmissionRules`) are dropped alone, with a logged
+    reason naming the node, and counted in ``rejected-replies`` and ``rejected-<reason>``; weights
+    and update norms above the relative bounds are clipped (``clipped-<reason>``), and aggregated
+    client metrics are kept within the honest range (:mod:`fedquant.strategies.metric_screen`);
     replies that carry an error go to the wrapped strategy as they are (Flower's handling). If
     no reply survives, the round returns no arrays and the current model is kept.
 
@@ -129,11 +155,10 @@ class QuantizedStrategy(Strategy):
         Whether clients measure ``quantization-mse`` (default True). Measuring decodes every
         payload once more on the client, which costs about one decode per tensor per round.
     admission : AdmissionRules, optional
-        Which replies (train and evaluate) reach the wrapped strategy: finite positive
-        ``num-examples`` under a cap, consistent and finite metrics, update L2 norm within
-        10 x the round's median, no duplicate nodes (see
-        :mod:`fedquant.strategies.admission`). Default ``AdmissionRules()``: every rule on;
-        ``AdmissionRules.off()`` keeps only the payload checks.
+        Which replies (train and evaluate) reach the wrapped strategy, and with what weight and
+        update: weights and update norms bounded relative to the round, typed and finite
+        metrics, no duplicate nodes (see :mod:`fedquant.strategies.admission`). Default
+        ``AdmissionRules()``: every rule on; ``AdmissionRules.off()`` keeps only the payload checks.
     downlink_codec : str or Codec, optional
         Compress the model sent to clients too (default None: dense float arrays). A client that
         holds one of the last ``downlink_references`` models the server sent gets the difference
@@ -209,6 +234,8 @@ class QuantizedStrategy(Strategy):
         self.recorder = recorder
         self.client_mse = bool(client_mse)
         self.admission = AdmissionRules() if admission is None else admission
+        self._weight_key = weight_key_of(strategy)
+        self.bounds = InfluenceBounds(self.admission, self._weight_key)
         self.cumulative_uplink_bytes = 0
         self._rounds: dict[int, _RoundPlan] = {}
         self._evaluated: dict[int, set[int]] = {}
@@ -263,6 +290,8 @@ class QuantizedStrategy(Strategy):
         if self.budget is not None:
             assignments = self.budget.choose(server_round, assignments, arrays)
         plan = _RoundPlan(assignments=assignments, seeds={}, sent={}, traffic=RoundTraffic())
+        plan.model = arrays
+        plan.dtypes = {name: np.dtype(array.dtype) for name, array in arrays.items()}
         for message in messages:
             node_id = message.metadata.dst_node_id
             records = message.content.array_records
@@ -302,16 +331,36 @@ class QuantizedStrategy(Strategy):
         if plan is None:
             log(WARNING, "%s: round %s was not configured here; replies pass through", LOG_PREFIX, server_round)
             return self.strategy.aggregate_train(server_round, replies)
-        both_ways = self._link_metrics(server_round, replies, plan)
-        accepted = self._decode_replies(server_round, replies, plan)
-        survivors = [r for r in replies if r.has_error() or id(r) in accepted]
-        if any(not r.has_error() for r in survivors):
+        reply_bytes = {  # as they arrived: decoding replaces the payloads by dense arrays
+            r.metadata.src_node_id: content_bytes(r.content)
+            for r in replies
+            if not r.has_error() and r.metadata.src_node_id in plan.sent
+        }
+        accepted, schema = self._decode_replies(server_round, replies, plan)
+        admitted = [r for r in replies if id(r) in accepted]
+        both_ways = self._link_metrics(server_round, reply_bytes, plan, {r.metadata.src_node_id for r in admitted})
+        records = [single_metric_record(r.content) for r in admitted]
+        clipped = self.bounds.bound_weights(records, "train")
+        plan.traffic.clipped_reasons += [REASON_WEIGHT] * clipped
+        survivors = [r for r in replies if r.has_error()] + admitted
+        if admitted:
             arrays, metrics = self.strategy.aggregate_train(server_round, survivors)
+            arrays = restore_dtypes(arrays, plan.dtypes)
+            metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
         else:
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
             arrays, metrics = None, None
         self.cumulative_uplink_bytes += plan.traffic.uplink_bytes
-        own = plan.traffic.metrics(self.cumulative_uplink_bytes, self.uplink_bandwidth is not None, REASONS)
+        own = plan.traffic.metrics(
+            self.cumulative_uplink_bytes,
+            self.uplink_bandwidth is not None,
+            REASONS,
+            CLIP_REASONS,
+            self.admission.metric_trim,
+        )
+        plan.traffic.admission_warnings += self._warn_rejections(
+            server_round, "train", len(plan.traffic.rejected_reasons), plan.traffic.replies
+        )
         metrics = MetricRecord() if metrics is None else metrics
         for key, value in {**own, **both_ways, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
@@ -319,18 +368,21 @@ class QuantizedStrategy(Strategy):
             self.recorder.record(server_round, metrics, prefix=TRAIN_PREFIX)
         return arrays, metrics
 
-    def _decode_replies(self, server_round: int, replies: list[Message], plan: _RoundPlan) -> set[int]:
-        """Admit, decode and check every content reply; return the ids of the accepted replies.
+    def _decode_replies(
+        self, server_round: int, replies: list[Message], plan: _RoundPlan
+    ) -> tuple[set[int], MetricSchema | None]:
+        """Admit, decode and check every content reply; the ids of the accepted replies and the round's schema.
 
-        Replies go through :class:`~fedquant.strategies.admission.AdmissionRules` in three
-        steps: who sent it (unexpected and duplicate nodes), its metrics, then, after decoding,
-        its update norm. Decoding follows the plan's order in groups of equal ``rank``: the first
-        group's norms are checked against its own median once it is decoded, before any of it
-        becomes side information; later groups are checked one by one against the median of the
-        replies admitted before them, so an outlier never reaches the side information.
+        Replies go through :class:`~fedquant.strategies.admission.AdmissionRules` in steps,
+        cheapest first: who sent it (unexpected and duplicate nodes), its metrics, its integer
+        and bool entries, then, after decoding, its update norm (rejected or clipped against the
+        minority-proof reference of :class:`~fedquant.strategies.influence.InfluenceBounds`).
+        Decoding follows the plan's order; the replies decodable without side information vote
+        first (their norms are judged together once all are decoded, before any becomes side
+        information, :func:`_vote_groups`), the others are judged against the replies admitted
+        before them, so an outlier never reaches the side information.
         """
         traffic = plan.traffic
-        rules = self.admission
         content_replies = [r for r in replies if not r.has_error()]
         client_metrics = {id(r): _pop_client_metrics(r.content) for r in content_replies}
         bytes_of: dict[int, int] = {}
@@ -346,16 +398,32 @@ class QuantizedStrategy(Strategy):
             if self.uplink_bandwidth is not None and sent is not None:
                 traffic.upload_seconds.append(transfer_seconds(reply_bytes, self.uplink_bandwidth(node_id)))
             bytes_of.setdefault(node_id, reply_bytes)
-        by_node = {
-            r.metadata.src_node_id: r for r in self._screen(server_round, content_replies, plan.sent, "train", traffic)
-        }
+        screened, schema = self._screen(server_round, content_replies, plan.sent, "train", traffic)
+        by_node, clipped = self.bounds.screen_non_float(
+            {r.metadata.src_node_id: r for r in screened},
+            plan.received,
+            lambda node_id, problem: self._reject(server_round, node_id, problem, traffic),
+        )
+        traffic.clipped_reasons += [REASON_NON_FLOAT] * clipped
         arrival = list(by_node)
 
         accepted: set[int] = set()
         side = self.decode_plan.side_information()
         needs_side = any(a.needs_side_info for a in plan.assignments.values())
 
-        def accept(node_id: int, decoded: DecodedReply) -> None:
+        def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> DecodedReply | None:
+            problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
+            if problem is not None:
+                self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
+                return None
+            traffic.clipped_reasons += clipped
+            return decoded
+
+        def accept(node_id: int, decoded: DecodedReply, in_vote: bool) -> None:
+            problem = self.bounds.opposition(decoded, plan.received(node_id), in_vote)
+            if problem is not None:
+                self._reject(server_round, node_id, (REASON_DIRECTION, problem), traffic)
+                return
             reply = by_node[node_id]
             if needs_side:
                 side.add(decoded.updates)
@@ -365,28 +433,37 @@ class QuantizedStrategy(Strategy):
             )
             self.decode_plan.accepted(server_round, client)
             reply.content[decoded.record_name] = decoded.arrays
+            conform(single_metric_record(reply.content), schema)
             _add_client_metrics(client_metrics[id(reply)], traffic)
             accepted.add(id(reply))
 
         start = time.perf_counter()
+        self.bounds.start_round()
         order = self.decode_plan.decode_order(arrival, plan.assignments)
-        for group in _rank_groups(order, plan.assignments):
-            reference = rules.norm_reference(traffic.update_norms)
+        for group in _vote_groups(order, plan.assignments):
+            admitted_before = bool(traffic.update_norms)
+            reference = self.bounds.norm_reference(traffic.update_norms)
             pending: list[tuple[int, DecodedReply]] = []
             for node_id in group:
                 decoded = self._decode_one(server_round, node_id, by_node[node_id], plan, side)
                 if decoded is None:
                     continue
-                if reference is None:
+                if not admitted_before:
                     pending.append((node_id, decoded))
-                elif not self._norm_rejected(server_round, node_id, decoded, reference, traffic):
-                    accept(node_id, decoded)
-            group_reference = rules.norm_reference([d.update_norm for _, d in pending])
-            for node_id, decoded in pending:
-                if not self._norm_rejected(server_round, node_id, decoded, group_reference, traffic):
-                    accept(node_id, decoded)
+                elif (judged := judge(node_id, decoded, reference)) is not None:
+                    accept(node_id, judged, in_vote=False)
+            if not pending:
+                continue
+            norms = [d.update_norm for _, d in pending]
+            self._warn_norm_split(server_round, norms, traffic)
+            group_reference = self.bounds.norm_reference(norms)
+            judged = [(n, d) for n, d in ((n, judge(n, d, group_reference)) for n, d in pending) if d is not None]
+            self.bounds.set_consensus([d for _, d in judged], [plan.received(n) for n, _ in judged])
+            for node_id, decoded in judged:
+                accept(node_id, decoded, in_vote=True)
+        self.bounds.end_round(traffic.update_norms)
         traffic.decode_seconds = time.perf_counter() - start
-        return accepted
+        return accepted, schema
 
     def _screen(
         self,
@@ -395,18 +472,24 @@ class QuantizedStrategy(Strategy):
         expected: Container[int] | None,
         kind: str,
         traffic: RoundTraffic | None,
-    ) -> Iterator[Message]:
-        """Yield the replies whose sender and metrics pass the admission rules; reject the others.
+    ) -> tuple[list[Message], MetricSchema | None]:
+        """The replies whose sender and metrics pass the admission rules, and the round's metric schema.
 
         A reply from a node not in ``expected`` (None: any node) or from a node that replied more
-        than once is dropped, as is one whose MetricRecord fails :meth:`AdmissionRules.check_metrics`
-        against the key set most of the expected nodes' replies carry.
+        than once is dropped, as is one whose MetricRecord fails
+        :func:`~fedquant.strategies.metric_screen.check_record` against the schema the expected
+        nodes' replies vote (:func:`~fedquant.strategies.metric_screen.vote_schema`).
         """
-        rules, weight_key = self.admission, weight_key_of(self.strategy)
+        rules, weight_key = self.admission, self._weight_key
         copies = Counter(r.metadata.src_node_id for r in content_replies)
-        peers = [r.content for r in content_replies if expected is None or r.metadata.src_node_id in expected]
-        consensus = rules.consensus_keys(peers, weight_key)
+        peers = [
+            single_metric_record(r.content)
+            for r in content_replies
+            if (expected is None or r.metadata.src_node_id in expected) and copies[r.metadata.src_node_id] == 1
+        ]
+        schema = vote_schema(peers, weight_key, rules)
         seen: set[int] = set()
+        passed = []
         for reply in content_replies:
             node_id = reply.metadata.src_node_id
             if expected is not None and node_id not in expected:
@@ -414,12 +497,16 @@ class QuantizedStrategy(Strategy):
             elif node_id in seen or (rules.reject_duplicates and copies[node_id] > 1):
                 problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} {kind} replies this round")
             else:
-                problem = rules.check_metrics(reply.content, weight_key, consensus)
+                problem = check_record(single_metric_record(reply.content), schema, weight_key, rules)
             seen.add(node_id)
             if problem is None:
-                yield reply
+                passed.append(reply)
             else:
                 self._reject(server_round, node_id, problem, traffic)
+        outliers = self.bounds.screen_weights({id(r): single_metric_record(r.content) for r in passed}, kind)
+        for reply in [r for r in passed if id(r) in outliers]:
+            self._reject(server_round, reply.metadata.src_node_id, (REASON_WEIGHT, outliers[id(reply)]), traffic)
+        return [r for r in passed if id(r) not in outliers], schema
 
     def _decode_one(
         self, server_round: int, node_id: int, reply: Message, plan: _RoundPlan, side: SideInformation
@@ -444,13 +531,35 @@ class QuantizedStrategy(Strategy):
             self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
             return None
 
-    def _norm_rejected(
-        self, server_round: int, node_id: int, decoded: DecodedReply, reference: float | None, traffic: RoundTraffic
-    ) -> bool:
-        problem = self.admission.check_norm(decoded.update_norm, reference)
-        if problem is not None:
-            self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
-        return problem is not None
+    def _warn_norm_split(self, server_round: int, norms: list[float], traffic: RoundTraffic) -> None:
+        """A warning when a vote's update norms fall into two groups too far apart for the norm rule."""
+        split = self.bounds.norm_split(norms)
+        if split is None:
+            return
+        traffic.admission_warnings += 1
+        log(
+            WARNING,
+            "%s: round %s: the update norms split into two groups %.3g x apart; the norm rule cannot tell "
+            "which is honest (more than half of the vote may be attacking)",
+            LOG_PREFIX, server_round, split,
+        )  # fmt: skip
+
+    def _warn_rejections(self, server_round: int, kind: str, rejected: int, replies: int) -> int:
+        """A warning when admission rejected a large share of a round (``warn_rejected_share``); 1 if logged."""
+        if not replies or rejected < self.admission.warn_rejected_share * replies:
+            return 0
+        majority = " (a majority: more than half of the round may be attacking, or the rules do not fit it)"
+        log(
+            WARNING,
+            "%s: round %s: admission rejected %d of %d %s replies%s",
+            LOG_PREFIX,
+            server_round,
+            rejected,
+            replies,
+            kind,
+            majority if 2 * rejected > replies else "",
+        )
+        return 1
 
     def _send_model(
         self, server_round: int, node_id: int, record: ArrayRecord, traffic: RoundTraffic
@@ -464,14 +573,11 @@ class QuantizedStrategy(Strategy):
         traffic.downlink_mse.append(sent.mse)
         return sent.model, sent.wire, sent.config
 
-    def _link_metrics(self, server_round: int, replies: list[Message], plan: _RoundPlan) -> dict[str, float]:
-        """The upload budget's metrics (learning from the reply sizes) and the simulated link times."""
-        reply_bytes = {
-            r.metadata.src_node_id: content_bytes(r.content)
-            for r in replies
-            if not r.has_error() and r.metadata.src_node_id in plan.sent
-        }
-        metrics = self.budget.observe(server_round, reply_bytes) if self.budget is not None else {}
+    def _link_metrics(
+        self, server_round: int, reply_bytes: dict[int, int], plan: _RoundPlan, admitted: Container[int]
+    ) -> dict[str, float]:
+        """The upload budget's metrics (learning from the admitted replies' sizes) and the simulated link times."""
+        metrics = self.budget.observe(server_round, reply_bytes, admitted) if self.budget is not None else {}
         if self.downlink_bandwidth is not None:
             down = plan.traffic.downlink_bytes_of
             metrics.update(link_metrics(down, reply_bytes, self.downlink_bandwidth, self.uplink_bandwidth))
@@ -505,21 +611,32 @@ class QuantizedStrategy(Strategy):
         """Aggregate evaluation metrics of the replies that pass the admission rules (recorded with a recorder).
 
         Evaluate replies are as untrusted as train replies: one without ``num-examples``, with
-        other metric keys than its peers, NaN/Inf metrics, or from an unexpected or duplicated
-        node is dropped alone (logged) instead of aborting the round in the inner strategy.
+        other metric keys or value types than the round's, NaN/Inf metrics, or from an unexpected
+        or duplicated node is dropped alone (logged) instead of aborting the round in the inner
+        strategy; weights are bounded and the aggregated metrics kept within the replies' window
+        as in training (:mod:`fedquant.strategies.metric_screen`).
         """
         replies = list(replies)
         content_replies = [r for r in replies if not r.has_error()]
         asked = self._evaluated.pop(server_round, None)
-        admitted = list(self._screen(server_round, content_replies, asked, "evaluate", None))
+        admitted, schema = self._screen(server_round, content_replies, asked, "evaluate", None)
+        records = [single_metric_record(r.content) for r in admitted]
+        for record in records:
+            conform(record, schema)
+        clipped = self.bounds.bound_weights(records, "evaluate")
         survivors = [r for r in replies if r.has_error()] + admitted
         dropped = len(content_replies) - len(admitted)
         metrics = None
-        if any(not r.has_error() for r in survivors):
+        if admitted:
             metrics = self.strategy.aggregate_evaluate(server_round, survivors)
-        if dropped:
+            metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
+        warned = self._warn_rejections(server_round, "evaluate", dropped, len(content_replies))
+        if dropped or clipped:
             metrics = MetricRecord() if metrics is None else metrics
             metrics[REJECTED_REPLIES] = dropped
+            metrics[REJECTED_SHARE] = dropped / len(content_replies)
+            metrics[clipped_reason_key(REASON_WEIGHT)] = clipped
+            metrics[ADMISSION_WARNINGS] = warned
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
@@ -552,44 +669,52 @@ def _with_config_entries(
     return RecordDict(records)
 
 
-def _rank_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> list[list[int]]:
-    """Split a decode order into runs of equal ``rank`` (the plan's groups, e.g. NDQSG's P1 and P2)."""
-    groups: list[list[int]] = []
-    for node_id in order:
-        if groups and assignments[groups[-1][-1]].rank == assignments[node_id].rank:
-            groups[-1].append(node_id)
-        else:
-            groups.append([node_id])
-    return groups
+def _vote_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> list[list[int]]:
+    """Split a decode order into the first vote and the rest, each in decode order.
+
+    The first vote holds every reply decodable without side information (NDQSG's P1, and its P2
+    replies whose tensors all fall back to DQSG): the more replies vote on the norm reference
+    before anything becomes side information, the larger the minority it withstands. The rest
+    (decoded against side information) is judged against the replies admitted before it.
+    """
+    first = [n for n in order if not assignments[n].needs_side_info]
+    rest = [n for n in order if assignments[n].needs_side_info]
+    return [group for group in (first, rest) if group]
 
 
-def _pop_client_metrics(content: RecordDict) -> tuple[float | None, float | None]:
-    """Take the mod's own entries out of the reply's MetricRecords: ``(mse, encode seconds)``.
+def _pop_client_metrics(content: RecordDict) -> tuple[float | None, float | None, bool]:
+    """Take the mod's own entries out of the reply's MetricRecords: ``(mse, encode seconds, state reset)``.
 
     Done before the admission rules look at the metrics, so the inner strategy's metric keys are
-    compared, not fedquant's. The values count only if the reply is accepted.
+    compared, not fedquant's. The values count only if the reply is accepted; a negative or
+    non-finite MSE or time is ignored (no client measures one), and the round reports means
+    clamped into the window of the accepted values.
     """
     mse = seconds = None
+    reset = False
     for name in list(content.metric_records.keys()):
         record = content.metric_records[name]
         if METRIC_CLIENT_MSE in record:
-            mse = _finite_number(record.pop(METRIC_CLIENT_MSE))
+            mse = _non_negative(record.pop(METRIC_CLIENT_MSE))
         if METRIC_CLIENT_ENCODE_SECONDS in record:
-            seconds = _finite_number(record.pop(METRIC_CLIENT_ENCODE_SECONDS))
+            seconds = _non_negative(record.pop(METRIC_CLIENT_ENCODE_SECONDS))
+        if METRIC_CLIENT_STATE_RESETS in record:
+            reset = bool(_non_negative(record.pop(METRIC_CLIENT_STATE_RESETS)))
         if name == CLIENT_METRICRECORD_NAME and len(record) == 0:
             del content[name]
-    return mse, seconds
+    return mse, seconds, reset
 
 
-def _add_client_metrics(values: tuple[float | None, float | None], traffic: RoundTraffic) -> None:
-    mse, seconds = values
+def _add_client_metrics(values: tuple[float | None, float | None, bool], traffic: RoundTraffic) -> None:
+    mse, seconds, reset = values
     if mse is not None:
         traffic.client_mse.append(mse)
     if seconds is not None:
         traffic.client_encode_seconds.append(seconds)
+    traffic.client_state_resets += int(reset)
 
 
-def _finite_number(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value):
-        return float(value)
+def _non_negative(value: object) -> float | None:
+    if is_number(value) and finite(value) and value >= 0:  # type: ignore[operator]
+        return float(value)  # type: ignore[arg-type]
     return None

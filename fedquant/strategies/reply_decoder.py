@@ -145,7 +145,7 @@ def decode_reply(
         if is_encoded(sent.dtype, sent.size, min_numel):
             tensor_codec = (tensor_codecs or {}).get(name, codec)
             value, updates[name] = _decode_entry(name, array, sent, tensor_codec, tensor_seed(client_seed, name), side)
-            dense[name] = Array(np.ascontiguousarray(value))
+            dense[name] = Array(np.require(value, requirements="C"))  # keeps 0-d shapes
             squared_norm += float(torch.linalg.vector_norm(updates[name], dtype=torch.float64)) ** 2
         else:
             value = _check_plain_entry(name, array, sent)

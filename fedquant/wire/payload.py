@@ -23,7 +23,7 @@ import math
 import re
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,14 +98,25 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
     return b"".join([head, *body, _CRC.pack(crc)])  # the body is copied once, here
 
 
-def read_payload(payload: bytes | bytearray | memoryview) -> Payload:
+def read_payload(
+    payload: bytes | bytearray | memoryview, check_header: Callable[[Payload], None] | None = None
+) -> Payload:
     """Check a payload's envelope and return what it declares.
+
+    Parameters
+    ----------
+    payload : bytes
+        Untrusted bytes.
+    check_header : callable, optional
+        Called with the parsed header (and a view of the body) before the checksum, so a caller
+        that knows what to expect (codec, shape, largest body) rejects a payload without reading
+        all of it: the CRC is the only step whose cost grows with the payload's size.
 
     Raises
     ------
     PayloadError
         If the bytes are not a payload of this format version, are truncated or extended, fail
-        their checksum, or declare an impossible header.
+        their checksum, or declare an impossible header (or ``check_header`` raises it).
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise PayloadError(f"payload must be bytes, got {type(payload).__name__}")
@@ -141,13 +152,16 @@ def read_payload(payload: bytes | bytearray | memoryview) -> Payload:
         raise PayloadError(f"payload is truncated: {size} bytes, its header declares {expected}")
     if size > expected:
         raise PayloadError(f"payload has {size - expected} unexpected trailing bytes")
-    (crc,) = _CRC.unpack_from(view, size - _CRC.size)
-    if zlib.crc32(view[: size - _CRC.size]) != crc:
-        raise PayloadError("payload checksum mismatch: the bytes were corrupted in transit")
     try:
         spec = spec_raw.decode("ascii")
     except UnicodeDecodeError:
         raise PayloadError("payload codec spec is not ASCII") from None
     if not _SPEC_CHARS.fullmatch(spec):
         raise PayloadError(f"payload codec spec {spec!r} is malformed")
-    return Payload(spec=spec, dtype=CODE_DTYPES[dtype_code], shape=tuple(shape), body=view[pos : pos + body_len])
+    parsed = Payload(spec=spec, dtype=CODE_DTYPES[dtype_code], shape=tuple(shape), body=view[pos : pos + body_len])
+    if check_header is not None:
+        check_header(parsed)
+    (crc,) = _CRC.unpack_from(view, size - _CRC.size)
+    if zlib.crc32(view[: size - _CRC.size]) != crc:
+        raise PayloadError("payload checksum mismatch: the bytes were corrupted in transit")
+    return parsed

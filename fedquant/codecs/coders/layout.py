@@ -20,7 +20,16 @@ import torch
 
 from fedquant.codecs.coders.symbols import fixed_width, read_packed, read_symbols, write_symbols
 from fedquant.codecs.quantizers.base import Quantizer
+from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import BodyReader, BodyWriter
+
+#: Variable-length symbol streams never need more than this per symbol (Elias: <= 33 bits for
+#: QSGD's largest alphabet; rANS: <= 24 bits at its precision) ...
+VARIABLE_BYTES_PER_SYMBOL = 8
+#: ... plus this per distinct symbol (the entropy coder's count table, <= 2 x 76 bits) ...
+TABLE_BYTES_PER_SYMBOL = 24
+#: ... plus this much (variant byte, final rANS state, padding).
+VARIABLE_SLACK_BYTES = 4096
 
 
 def encode_body(quantizer: Quantizer, flat: torch.Tensor, seed: int) -> BodyWriter:
@@ -45,6 +54,22 @@ def encode_body(quantizer: Quantizer, flat: torch.Tensor, seed: int) -> BodyWrit
     else:
         write_symbols(out, q.symbols, k, coding)
     return out
+
+
+def max_body_bytes(quantizer: Quantizer, numel: int) -> int:
+    """The most bytes a valid body of ``numel`` elements can hold (exact for fixed-width coding).
+
+    A payload that declares more is rejected before its checksum is computed, so a large
+    CRC-valid payload for a small tensor costs no more than a small one.
+    """
+    fields = quantizer.side_fields(numel)
+    side = sum(int(f.count) * np.dtype(f.dtype).itemsize for f in fields)
+    k = quantizer.num_symbols()
+    if not k:
+        return side
+    if quantizer.coding == "fixed":
+        return side + packed_size(numel, fixed_width(k))
+    return side + VARIABLE_BYTES_PER_SYMBOL * numel + TABLE_BYTES_PER_SYMBOL * min(k, numel) + VARIABLE_SLACK_BYTES
 
 
 def read_side(quantizer: Quantizer, body: BodyReader, numel: int) -> list[np.ndarray]:

@@ -1,0 +1,177 @@
+"""Bounds on a decoded update: norm clipping, integer and bool entries, the dtypes of the aggregate.
+
+Non-float entries travel as they are (the encoding rule leaves them out), and Flower's strategies
+average them like floats: an int64 counter set to 4.6e18 by one client of four became 1.15e18 in
+the global model, and every int or bool entry came back as float64. Per kind:
+
+* **integer** entries (counters such as BatchNorm's ``num_batches_tracked``, step counts) are
+  *bounded like float ones*: the L2 norm of their change ``trained - received`` is held against its
+  own reference (the same :class:`~fedquant.strategies.admission.MedianReference` and factors as
+  the float update, but apart, so counters do not mix with weights): above ``norm_factor`` times
+  it the reply is rejected, above ``clip_factor`` times it the change is scaled down and rounded.
+  When the round's honest clients leave an entry unchanged, its reference is 0 and any change is
+  rejected. Counters that honestly differ between clients (more data, more steps) pass.
+* **bool** entries (masks, flags) have no meaningful mean: they are *compared for equality*. A
+  reply's bool entries must equal those a strict majority of the round's replies carry; without
+  a strict majority, those the server sent. Odd replies are rejected.
+
+After the inner strategy aggregated, :func:`restore_dtypes` gives integer and bool entries back
+the dtype the server sent (integers rounded, bools by majority of weight), so the rules above
+still apply in the next round and the model keeps its types.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, RecordDict
+
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, _check_plain_entry
+
+
+def _single_array_record(content: RecordDict) -> ArrayRecord:
+    records = content.array_records
+    if len(records) != 1:
+        raise RejectedReply(f"expected exactly one ArrayRecord, found {len(records)}")
+    return next(iter(records.values()))
+
+
+def non_float_names(received: Mapping[str, np.ndarray]) -> tuple[list[str], list[str]]:
+    """The integer and the bool entries of the model sent."""
+    ints = [k for k, v in received.items() if v.dtype.kind in "iu"]
+    bools = [k for k, v in received.items() if v.dtype.kind == "b"]
+    return ints, bools
+
+
+def integer_change(content: RecordDict, received: Mapping[str, np.ndarray], names: list[str]) -> float:
+    """L2 norm (float64) of ``trained - received`` over the integer entries ``names`` of a reply.
+
+    Raises
+    ------
+    RejectedReply
+        When an entry is missing or not a valid array of the dtype and shape sent.
+    """
+    record = _single_array_record(content)
+    total = 0.0
+    for name in names:
+        if name not in record:
+            raise RejectedReply(f"the ArrayRecord has no '{name}'")
+        value = _check_plain_entry(name, record[name], received[name])
+        total += float(np.sum((value.astype(np.float64) - received[name].astype(np.float64)) ** 2))
+    return math.sqrt(total)
+
+
+def scale_integers(content: RecordDict, received: Mapping[str, np.ndarray], names: list[str], scale: float) -> None:
+    """Replace the integer entries by ``received + round(scale x change)`` (clipping), in place."""
+    name_of_record, record = next(iter(content.array_records.items()))
+    entries = dict(record.items())
+    for name in names:
+        sent = received[name]
+        change = entries[name].numpy().astype(np.float64) - sent.astype(np.float64)
+        entries[name] = Array(np.require(sent + np.rint(scale * change).astype(sent.dtype), requirements="C"))
+    content[name_of_record] = ArrayRecord(entries)
+
+
+def bool_digest(content: RecordDict, received: Mapping[str, np.ndarray], names: list[str]) -> bytes:
+    """A digest of a reply's bool entries (equal entries, equal digests)."""
+    record = _single_array_record(content)
+    digest = hashlib.blake2b(digest_size=16)
+    for name in names:
+        if name not in record:
+            raise RejectedReply(f"the ArrayRecord has no '{name}'")
+        digest.update(np.ascontiguousarray(_check_plain_entry(name, record[name], received[name])).tobytes())
+    return digest.digest()
+
+
+def sent_bool_digest(received: Mapping[str, np.ndarray], names: list[str]) -> bytes:
+    """The digest of the bool entries as the server sent them."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in names:
+        digest.update(np.ascontiguousarray(received[name]).tobytes())
+    return digest.digest()
+
+
+def bool_majority(digests: Mapping[int, bytes], sent: bytes) -> bytes:
+    """The digest a strict majority of replies carry, else the one of what was sent."""
+    if not digests:
+        return sent
+    value, count = Counter(digests.values()).most_common(1)[0]
+    return value if 2 * count > len(digests) else sent
+
+
+def clip_update(decoded: DecodedReply, received: Mapping[str, np.ndarray], scale: float) -> DecodedReply:
+    """The reply with every float entry's update scaled by ``scale`` (< 1): ``received + scale x update``."""
+    arrays: dict[str, Array] = {}
+    for name, array in decoded.arrays.items():
+        sent = received[name]
+        if sent.dtype.kind != "f":
+            arrays[name] = array
+            continue
+        base = sent.astype(np.float64)
+        value = base + scale * (array.numpy().astype(np.float64) - base)
+        arrays[name] = Array(np.require(value.astype(sent.dtype), requirements="C"))
+    updates = {name: update * scale for name, update in decoded.updates.items()}
+    return DecodedReply(decoded.record_name, ArrayRecord(arrays), updates, decoded.update_norm * scale)
+
+
+def restore_dtypes(arrays: ArrayRecord | None, dtypes: Mapping[str, np.dtype]) -> ArrayRecord | None:
+    """The aggregate with integer and bool entries back in the dtype sent (rounded, clipped to range)."""
+    if arrays is None:
+        return None
+    out: dict[str, Array] = {}
+    changed = False
+    for name, array in arrays.items():
+        want = dtypes.get(name)
+        if want is None or want.kind not in "iub" or array.dtype == str(want):
+            out[name] = array
+            continue
+        value = array.numpy()
+        if want.kind == "b":
+            restored = value >= 0.5
+        else:
+            info = np.iinfo(want)
+            high = np.nextafter(np.float64(info.max), 0.0)  # float(int64 max) rounds up, out of range
+            rounded = np.rint(np.nan_to_num(value.astype(np.float64), posinf=high, neginf=info.min))
+            restored = np.clip(rounded, info.min, high).astype(want)
+        out[name] = Array(np.require(restored, requirements="C"))
+        changed = True
+    return ArrayRecord(out) if changed else arrays
+
+
+def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The reply's whole float update per entry (float32): the decoded update of the encoded
+    entries (no copy), ``dense - received`` of the plain ones."""
+    out = {}
+    for name, array in decoded.arrays.items():
+        sent = received[name]
+        if sent.dtype.kind != "f":
+            continue
+        if name in decoded.updates:
+            out[name] = decoded.updates[name].reshape(sent.shape).numpy()
+        else:
+            out[name] = (array.numpy().astype(np.float64) - sent.astype(np.float64)).astype(np.float32)
+    return out
+
+
+def consensus_cosine(
+    update: Mapping[str, np.ndarray], consensus: Mapping[str, np.ndarray], include_self: bool
+) -> float | None:
+    """Cosine between an update and the consensus (plus the update itself with ``include_self``), over
+    the entries both hold; None when either is zero."""
+    keys = [k for k in update if k in consensus and consensus[k].shape == update[k].shape]
+    dot = square = own = 0.0
+    for k in keys:
+        u = update[k].ravel().astype(np.float64)
+        c = consensus[k].ravel()
+        if include_self:
+            c = c + u
+        dot += float(np.dot(u, c))
+        square += float(np.dot(c, c))
+        own += float(np.dot(u, u))
+    if not (square > 0 and own > 0):
+        return None
+    return dot / math.sqrt(square * own)
