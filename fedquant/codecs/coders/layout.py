@@ -64,12 +64,20 @@ def max_body_bytes(quantizer: Quantizer, numel: int) -> int:
     """
     fields = quantizer.side_fields(numel)
     side = sum(int(f.count) * np.dtype(f.dtype).itemsize for f in fields)
+    if quantizer.own_stream:
+        return side + quantizer.max_stream_bytes(numel)
     k = quantizer.num_symbols()
     if not k:
         return side
     if quantizer.coding == "fixed":
         return side + packed_size(numel, fixed_width(k))
-    return side + VARIABLE_BYTES_PER_SYMBOL * numel + TABLE_BYTES_PER_SYMBOL * min(k, numel) + VARIABLE_SLACK_BYTES
+    return side + max_entropy_bytes(numel, k)
+
+
+def max_entropy_bytes(count: int, num_symbols: int, sections: int = 1) -> int:
+    """The most bytes ``sections`` entropy-coded sections holding ``count`` symbols in all can take."""
+    tabled = min(num_symbols * sections, count)  # a section's table names each of its symbols at most once
+    return VARIABLE_BYTES_PER_SYMBOL * count + TABLE_BYTES_PER_SYMBOL * tabled + VARIABLE_SLACK_BYTES * sections
 
 
 def read_side(quantizer: Quantizer, body: BodyReader, numel: int) -> list[np.ndarray]:

@@ -212,6 +212,14 @@ class Quantizer(Configurable, KernelDispatch):
         of ``body``, untrusted, read through its bounds checks."""
         raise NotImplementedError(f"{self.name} does not code its own symbol section")
 
+    def max_stream_bytes(self, numel: int) -> int:
+        """The most bytes the symbol section of :attr:`own_stream` quantizers can hold for ``numel``.
+
+        The server rejects a body longer than its side fields plus this before computing its
+        checksum; a bound that a valid encoder could exceed would drop honest replies.
+        """
+        raise NotImplementedError(f"{self.name} does not code its own symbol section")
+
 
 def relative_error(total_squared_error: torch.Tensor | float, flat: torch.Tensor) -> float:
     """``total_squared_error / ||flat||^2`` as a float (0 for a zero tensor)."""

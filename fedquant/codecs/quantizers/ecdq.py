@@ -71,6 +71,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fedquant.codecs.coders.layout import max_entropy_bytes
 from fedquant.codecs.kernels import e8
 from fedquant.codecs.kernels import ecdq as kernels
 from fedquant.codecs.kernels.common import kernel_key
@@ -516,6 +517,19 @@ class ECDQQuantizer(Quantizer):
     # ------------------------------------------------------------------ decode
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
         raise NotImplementedError("ecdq decodes its own symbol section (read_stream)")
+
+    def max_stream_bytes(self, numel: int) -> int:
+        width = bit_width(2 * H_MAX + 1)
+        if self.lattice_for(numel) == "z":
+            symbols, tables, fixed = numel, SCALAR.num_tables(kernels.FINE_BITS), packed_size(numel, width)
+        else:  # a coset stage of one symbol per block, then the 8 coordinates of every block
+            n, blocks = -(-numel // 8) * 8, -(-numel // 8)
+            symbols, tables = blocks + n, 1 + e8.E8.num_tables(kernels.FINE_BITS)
+            fixed = packed_size(blocks, 1) + packed_size(n, width)
+        if self.coding == "fixed":
+            return fixed
+        sections = min(tables, symbols)  # only non-empty tables are written, each after its uint32 length
+        return 4 * sections + max_entropy_bytes(symbols, 2 * H_MAX + 1, sections)
 
     def read_stream(
         self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None
