@@ -1,0 +1,362 @@
+"""Interleaved static rANS and the symbol histogram: the numba kernels of :mod:`fedquant.wire.entropy`.
+
+A coder state is a 64-bit integer in ``[2**31, 2**63)`` with 32-bit renormalization (Duda 2013;
+the layout of Giesen's ``rans64``). A model of precision ``P`` gives each symbol a frequency
+``f >= 1`` and a start ``c`` (frequencies sum to ``M = 2**P``, ``P <= 24``).
+
+* Encoding a symbol: if ``x >= f << (63 - P)`` the low 32 bits of ``x`` go out as a word and ``x``
+  drops them; then ``x = (x // f) * M + x % f + c``. The division is a multiplication by a
+  reciprocal (Alverson's: ``ceil(2**(63 + s) / f)`` with ``s = ceil(log2 f)``, exact for
+  ``x < 2**63``; ``_mulhi64`` gives the upper 64 bits of the 128-bit product).
+* Decoding: ``slot = x % M`` names the symbol whose range ``[c, c + f)`` holds it, then
+  ``x = f * (x >> P) + slot - c``, and if ``x < 2**31`` the next word comes in below.
+
+A block of symbols is coded by ``lanes`` states: symbol ``i`` of the block by lane ``i % lanes``,
+all lanes sharing one stream of words in decoding order (the encoder runs backwards from the
+state ``2**31`` in every lane, writing words from the end of its buffer). The block's stream
+starts with each lane's final state (lane 0 first, low word then high word). Lanes are
+independent chains of multiplications and table reads, so a core overlaps them: with 8 lanes
+held in registers the decoder spends a few cycles per symbol, where one state waits on each
+symbol's table read and multiplication in turn. Blocks are independent streams, coded and decoded
+in parallel.
+
+Decoding reads the symbol, its frequency and ``slot - c`` from a direct table of ``2**P``
+entries (``sym << 32 | f << 16 | slot - c``) when ``P <= 16``; for larger models (or a direct
+table too large for a short stream) a table of ``2**B`` buckets of slots (``B <= 16``) names the
+first candidate symbol and a search finds the one that holds the slot (at most ``2**(P - B)``
+steps: the ranges that start inside the bucket).
+
+Kernels do not check the indices they compute from their own tables; every index computed from
+payload words is checked (the state against ``[2**31, 2**63)``, every word read against the
+block's end, once per round of 8 symbols on the fast path), and a decoded block must end with
+every word consumed and every lane back at ``2**31``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from fedquant.codecs.kernels.common import parallel_kernel
+
+STATE_LOW = 1 << 31
+FAST_LANES = 8  # lanes of the register-held fast paths
+MAX_DIRECT_PRECISION = 16  # decode tables of at most 2**16 entries; above, buckets
+BUCKET_BITS = 16
+ENC_ROW = 4  # uint64 per symbol value in the encoder table
+
+_LOW = np.uint64(STATE_LOW)
+_HIGH = np.uint64(1 << 63)
+_ONE = np.uint64(1)
+_S2 = np.uint64(2)
+_S16 = np.uint64(16)
+_S25 = np.uint64(25)
+_S32 = np.uint64(32)
+_S50 = np.uint64(50)
+_M16 = np.uint64(0xFFFF)
+_M24 = np.uint64((1 << 24) - 1)
+_M25 = np.uint64((1 << 25) - 1)
+_M32 = np.uint64(0xFFFFFFFF)
+_EIGHT = np.uint64(8)
+
+
+@intrinsic
+def _mulhi64(typingctx, a, b):
+    """Upper 64 bits of the 128-bit product ``a * b`` (uint64 operands)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        wide = ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def encoder_table(symbols: np.ndarray, freq: np.ndarray, rows: int, precision: int) -> np.ndarray:
+    """Per symbol value, ``ENC_ROW`` uint64: reciprocal, packed ``bias | M - f << 25 | shift << 50``, ``x_max``.
+
+    ``symbols`` are the present symbol values (increasing), ``freq`` their frequencies (>= 1,
+    summing to ``2**precision``). Rows of absent values are zero (``x_max == 0`` marks them).
+    """
+    f = freq.astype(np.uint64)
+    start = np.zeros(f.size, np.uint64)
+    np.cumsum(f[:-1], out=start[1:])
+    total = np.uint64(1 << precision)
+    # s = ceil(log2 f): frexp is exact for f < 2**53 (f = m 2**e, m in [0.5, 1)).
+    _, e = np.frexp(f.astype(np.float64))
+    shift = e.astype(np.uint64) - ((f & (f - _ONE)) == 0).astype(np.uint64)
+    # ceil(2**(63 + s) / f) by long division in 32-bit digits: 2**(63 + s) = 2**(s - 1) * 2**64,
+    # with 2**(s - 1) < f < 2**24, so every partial remainder shifted by 32 fits in 64 bits.
+    big = f > _ONE
+    fb, sb = f[big], shift[big]
+    rem = np.left_shift(_ONE, sb - _ONE)
+    high = (rem << _S32) // fb
+    rem = (rem << _S32) % fb
+    low = ((rem << _S32) + fb - _ONE) // fb
+    rcp = np.full(f.size, np.uint64(2**64 - 1), np.uint64)  # f = 1: x * (2**64 - 1) >> 64 = x - 1
+    rcp[big] = (high << _S32) + low
+    rshift = np.where(big, shift - _ONE, np.uint64(0))
+    bias = np.where(big, start, start + total - _ONE)
+    table = np.zeros((rows, ENC_ROW), np.uint64)
+    table[symbols, 0] = rcp
+    table[symbols, 1] = bias | ((total - f) << _S25) | (rshift << _S50)
+    table[symbols, 2] = f << np.uint64(63 - precision)
+    return table.reshape(-1)
+
+
+def direct_table(symbols: np.ndarray, freq: np.ndarray, precision: int) -> np.ndarray:
+    """The decoder's table of ``2**precision`` slots: ``sym << 32 | f << 16 | slot - c`` (uint64)."""
+    rank = np.repeat(np.arange(freq.size), freq)
+    start = np.zeros(freq.size, np.int64)
+    np.cumsum(freq[:-1], out=start[1:])
+    offset = np.arange(1 << precision, dtype=np.int64) - start[rank]
+    table = symbols.astype(np.uint64)[rank] << _S32
+    table |= freq.astype(np.uint64)[rank] << _S16
+    table |= offset.astype(np.uint64)
+    return table
+
+
+def bucket_table(freq: np.ndarray, precision: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(bucket, cum)``: ``bucket[slot >> (precision - bits)]`` is the first rank whose range may hold ``slot``."""
+    cum = np.zeros(freq.size + 1, np.uint64)
+    np.cumsum(freq, out=cum[1:])
+    starts = np.arange(1 << bits, dtype=np.uint64) << np.uint64(precision - bits)
+    return np.searchsorted(cum[1:], starts, side="right").astype(np.int64), cum
+
+
+# ---------------------------------------------------------------------------------------------- encoder
+@njit(inline="always")
+def _enc_step(x, wp, out, table, s):
+    """Code symbol ``s`` into state ``x``; a word goes to ``out[wp - 1]`` when the state must shrink."""
+    row = np.uint64(s) << _S2
+    x_max = table[row + _S2]
+    emit = x >= x_max
+    out[wp - _ONE] = np.uint32(x & _M32)  # always written, kept only when wp moves
+    wp -= np.uint64(emit)
+    if emit:
+        x >>= _S32
+    packed = table[row + _ONE]
+    q = _mulhi64(x, table[row]) >> (packed >> _S50)
+    return x + (packed & _M25) + q * ((packed >> _S25) & _M24), wp, x_max != np.uint64(0)
+
+
+@njit(cache=True, nogil=True)
+def _encode_rounds8(symbols, lo, rounds, table, out, wp, floor, states):
+    """Rounds ``rounds - 1 .. 0`` of 8 symbols from ``symbols[lo]``, states in registers; ``(wp, ok)``."""
+    x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
+    x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
+    ok = True
+    room = np.uint64(floor) + _EIGHT
+    for r in range(rounds - 1, -1, -1):
+        if wp < room:  # only with symbols the table does not know (ok turns false first)
+            return wp, False
+        b = lo + 8 * r
+        x7, wp, g7 = _enc_step(x7, wp, out, table, symbols[b + 7])
+        x6, wp, g6 = _enc_step(x6, wp, out, table, symbols[b + 6])
+        x5, wp, g5 = _enc_step(x5, wp, out, table, symbols[b + 5])
+        x4, wp, g4 = _enc_step(x4, wp, out, table, symbols[b + 4])
+        x3, wp, g3 = _enc_step(x3, wp, out, table, symbols[b + 3])
+        x2, wp, g2 = _enc_step(x2, wp, out, table, symbols[b + 2])
+        x1, wp, g1 = _enc_step(x1, wp, out, table, symbols[b + 1])
+        x0, wp, g0 = _enc_step(x0, wp, out, table, symbols[b])
+        ok = ok & g0 & g1 & g2 & g3 & g4 & g5 & g6 & g7
+    states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+    states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+    return wp, ok
+
+
+@njit(cache=True, nogil=True)
+def _encode_block(symbols, lo, hi, lanes, table, out, floor, end):
+    """Code ``symbols[lo:hi]`` into ``out[floor:end]``, ending at ``end``: ``(start, ok)``.
+
+    ``ok`` is False when a symbol has no frequency (an absent row) or the room ran out (which
+    only such a symbol can cause: ``end - floor`` words hold any valid block).
+    """
+    states = np.full(lanes, _LOW, np.uint64)
+    wp = np.uint64(end)
+    low = np.uint64(floor) + _ONE
+    count = hi - lo
+    full = lo + (count // lanes) * lanes
+    ok = True
+    fast = lanes == FAST_LANES
+    # Backwards: the last partial round, then the full rounds (fast path for 8 lanes).
+    stop = full if fast else lo
+    for i in range(hi - 1, stop - 1, -1):
+        if wp < low:
+            return wp, False
+        j = (i - lo) % lanes
+        x, wp, good = _enc_step(states[j], wp, out, table, symbols[i])
+        states[j] = x
+        ok &= good
+    if fast:
+        wp, good = _encode_rounds8(symbols, lo, (full - lo) // 8, table, out, wp, floor, states)
+        ok &= good
+    if not ok or wp < np.uint64(floor) + np.uint64(2 * lanes):
+        return wp, False
+    for j in range(lanes - 1, -1, -1):  # lane 0's state comes first, low word first
+        wp -= _ONE
+        out[wp] = np.uint32(states[j] >> _S32)
+        wp -= _ONE
+        out[wp] = np.uint32(states[j] & _M32)
+    return wp, True
+
+
+@parallel_kernel
+def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
+    """Code each block of ``block`` symbols into ``out[ends[b - 1]:ends[b]]``; its words start at ``starts[b]``."""
+    n = symbols.size
+    for b in prange(ends.size):
+        lo = b * block
+        floor = ends[b - 1] if b else 0
+        start, good = _encode_block(symbols, lo, min(lo + block, n), lanes, table, out, floor, ends[b])
+        starts[b] = start
+        ok[b] = good
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+@njit(inline="always")
+def _dec_step(x, rp, words, direct, out, i, mask, precision):
+    e = direct[x & mask]
+    out[i] = e >> _S32
+    x = ((e >> _S16) & _M16) * (x >> precision) + (e & _M16)
+    w = np.uint64(words[rp])  # rp < the block's end: checked once per round
+    refill = x < _LOW
+    if refill:
+        x = (x << _S32) | w
+    return x, rp + np.uint64(refill)
+
+
+@njit(cache=True, nogil=True)
+def _decode_rounds8(words, rp, end, out, lo, rounds, states, precision, direct):
+    """Full rounds of 8 symbols from ``out[lo]`` while 8 words are left: ``(rp, rounds done)``."""
+    x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
+    x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
+    mask = np.uint64((1 << precision) - 1)
+    p = np.uint64(precision)
+    rp = np.uint64(rp)
+    last = np.uint64(end - 8)  # the caller guarantees end >= 16
+    r = 0
+    while r < rounds and rp <= last:
+        b = lo + 8 * r
+        x0, rp = _dec_step(x0, rp, words, direct, out, b, mask, p)
+        x1, rp = _dec_step(x1, rp, words, direct, out, b + 1, mask, p)
+        x2, rp = _dec_step(x2, rp, words, direct, out, b + 2, mask, p)
+        x3, rp = _dec_step(x3, rp, words, direct, out, b + 3, mask, p)
+        x4, rp = _dec_step(x4, rp, words, direct, out, b + 4, mask, p)
+        x5, rp = _dec_step(x5, rp, words, direct, out, b + 5, mask, p)
+        x6, rp = _dec_step(x6, rp, words, direct, out, b + 6, mask, p)
+        x7, rp = _dec_step(x7, rp, words, direct, out, b + 7, mask, p)
+        r += 1
+    states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+    states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+    return np.int64(rp), r
+
+
+@njit(cache=True, nogil=True)
+def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, direct, bucket, cum, present):
+    """Symbols ``i .. hi - 1`` one at a time, every word read checked: ``(status, rp)``."""
+    mask = np.uint64((1 << precision) - 1)
+    p = np.uint64(precision)
+    bits = 0
+    while (1 << bits) < bucket.size:
+        bits += 1
+    shift = np.uint64(max(precision - bits, 0))
+    for k in range(i, hi):
+        j = (k - lo) % lanes
+        x = states[j]
+        slot = x & mask
+        if direct.size:
+            e = direct[slot]
+            out[k] = e >> _S32
+            x = ((e >> _S16) & _M16) * (x >> p) + (e & _M16)
+        else:
+            r = bucket[slot >> shift]
+            while cum[r + 1] <= slot:
+                r += 1
+            out[k] = present[r]
+            x = (cum[r + 1] - cum[r]) * (x >> p) + slot - cum[r]
+        if x < _LOW:
+            if rp >= end:
+                return 2, rp
+            x = (x << _S32) | np.uint64(words[rp])
+            rp += 1
+        states[j] = x
+    return 0, rp
+
+
+@njit(cache=True, nogil=True)
+def _decode_block(words, rp, end, out, lo, hi, lanes, precision, direct, bucket, cum, present):
+    """Decode ``out[lo:hi]`` from ``words[rp:end]``: 0, or 1 bad initial state, 2 words run out,
+    3 words left over, 4 a lane does not end in the coder's initial state."""
+    if end - rp < 2 * lanes:
+        return 2
+    states = np.empty(lanes, np.uint64)
+    for j in range(lanes):
+        x = np.uint64(words[rp]) | (np.uint64(words[rp + 1]) << _S32)
+        if x < _LOW or x >= _HIGH:
+            return 1
+        states[j] = x
+        rp += 2
+    i = lo
+    if lanes == FAST_LANES and direct.size:
+        rp, done = _decode_rounds8(words, rp, end, out, lo, (hi - lo) // 8, states, precision, direct)
+        i = lo + 8 * done
+    status, rp = _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, direct, bucket, cum, present)
+    if status:
+        return status
+    if rp != end:
+        return 3
+    for j in range(lanes):
+        if states[j] != _LOW:
+            return 4
+    return 0
+
+
+@parallel_kernel(count_arg=2)
+def decode_blocks(words, offsets, out, block, lanes, precision, direct, bucket, cum, present, status):
+    """Decode block ``b`` (``block`` symbols of ``out``) from ``words[offsets[b]:offsets[b + 1]]`` into ``status[b]``."""
+    n = out.size
+    for b in prange(offsets.size - 1):
+        lo = b * block
+        status[b] = _decode_block(
+            words, offsets[b], offsets[b + 1], out, lo, min(lo + block, n), lanes, precision, direct, bucket, cum, present
+        )
+
+
+# ---------------------------------------------------------------------------------------------- histogram
+@parallel_kernel
+def histogram(symbols, parts):
+    """Counts of every value of ``symbols`` (uint8: 256 bins, uint16: 65536), in ``parts`` parallel pieces.
+
+    Small alphabets keep four tables, filled in turn, so a run of one symbol does not wait on its
+    own counter's last increment.
+    """
+    n = symbols.size
+    bins = 256 if symbols.itemsize == 1 else 65536
+    ways = 4 if bins == 256 else 1
+    per = (n + parts - 1) // parts
+    tables = np.zeros((parts, ways * bins), np.int64)
+    for part in prange(parts):
+        h = tables[part]
+        i = part * per
+        hi = min(n, i + per)
+        if ways == 4:
+            while i + 4 <= hi:
+                h[symbols[i]] += 1
+                h[256 + symbols[i + 1]] += 1
+                h[512 + symbols[i + 2]] += 1
+                h[768 + symbols[i + 3]] += 1
+                i += 4
+        while i < hi:
+            h[symbols[i]] += 1
+            i += 1
+    counts = np.zeros(bins, np.int64)
+    for part in range(parts):
+        for w in range(ways):
+            for v in range(bins):
+                counts[v] += tables[part, w * bins + v]
+    return counts
