@@ -268,7 +268,9 @@ def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
         block_log2 = int(rng.integers(10, 14)) if rng.random() < 0.8 else int(rng.integers(0, 256))
         blocks = max(2, -(-count // (1 << min(block_log2, 40)))) if rng.random() < 0.8 else int(rng.integers(1, 6))
         split = rng.integers(0, max(1, nwords), min(blocks - 1, 64))
-        lengths = np.diff(np.concatenate([[0], np.sort(split)])) if rng.random() < 0.7 else rng.integers(0, 2**32, split.size)
+        lengths = (
+            np.diff(np.concatenate([[0], np.sort(split)])) if rng.random() < 0.7 else rng.integers(0, 2**32, split.size)
+        )
         section = [bytes([section[0][0] | 0x80, block_log2 & 0xFF]), lengths.astype("<u4").tobytes()]
     elif rng.random() < 0.1:
         section = [bytes([int(rng.integers(0, 256))])]

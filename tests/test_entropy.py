@@ -309,7 +309,9 @@ def test_cuda_tensors_code_to_the_same_bytes(case):
     on_gpu = torch.from_numpy(symbols.astype(np.int64)).cuda()
     np.testing.assert_array_equal(symbol_counts(on_gpu, num_symbols), symbol_counts(symbols, num_symbols))
     np.testing.assert_array_equal(entropy_encode(on_gpu, num_symbols), data)
-    np.testing.assert_array_equal(entropy_encode(on_gpu.to(torch.uint8 if num_symbols <= 256 else torch.int32), num_symbols), data)
+    np.testing.assert_array_equal(
+        entropy_encode(on_gpu.to(torch.uint8 if num_symbols <= 256 else torch.int32), num_symbols), data
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -456,7 +456,9 @@ def _read_section(rest: np.ndarray, count: int, k: int, counts: np.ndarray) -> t
             raise PayloadError("rANS section is missing its block size")
         block_log2 = int(rest[1])
         if not MIN_BLOCK_LOG2 <= block_log2 <= MAX_BLOCK_LOG2:
-            raise PayloadError(f"rANS blocks of 2**{block_log2} symbols (allowed 2**{MIN_BLOCK_LOG2}..2**{MAX_BLOCK_LOG2})")
+            raise PayloadError(
+                f"rANS blocks of 2**{block_log2} symbols (allowed 2**{MIN_BLOCK_LOG2}..2**{MAX_BLOCK_LOG2})"
+            )
         num_blocks = -(-count // (1 << block_log2))
         if num_blocks < 2:
             raise PayloadError(f"rANS section names blocks of 2**{block_log2} for {count} symbols, one block")
@@ -472,7 +474,9 @@ def _read_section(rest: np.ndarray, count: int, k: int, counts: np.ndarray) -> t
     # n * (cross-entropy - 0.0113) >= n * H - n / 64 bits (Gibbs: cross-entropy >= H).
     info = _information_bits(counts)
     if body.size * 8 < (info - count / 64) * (1 - 1e-9):
-        raise PayloadError(f"rANS section of {body.size} bytes is too short for {count} symbols of {info / count:.3f} bits each")
+        raise PayloadError(
+            f"rANS section of {body.size} bytes is too short for {count} symbols of {info / count:.3f} bits each"
+        )
     num_words = body.size // 4
     lengths = np.empty(num_blocks, np.int64)
     if num_blocks > 1:

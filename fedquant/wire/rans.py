@@ -318,12 +318,23 @@ def _decode_block(words, rp, end, out, lo, hi, lanes, precision, direct, bucket,
 
 @parallel_kernel(count_arg=2)
 def decode_blocks(words, offsets, out, block, lanes, precision, direct, bucket, cum, present, status):
-    """Decode block ``b`` (``block`` symbols of ``out``) from ``words[offsets[b]:offsets[b + 1]]`` into ``status[b]``."""
+    """Decode each block (``block`` symbols of ``out``) from ``words[offsets[b]:offsets[b + 1]]`` into ``status[b]``."""
     n = out.size
     for b in prange(offsets.size - 1):
         lo = b * block
         status[b] = _decode_block(
-            words, offsets[b], offsets[b + 1], out, lo, min(lo + block, n), lanes, precision, direct, bucket, cum, present
+            words,
+            offsets[b],
+            offsets[b + 1],
+            out,
+            lo,
+            min(lo + block, n),
+            lanes,
+            precision,
+            direct,
+            bucket,
+            cum,
+            present,
         )
 
 
