@@ -501,15 +501,16 @@ def _decode_blocks(
     freq = quantize_counts(counts, count, p)
     # Lookup tables sized by the work: a direct table when small enough, buckets of slots otherwise.
     if p <= rans.MAX_DIRECT_PRECISION and 1 << p <= max(_DIRECT_MIN, 8 * count):
-        direct = rans.direct_table(present, freq, p)
+        freq_offset, symbol = rans.direct_table(present, freq, p)
         bucket, cum = np.zeros(0, np.int64), np.zeros(0, np.uint64)
     else:
-        direct = np.zeros(0, np.uint64)
+        freq_offset, symbol = np.zeros(0, np.uint32), np.zeros(0, dtype)
         bucket, cum = rans.bucket_table(freq, p, min(p, rans.BUCKET_BITS, max(8, count.bit_length() + 1)))
     block = count if layout.block_log2 is None else 1 << layout.block_log2
     out = np.empty(count, dtype)
     status = np.zeros(offsets.size - 1, np.int64)
-    rans.decode_blocks(words, offsets, out, block, layout.lanes, p, direct, bucket, cum, present, status)
+    lookup = (freq_offset, symbol, bucket, cum, present)
+    rans.decode_blocks(words, offsets, out, block, layout.lanes, p, lookup, status)
     bad = np.flatnonzero(status)
     if bad.size:
         where = f" (block {int(bad[0])} of {status.size})" if status.size > 1 else ""

@@ -20,8 +20,8 @@ held in registers the decoder spends a few cycles per symbol, where one state wa
 symbol's table read and multiplication in turn. Blocks are independent streams, coded and decoded
 in parallel.
 
-Decoding reads the symbol, its frequency and ``slot - c`` from a direct table of ``2**P``
-entries (``sym << 32 | f << 16 | slot - c``) when ``P <= 16``; for larger models (or a direct
+Decoding reads the symbol and ``f << 16 | slot - c`` from direct tables of ``2**P`` entries
+when ``P <= 16``; for larger models (or a direct
 table too large for a short stream) a table of ``2**B`` buckets of slots (``B <= 16``) names the
 first candidate symbol and a search finds the one that holds the slot (at most ``2**(P - B)``
 steps: the ranges that start inside the bucket).
@@ -59,7 +59,10 @@ _M16 = np.uint64(0xFFFF)
 _M24 = np.uint64((1 << 24) - 1)
 _M25 = np.uint64((1 << 25) - 1)
 _M32 = np.uint64(0xFFFFFFFF)
+_ABSENT = np.uint64(1 << 49)  # the spare bit between M - f and the shift in a packed encoder word
 _EIGHT = np.uint64(8)
+# Offsets within a round, unsigned: indices that numba knows are not negative need no wraparound code.
+_U1, _U2, _U3, _U4, _U5, _U6, _U7 = (np.uint64(j) for j in range(1, 8))
 
 
 @intrinsic
@@ -80,7 +83,8 @@ def encoder_table(symbols: np.ndarray, freq: np.ndarray, rows: int, precision: i
     """Per symbol value, ``ENC_ROW`` uint64: reciprocal, packed ``bias | M - f << 25 | shift << 50``, ``x_max``.
 
     ``symbols`` are the present symbol values (increasing), ``freq`` their frequencies (>= 1,
-    summing to ``2**precision``). Rows of absent values are zero (``x_max == 0`` marks them).
+    summing to ``2**precision``). Rows of absent values hold only ``ABSENT`` in the packed word:
+    the encoder ORs the packed words it uses and fails if that bit is set.
     """
     f = freq.astype(np.uint64)
     start = np.zeros(f.size, np.uint64)
@@ -102,22 +106,20 @@ def encoder_table(symbols: np.ndarray, freq: np.ndarray, rows: int, precision: i
     rshift = np.where(big, shift - _ONE, np.uint64(0))
     bias = np.where(big, start, start + total - _ONE)
     table = np.zeros((rows, ENC_ROW), np.uint64)
+    table[:, 1] = _ABSENT
     table[symbols, 0] = rcp
     table[symbols, 1] = bias | ((total - f) << _S25) | (rshift << _S50)
     table[symbols, 2] = f << np.uint64(63 - precision)
     return table.reshape(-1)
 
 
-def direct_table(symbols: np.ndarray, freq: np.ndarray, precision: int) -> np.ndarray:
-    """The decoder's table of ``2**precision`` slots: ``sym << 32 | f << 16 | slot - c`` (uint64)."""
+def direct_table(symbols: np.ndarray, freq: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarray]:
+    """The decoder's tables of ``2**precision`` slots: ``f << 16 | slot - c`` (uint32) and the symbol."""
     rank = np.repeat(np.arange(freq.size), freq)
     start = np.zeros(freq.size, np.int64)
     np.cumsum(freq[:-1], out=start[1:])
     offset = np.arange(1 << precision, dtype=np.int64) - start[rank]
-    table = symbols.astype(np.uint64)[rank] << _S32
-    table |= freq.astype(np.uint64)[rank] << _S16
-    table |= offset.astype(np.uint64)
-    return table
+    return ((freq[rank] << 16) | offset).astype(np.uint32), symbols[rank]
 
 
 def bucket_table(freq: np.ndarray, precision: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,17 +133,19 @@ def bucket_table(freq: np.ndarray, precision: int, bits: int) -> tuple[np.ndarra
 # ---------------------------------------------------------------------------------------------- encoder
 @njit(inline="always")
 def _enc_step(x, wp, out, table, s):
-    """Code symbol ``s`` into state ``x``; a word goes to ``out[wp - 1]`` when the state must shrink."""
+    """Code symbol ``s`` into state ``x``; a word goes to ``out[wp - 1]`` when the state must shrink.
+
+    Returns the new state and ``wp``, and the symbol's packed word (``ABSENT`` set: no frequency).
+    """
     row = np.uint64(s) << _S2
-    x_max = table[row + _S2]
-    emit = x >= x_max
+    emit = x >= table[row + _S2]
     out[wp - _ONE] = np.uint32(x & _M32)  # always written, kept only when wp moves
     wp -= np.uint64(emit)
     if emit:
         x >>= _S32
     packed = table[row + _ONE]
     q = _mulhi64(x, table[row]) >> (packed >> _S50)
-    return x + (packed & _M25) + q * ((packed >> _S25) & _M24), wp, x_max != np.uint64(0)
+    return x + (packed & _M25) + q * ((packed >> _S25) & _M24), wp, packed
 
 
 @njit(cache=True, nogil=True)
@@ -149,24 +153,24 @@ def _encode_rounds8(symbols, lo, rounds, table, out, wp, floor, states):
     """Rounds ``rounds - 1 .. 0`` of 8 symbols from ``symbols[lo]``, states in registers; ``(wp, ok)``."""
     x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
     x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
-    ok = True
+    seen = np.uint64(0)
     room = np.uint64(floor) + _EIGHT
     for r in range(rounds - 1, -1, -1):
-        if wp < room:  # only with symbols the table does not know (ok turns false first)
+        if wp < room:  # only with symbols the table does not know
             return wp, False
-        b = lo + 8 * r
-        x7, wp, g7 = _enc_step(x7, wp, out, table, symbols[b + 7])
-        x6, wp, g6 = _enc_step(x6, wp, out, table, symbols[b + 6])
-        x5, wp, g5 = _enc_step(x5, wp, out, table, symbols[b + 5])
-        x4, wp, g4 = _enc_step(x4, wp, out, table, symbols[b + 4])
-        x3, wp, g3 = _enc_step(x3, wp, out, table, symbols[b + 3])
-        x2, wp, g2 = _enc_step(x2, wp, out, table, symbols[b + 2])
-        x1, wp, g1 = _enc_step(x1, wp, out, table, symbols[b + 1])
-        x0, wp, g0 = _enc_step(x0, wp, out, table, symbols[b])
-        ok = ok & g0 & g1 & g2 & g3 & g4 & g5 & g6 & g7
+        b = np.uint64(lo + 8 * r)
+        x7, wp, p7 = _enc_step(x7, wp, out, table, symbols[b + _U7])
+        x6, wp, p6 = _enc_step(x6, wp, out, table, symbols[b + _U6])
+        x5, wp, p5 = _enc_step(x5, wp, out, table, symbols[b + _U5])
+        x4, wp, p4 = _enc_step(x4, wp, out, table, symbols[b + _U4])
+        x3, wp, p3 = _enc_step(x3, wp, out, table, symbols[b + _U3])
+        x2, wp, p2 = _enc_step(x2, wp, out, table, symbols[b + _U2])
+        x1, wp, p1 = _enc_step(x1, wp, out, table, symbols[b + _U1])
+        x0, wp, p0 = _enc_step(x0, wp, out, table, symbols[b])
+        seen |= p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7
     states[0], states[1], states[2], states[3] = x0, x1, x2, x3
     states[4], states[5], states[6], states[7] = x4, x5, x6, x7
-    return wp, ok
+    return wp, (seen & _ABSENT) == np.uint64(0)
 
 
 @njit(cache=True, nogil=True)
@@ -189,9 +193,9 @@ def _encode_block(symbols, lo, hi, lanes, table, out, floor, end):
         if wp < low:
             return wp, False
         j = (i - lo) % lanes
-        x, wp, good = _enc_step(states[j], wp, out, table, symbols[i])
+        x, wp, packed = _enc_step(states[j], wp, out, table, symbols[i])
         states[j] = x
-        ok &= good
+        ok &= (packed & _ABSENT) == np.uint64(0)
     if fast:
         wp, good = _encode_rounds8(symbols, lo, (full - lo) // 8, table, out, wp, floor, states)
         ok &= good
@@ -219,10 +223,11 @@ def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
 
 # ---------------------------------------------------------------------------------------------- decoder
 @njit(inline="always")
-def _dec_step(x, rp, words, direct, out, i, mask, precision):
-    e = direct[x & mask]
-    out[i] = e >> _S32
-    x = ((e >> _S16) & _M16) * (x >> precision) + (e & _M16)
+def _dec_step(x, rp, words, freq_offset, symbol, out, i, mask, precision):
+    slot = x & mask
+    e = np.uint64(freq_offset[slot])
+    out[i] = symbol[slot]
+    x = (e >> _S16) * (x >> precision) + (e & _M16)
     w = np.uint64(words[rp])  # rp < the block's end: checked once per round
     refill = x < _LOW
     if refill:
@@ -231,7 +236,7 @@ def _dec_step(x, rp, words, direct, out, i, mask, precision):
 
 
 @njit(cache=True, nogil=True)
-def _decode_rounds8(words, rp, end, out, lo, rounds, states, precision, direct):
+def _decode_rounds8(words, rp, end, out, lo, rounds, states, precision, freq_offset, symbol):
     """Full rounds of 8 symbols from ``out[lo]`` while 8 words are left: ``(rp, rounds done)``."""
     x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
     x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
@@ -241,15 +246,15 @@ def _decode_rounds8(words, rp, end, out, lo, rounds, states, precision, direct):
     last = np.uint64(end - 8)  # the caller guarantees end >= 16
     r = 0
     while r < rounds and rp <= last:
-        b = lo + 8 * r
-        x0, rp = _dec_step(x0, rp, words, direct, out, b, mask, p)
-        x1, rp = _dec_step(x1, rp, words, direct, out, b + 1, mask, p)
-        x2, rp = _dec_step(x2, rp, words, direct, out, b + 2, mask, p)
-        x3, rp = _dec_step(x3, rp, words, direct, out, b + 3, mask, p)
-        x4, rp = _dec_step(x4, rp, words, direct, out, b + 4, mask, p)
-        x5, rp = _dec_step(x5, rp, words, direct, out, b + 5, mask, p)
-        x6, rp = _dec_step(x6, rp, words, direct, out, b + 6, mask, p)
-        x7, rp = _dec_step(x7, rp, words, direct, out, b + 7, mask, p)
+        b = np.uint64(lo + 8 * r)
+        x0, rp = _dec_step(x0, rp, words, freq_offset, symbol, out, b, mask, p)
+        x1, rp = _dec_step(x1, rp, words, freq_offset, symbol, out, b + _U1, mask, p)
+        x2, rp = _dec_step(x2, rp, words, freq_offset, symbol, out, b + _U2, mask, p)
+        x3, rp = _dec_step(x3, rp, words, freq_offset, symbol, out, b + _U3, mask, p)
+        x4, rp = _dec_step(x4, rp, words, freq_offset, symbol, out, b + _U4, mask, p)
+        x5, rp = _dec_step(x5, rp, words, freq_offset, symbol, out, b + _U5, mask, p)
+        x6, rp = _dec_step(x6, rp, words, freq_offset, symbol, out, b + _U6, mask, p)
+        x7, rp = _dec_step(x7, rp, words, freq_offset, symbol, out, b + _U7, mask, p)
         r += 1
     states[0], states[1], states[2], states[3] = x0, x1, x2, x3
     states[4], states[5], states[6], states[7] = x4, x5, x6, x7
@@ -257,8 +262,9 @@ def _decode_rounds8(words, rp, end, out, lo, rounds, states, precision, direct):
 
 
 @njit(cache=True, nogil=True)
-def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, direct, bucket, cum, present):
+def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, lookup):
     """Symbols ``i .. hi - 1`` one at a time, every word read checked: ``(status, rp)``."""
+    freq_offset, symbol, bucket, cum, present = lookup
     mask = np.uint64((1 << precision) - 1)
     p = np.uint64(precision)
     bits = 0
@@ -269,10 +275,10 @@ def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, di
         j = (k - lo) % lanes
         x = states[j]
         slot = x & mask
-        if direct.size:
-            e = direct[slot]
-            out[k] = e >> _S32
-            x = ((e >> _S16) & _M16) * (x >> p) + (e & _M16)
+        if freq_offset.size:
+            e = np.uint64(freq_offset[slot])
+            out[k] = symbol[slot]
+            x = (e >> _S16) * (x >> p) + (e & _M16)
         else:
             r = bucket[slot >> shift]
             while cum[r + 1] <= slot:
@@ -289,9 +295,14 @@ def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, di
 
 
 @njit(cache=True, nogil=True)
-def _decode_block(words, rp, end, out, lo, hi, lanes, precision, direct, bucket, cum, present):
+def _decode_block(words, rp, end, out, lo, hi, lanes, precision, lookup):
     """Decode ``out[lo:hi]`` from ``words[rp:end]``: 0, or 1 bad initial state, 2 words run out,
-    3 words left over, 4 a lane does not end in the coder's initial state."""
+    3 words left over, 4 a lane does not end in the coder's initial state.
+
+    ``lookup``: ``(freq_offset, symbol, bucket, cum, present)``, the direct tables (empty when the
+    model decodes through buckets), the buckets and cumulative frequencies, the present symbols.
+    """
+    freq_offset, symbol = lookup[0], lookup[1]
     if end - rp < 2 * lanes:
         return 2
     states = np.empty(lanes, np.uint64)
@@ -302,10 +313,10 @@ def _decode_block(words, rp, end, out, lo, hi, lanes, precision, direct, bucket,
         states[j] = x
         rp += 2
     i = lo
-    if lanes == FAST_LANES and direct.size:
-        rp, done = _decode_rounds8(words, rp, end, out, lo, (hi - lo) // 8, states, precision, direct)
+    if lanes == FAST_LANES and freq_offset.size:
+        rp, done = _decode_rounds8(words, rp, end, out, lo, (hi - lo) // 8, states, precision, freq_offset, symbol)
         i = lo + 8 * done
-    status, rp = _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, direct, bucket, cum, present)
+    status, rp = _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, lookup)
     if status:
         return status
     if rp != end:
@@ -317,25 +328,13 @@ def _decode_block(words, rp, end, out, lo, hi, lanes, precision, direct, bucket,
 
 
 @parallel_kernel(count_arg=2)
-def decode_blocks(words, offsets, out, block, lanes, precision, direct, bucket, cum, present, status):
+def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
     """Decode each block (``block`` symbols of ``out``) from ``words[offsets[b]:offsets[b + 1]]`` into ``status[b]``."""
     n = out.size
     for b in prange(offsets.size - 1):
         lo = b * block
-        status[b] = _decode_block(
-            words,
-            offsets[b],
-            offsets[b + 1],
-            out,
-            lo,
-            min(lo + block, n),
-            lanes,
-            precision,
-            direct,
-            bucket,
-            cum,
-            present,
-        )
+        hi = min(lo + block, n)
+        status[b] = _decode_block(words, offsets[b], offsets[b + 1], out, lo, hi, lanes, precision, lookup)
 
 
 # ---------------------------------------------------------------------------------------------- histogram
