@@ -170,7 +170,8 @@ int huf_decompress(const unsigned char* src, const unsigned* sizes, size_t n, un
         else if (sizes[b] == 1) memset(dst + pos, src[in], len);
         else {
             dtable[0] = (unsigned)(HUF_TABLELOG_MAX) * 0x01000001;
-            size_t r = HUF_decompress4X_hufOnly_wksp(dtable, dst + pos, len, src + in, sizes[b], wksp, sizeof(wksp), flags);
+            size_t r = HUF_decompress4X_hufOnly_wksp(dtable, dst + pos, len, src + in, sizes[b],
+                                                     wksp, sizeof(wksp), flags);
             if (HUF_isError(r) || r != len) return -1;
         }
         in += sizes[b];

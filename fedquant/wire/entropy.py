@@ -82,23 +82,13 @@ def quantize_counts(counts: np.ndarray, n: int, precision: int = MAX_PRECISION) 
 
     Floors first; slots left over go to the symbols furthest below their share (largest
     ``counts * 2**P - f * n``, ties to the lower index), and floors bumped up to 1 that overshoot
-    are taken back from the largest frequencies. Deterministic integer arithmetic, so encoder and
-    decoder agree bit for bit. Requires ``1 <= len(counts) <= 2**precision``, every count
-    ``>= 1`` and ``sum(counts) == n <= 2**38``.
+    are taken back from the largest frequencies first. Deterministic integer arithmetic, so
+    encoder and decoder agree bit for bit. Requires ``1 <= len(counts) <= 2**precision``, every
+    count ``>= 1`` and ``sum(counts) == n <= 2**38``.
     """
-    total = 1 << precision
-    c = counts.astype(np.int64)
-    freq = np.maximum(1, (c * total) // n)
-    excess = int(freq.sum()) - total
-    if excess > 0:  # the bumps to 1 overshot: take back from the largest frequencies first
-        order = np.argsort(-freq, kind="stable")
-        spare = freq[order] - 1
-        before = np.cumsum(spare) - spare
-        freq[order] -= np.minimum(spare, np.maximum(0, excess - before))
-    elif excess < 0:  # at most one slot per symbol is missing: to the largest deficits
-        deficit = c * total - freq * n
-        freq[np.argsort(-deficit, kind="stable")[:-excess]] += 1
-    return freq
+    from fedquant.wire import rans
+
+    return rans.quantize_counts(np.ascontiguousarray(counts, np.int64), int(n), int(precision))
 
 
 def _check_num_symbols(num_symbols: int) -> None:
@@ -223,11 +213,6 @@ class Layout:
     block_log2: int | None = None
 
 
-def _model_bits(counts: np.ndarray, freq: np.ndarray, precision: int) -> float:
-    """Bits that ``counts`` cost under frequencies ``freq`` of precision ``precision`` (cross-entropy)."""
-    return float((counts * (precision - np.log2(freq))).sum())
-
-
 def choose_layout(counts: np.ndarray, n: int) -> tuple[Layout, np.ndarray]:
     """The encoder's layout for symbols of these ``counts`` (present ones, ``>= 2`` of them), and its frequencies.
 
@@ -238,19 +223,22 @@ def choose_layout(counts: np.ndarray, n: int) -> tuple[Layout, np.ndarray]:
     and enough of them that each block's states and length (``64 lanes + 32`` bits) cost under
     0.05% of its bits.
     """
+    from fedquant.wire import rans
+
+    counts = np.ascontiguousarray(counts, np.int64)
     k = counts.size
     info = _information_bits(counts)
     first = max((k - 1).bit_length(), min(12, n.bit_length() + 1), 1)
     for precision in range(first, 17):
-        freq = quantize_counts(counts, n, precision)
-        cost = _model_bits(counts, freq, precision)
+        freq = rans.quantize_counts(counts, n, precision)
+        cost = rans.model_bits(counts, freq, precision)
         if cost - info <= 2e-4 * info + 16:
             break
     else:
         if cost - info > 1e-3 * info + 16:
             precision = MAX_PRECISION
-            freq = quantize_counts(counts, n, precision)
-            cost = _model_bits(counts, freq, precision)
+            freq = rans.quantize_counts(counts, n, precision)
+            cost = rans.model_bits(counts, freq, precision)
     lanes = 8 if cost >= 1 << 17 else 1
     overhead = 64 * lanes + 32
     per_symbol = max(cost / n, 1e-12)
@@ -316,6 +304,7 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
     n = int(canon.size)
     if n > MAX_COUNT:
         raise ValueError(f"at most {MAX_COUNT} symbols per call, got {n}")
+    counts_given = counts
     counts = _counts_of(canon, num_symbols) if counts is None else _validated_counts(counts, n, num_symbols)
     if n == 0:
         return np.zeros(0, np.uint8)
@@ -326,7 +315,12 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
             raise ValueError("counts= names one symbol, but the symbols hold others")
         return header
     layout, freq = choose_layout(counts[present], n)
-    return encode_section(canon, present, freq, layout, header)
+    if canon.itemsize == 1:
+        rows = 256
+    else:  # the table covers every value the symbols hold: checked by the histogram, or here
+        top = int(present[-1]) if checked or counts_given is None else max(int(present[-1]), int(canon.max()))
+        rows = top + 1
+    return encode_section(canon, present, freq, layout, header, rows)
 
 
 def _torch_dtype(num_symbols: int):
@@ -336,13 +330,19 @@ def _torch_dtype(num_symbols: int):
 
 
 def encode_section(
-    symbols: np.ndarray, present: np.ndarray, freq: np.ndarray, layout: Layout, header: np.ndarray
+    symbols: np.ndarray,
+    present: np.ndarray,
+    freq: np.ndarray,
+    layout: Layout,
+    header: np.ndarray,
+    rows: int | None = None,
 ) -> np.ndarray:
     """``header`` followed by the rANS section of canonical ``symbols`` coded with ``layout``.
 
     ``present`` are the symbol values with a frequency (increasing), ``freq`` their frequencies
-    (``quantize_counts`` of their counts at ``layout.precision``). Tests and the fuzzer call it
-    with layouts the encoder's own choice would not pick for a short stream.
+    (``quantize_counts`` of their counts at ``layout.precision``), ``rows`` a bound on the symbol
+    values (default: the symbols' dtype range). Tests and the fuzzer call it with layouts the
+    encoder's own choice would not pick for a short stream.
     """
     from fedquant.wire import rans
 
@@ -358,7 +358,8 @@ def encode_section(
     sizes[-1] = n - block * (num_blocks - 1)
     # Each symbol adds at most P + 0.02 bits to the state (rans.py): room for any valid block.
     ends = np.cumsum(sizes * (p + 1) // 32 + 2 * lanes + 8)
-    table = rans.encoder_table(present, freq, 256 if symbols.itemsize == 1 else 65536, p)
+    rows = (256 if symbols.itemsize == 1 else 65536) if rows is None else rows
+    table = rans.encoder_table(np.ascontiguousarray(present, np.int64), freq, rows, p)
     out = np.empty(int(ends[-1]), np.uint32)
     starts = np.empty(num_blocks, np.int64)
     ok = np.zeros(num_blocks, np.bool_)

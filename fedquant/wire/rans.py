@@ -79,47 +79,97 @@ def _mulhi64(typingctx, a, b):
 
 
 # ---------------------------------------------------------------------------------------------- tables
-def encoder_table(symbols: np.ndarray, freq: np.ndarray, rows: int, precision: int) -> np.ndarray:
+@njit(cache=True, nogil=True)
+def quantize_counts(counts, n, precision):
+    """Integer frequencies ``>= 1`` summing to ``2**precision``, about ``counts * 2**precision / n``.
+
+    Floors first; slots left over go to the symbols furthest below their share (largest
+    ``counts * 2**P - f * n``, ties to the lower index), and floors bumped up to 1 that overshoot
+    are taken back from the largest frequencies (ties to the lower index). Integer arithmetic
+    and stable sorts: encoder and decoder agree bit for bit.
+    """
+    total = np.int64(1) << precision
+    k = counts.size
+    freq = np.empty(k, np.int64)
+    excess = -total
+    for i in range(k):
+        freq[i] = max(1, (counts[i] * total) // n)
+        excess += freq[i]
+    if excess > 0:  # the bumps to 1 overshot: take back from the largest frequencies first
+        for i in np.argsort(-freq, kind="mergesort"):
+            take = min(freq[i] - 1, excess)
+            freq[i] -= take
+            excess -= take
+            if excess == 0:
+                break
+    elif excess < 0:  # at most one slot per symbol is missing: to the largest deficits
+        order = np.argsort(freq * n - counts * total, kind="mergesort")
+        for j in range(-excess):
+            freq[order[j]] += 1
+    return freq
+
+
+@njit(cache=True, nogil=True)
+def model_bits(counts, freq, precision):
+    """Bits that ``counts`` cost under frequencies ``freq`` of ``precision`` (the cross-entropy, float)."""
+    total = 0.0
+    for i in range(counts.size):
+        total += counts[i] * (precision - np.log2(freq[i]))
+    return total
+
+
+@njit(cache=True, nogil=True)
+def encoder_table(symbols, freq, rows, precision):
     """Per symbol value, ``ENC_ROW`` uint64: reciprocal, packed ``bias | M - f << 25 | shift << 50``, ``x_max``.
 
-    ``symbols`` are the present symbol values (increasing), ``freq`` their frequencies (>= 1,
-    summing to ``2**precision``). Rows of absent values hold only ``ABSENT`` in the packed word:
-    the encoder ORs the packed words it uses and fails if that bit is set.
+    ``symbols`` are the present symbol values (increasing, below ``rows``), ``freq`` their
+    frequencies (>= 1, summing to ``2**precision``). Rows of absent values hold only ``ABSENT`` in
+    the packed word: the encoder ORs the packed words it uses and fails if that bit is set.
+    The reciprocal of ``f >= 2`` is ``ceil(2**(63 + s) / f)`` with ``s = ceil(log2 f)``, by long
+    division in 32-bit digits (``2**(63 + s) = 2**(s - 1) * 2**64`` and ``2**(s - 1) < f < 2**24``:
+    every partial remainder shifted by 32 bits fits in 64); ``f = 1`` takes ``2**64 - 1``
+    (``x * (2**64 - 1) >> 64 = x - 1``).
     """
-    f = freq.astype(np.uint64)
-    start = np.zeros(f.size, np.uint64)
-    np.cumsum(f[:-1], out=start[1:])
-    total = np.uint64(1 << precision)
-    # s = ceil(log2 f): frexp is exact for f < 2**53 (f = m 2**e, m in [0.5, 1)).
-    _, e = np.frexp(f.astype(np.float64))
-    shift = e.astype(np.uint64) - ((f & (f - _ONE)) == 0).astype(np.uint64)
-    # ceil(2**(63 + s) / f) by long division in 32-bit digits: 2**(63 + s) = 2**(s - 1) * 2**64,
-    # with 2**(s - 1) < f < 2**24, so every partial remainder shifted by 32 fits in 64 bits.
-    big = f > _ONE
-    fb, sb = f[big], shift[big]
-    rem = np.left_shift(_ONE, sb - _ONE)
-    high = (rem << _S32) // fb
-    rem = (rem << _S32) % fb
-    low = ((rem << _S32) + fb - _ONE) // fb
-    rcp = np.full(f.size, np.uint64(2**64 - 1), np.uint64)  # f = 1: x * (2**64 - 1) >> 64 = x - 1
-    rcp[big] = (high << _S32) + low
-    rshift = np.where(big, shift - _ONE, np.uint64(0))
-    bias = np.where(big, start, start + total - _ONE)
-    table = np.zeros((rows, ENC_ROW), np.uint64)
-    table[:, 1] = _ABSENT
-    table[symbols, 0] = rcp
-    table[symbols, 1] = bias | ((total - f) << _S25) | (rshift << _S50)
-    table[symbols, 2] = f << np.uint64(63 - precision)
-    return table.reshape(-1)
+    table = np.zeros(rows * ENC_ROW, np.uint64)
+    for r in range(rows):
+        table[r * ENC_ROW + 1] = _ABSENT
+    total = np.uint64(1) << np.uint64(precision)
+    start = np.uint64(0)
+    for i in range(symbols.size):
+        f = np.uint64(freq[i])
+        row = symbols[i] * ENC_ROW
+        if f == _ONE:
+            rcp, rshift, bias = ~np.uint64(0), np.uint64(0), start + total - _ONE
+        else:
+            shift = np.uint64(0)
+            while (_ONE << shift) < f:
+                shift += _ONE
+            rem = _ONE << (shift - _ONE)
+            high = (rem << _S32) // f
+            rem = (rem << _S32) % f
+            low = ((rem << _S32) + f - _ONE) // f
+            rcp, rshift, bias = (high << _S32) + low, shift - _ONE, start
+        table[row] = rcp
+        table[row + 1] = bias | ((total - f) << _S25) | (rshift << _S50)
+        table[row + 2] = f << np.uint64(63 - precision)
+        start += f
+    return table
 
 
-def direct_table(symbols: np.ndarray, freq: np.ndarray, precision: int) -> tuple[np.ndarray, np.ndarray]:
+@njit(cache=True, nogil=True)
+def direct_table(symbols, freq, precision):
     """The decoder's tables of ``2**precision`` slots: ``f << 16 | slot - c`` (uint32) and the symbol."""
-    rank = np.repeat(np.arange(freq.size), freq)
-    start = np.zeros(freq.size, np.int64)
-    np.cumsum(freq[:-1], out=start[1:])
-    offset = np.arange(1 << precision, dtype=np.int64) - start[rank]
-    return ((freq[rank] << 16) | offset).astype(np.uint32), symbols[rank]
+    size = 1 << precision
+    freq_offset = np.empty(size, np.uint32)
+    symbol = np.empty(size, symbols.dtype)
+    slot = 0
+    for i in range(freq.size):
+        f = freq[i]
+        for off in range(f):
+            freq_offset[slot + off] = (f << 16) | off
+            symbol[slot + off] = symbols[i]
+        slot += f
+    return freq_offset, symbol
 
 
 def bucket_table(freq: np.ndarray, precision: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -189,6 +239,17 @@ def _encode_block(symbols, lo, hi, lanes, table, out, floor, end):
     fast = lanes == FAST_LANES
     # Backwards: the last partial round, then the full rounds (fast path for 8 lanes).
     stop = full if fast else lo
+    if lanes == 1:  # one state, held in a register
+        x = _LOW
+        seen = np.uint64(0)
+        for i in range(hi - 1, lo - 1, -1):
+            if wp < low:
+                return wp, False
+            x, wp, packed = _enc_step(x, wp, out, table, symbols[i])
+            seen |= packed
+        states[0] = x
+        ok = (seen & _ABSENT) == np.uint64(0)
+        stop = hi
     for i in range(hi - 1, stop - 1, -1):
         if wp < low:
             return wp, False
@@ -267,6 +328,20 @@ def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, lo
     freq_offset, symbol, bucket, cum, present = lookup
     mask = np.uint64((1 << precision) - 1)
     p = np.uint64(precision)
+    if lanes == 1 and freq_offset.size:  # one state, held in a register
+        x = states[0]
+        for k in range(i, hi):
+            slot = x & mask
+            e = np.uint64(freq_offset[slot])
+            out[k] = symbol[slot]
+            x = (e >> _S16) * (x >> p) + (e & _M16)
+            if x < _LOW:
+                if rp >= end:
+                    return 2, rp
+                x = (x << _S32) | np.uint64(words[rp])
+                rp += 1
+        states[0] = x
+        return 0, rp
     bits = 0
     while (1 << bits) < bucket.size:
         bits += 1
