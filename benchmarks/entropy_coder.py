@@ -51,7 +51,7 @@ import numba
 import numpy as np
 import torch
 
-from benchmarks.codec_throughput import parse_size
+from benchmarks.codec_throughput import parse_size, row
 from fedquant.codecs import get_codec
 from fedquant.codecs.coders.layout import read_side
 from fedquant.codecs.threads import set_kernel_threads
@@ -230,10 +230,6 @@ def huff0_row(huf: ctypes.CDLL, symbols: np.ndarray, threads: Threads) -> tuple[
 
 
 # ---------------------------------------------------------------------------------------------- tables
-def row(cells: list[str], widths: list[int]) -> str:
-    return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-
-
 def mps(n: int, seconds: float) -> str:
     return f"{n / seconds / 1e6:,.0f}"
 
