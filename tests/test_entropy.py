@@ -301,6 +301,30 @@ def test_torch_tensors_code_to_the_same_bytes():
     np.testing.assert_array_equal(symbol_counts(as_tensor, num_symbols), symbol_counts(symbols, num_symbols))
 
 
+@pytest.mark.parametrize("case", ["qsgd-s4-levels", "gaussian-4096"])
+def test_the_device_route_counts_on_the_device_and_codes_the_same_bytes(case, monkeypatch):
+    """The CUDA route (range check and torch.bincount where the tensor is, then a host copy),
+    run on CPU tensors: what the CUDA tests check on a GPU, minus the device."""
+    import fedquant.wire.entropy as entropy
+
+    monkeypatch.setattr(entropy, "_is_device_tensor", entropy._is_tensor)
+    symbols, num_symbols = CASES[case]
+    data = entropy_encode(symbols, num_symbols)
+    tensor = torch.from_numpy(symbols.astype(np.int64))
+    np.testing.assert_array_equal(
+        entropy.symbol_counts(tensor, num_symbols), np.bincount(symbols, minlength=num_symbols)
+    )
+    np.testing.assert_array_equal(entropy.entropy_encode(tensor, num_symbols), data)
+    counts = np.bincount(symbols, minlength=num_symbols)
+    np.testing.assert_array_equal(entropy.entropy_encode(tensor, num_symbols, counts=counts), data)
+    beyond = tensor.clone()
+    beyond[3] = 257 if num_symbols <= 256 else num_symbols  # 257 would wrap to 1 in the uint8 host copy
+    with pytest.raises(ValueError, match=f"0..{num_symbols - 1}"):
+        entropy.entropy_encode(beyond, num_symbols, counts=counts)
+    with pytest.raises(ValueError, match="integers"):
+        entropy.symbol_counts(tensor.float(), num_symbols)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", ["qsgd-s4-levels", "gaussian-4096", "several-blocks"])
 def test_cuda_tensors_code_to_the_same_bytes(case):

@@ -64,7 +64,6 @@ MAX_COUNT = 1 << 38  # counts * 2**24 must fit in int64
 MAX_PRECISION = 24  # frequencies are integers summing to 2**P, P <= MAX_PRECISION
 MIN_BLOCK_LOG2 = 10
 MAX_BLOCK_LOG2 = 32  # a block's length in words fits a uint32
-MAX_LANES_LOG2 = 3
 _MAX_CODEWORD_BITS = 76  # Elias omega codeword of 2**64 - 1
 _MULTI_BLOCK = 0x80
 _DIRECT_MIN = 1 << 12  # a direct decode table of up to max(this, 8 n) entries
@@ -154,12 +153,7 @@ def symbol_counts(symbols, num_symbols: int) -> np.ndarray:
     """
     _check_num_symbols(num_symbols)
     if _is_device_tensor(symbols):
-        flat = symbols.reshape(-1)
-        if flat.is_floating_point() or flat.is_complex():
-            raise ValueError(f"symbols must be integers, got dtype {flat.dtype}")
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_symbols):
-            raise ValueError(f"symbols must lie in 0..{num_symbols - 1}, got {int(flat.min())}..{int(flat.max())}")
-        return flat.to(dtype=_torch_int64()).bincount(minlength=num_symbols).cpu().numpy()
+        return _device_counts(_checked_on_device(symbols, num_symbols), num_symbols)
     if _is_tensor(symbols):
         symbols = symbols.numpy()
     canon, _ = _canonical(symbols, num_symbols)
@@ -174,10 +168,27 @@ def _is_device_tensor(x) -> bool:
     return _is_tensor(x) and x.device.type != "cpu"
 
 
-def _torch_int64():
+def _checked_on_device(symbols, num_symbols: int):
+    """A device tensor's symbols, flat, their dtype and range checked where they are."""
+    flat = symbols.reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        raise ValueError(f"symbols must be integers, got dtype {flat.dtype}")
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_symbols):
+        raise ValueError(f"symbols must lie in 0..{num_symbols - 1}, got {int(flat.min())}..{int(flat.max())}")
+    return flat
+
+
+def _device_counts(flat, num_symbols: int) -> np.ndarray:
     import torch
 
-    return torch.int64
+    return flat.to(torch.int64).bincount(minlength=num_symbols).cpu().numpy()
+
+
+def _to_host(flat, num_symbols: int) -> np.ndarray:
+    """Checked device symbols as a host array: uint8 for alphabets up to 256 (what travels), else int32."""
+    import torch
+
+    return flat.to(torch.uint8 if num_symbols <= 256 else torch.int32).cpu().numpy()
 
 
 def _information_bits(counts: np.ndarray) -> float:
@@ -295,9 +306,10 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
     """
     _check_num_symbols(num_symbols)
     if _is_device_tensor(symbols):
+        flat = _checked_on_device(symbols, num_symbols)
         if counts is None:
-            counts = symbol_counts(symbols, num_symbols)
-        symbols = symbols.reshape(-1).to(dtype=_torch_dtype(num_symbols)).cpu().numpy()
+            counts = _device_counts(flat, num_symbols)
+        symbols = _to_host(flat, num_symbols)
     elif _is_tensor(symbols):
         symbols = symbols.numpy()
     canon, checked = _canonical(symbols, num_symbols)
@@ -321,12 +333,6 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
         top = int(present[-1]) if checked or counts_given is None else max(int(present[-1]), int(canon.max()))
         rows = top + 1
     return encode_section(canon, present, freq, layout, header, rows)
-
-
-def _torch_dtype(num_symbols: int):
-    import torch
-
-    return torch.uint8 if num_symbols <= 256 else torch.int32
 
 
 def encode_section(
