@@ -119,7 +119,9 @@ def bases(spec: str) -> tuple[object, list[Base]]:
         except ValueError:  # beyond what this codec sends (float16 levels of 3e38): not a base
             continue
         out.append(Base(payload, tuple(x.shape), x.dtype, seed, side, coded_offset(codec, x.numel())))
-    if "coding=entropy" in spec:
+    if "coding=entropy" in spec and codec.quantizer.num_symbols():
+        # One section of one alphabet re-laid in blocks of 8 lanes (ecdq's many small tables, of
+        # alphabets of their own, get the multi-block layouts from forged_entropy instead).
         x = torch.randn(5000, generator=torch.Generator().manual_seed(2025))
         side = x + 0.01 if codec.needs_side_info else None
         payload = relaid(codec, codec.encode(x, seed=2000), x.numel())

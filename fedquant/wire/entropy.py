@@ -120,20 +120,18 @@ def _canonical(symbols: np.ndarray, num_symbols: int) -> tuple[np.ndarray, bool]
     return s, checked
 
 
-def _histogram(symbols: np.ndarray) -> np.ndarray:
-    """Counts of every value of canonical ``symbols`` (256 or 65536 bins), in one parallel pass."""
+def _counts_of(symbols: np.ndarray, num_symbols: int) -> np.ndarray:
+    """The histogram of canonical ``symbols`` over ``num_symbols`` bins, in one parallel pass.
+
+    ValueError for symbols beyond the alphabet. The tables are sized by the alphabet, so a
+    short stream of a large alphabet's dtype (uint16) costs no 65536-bin table.
+    """
     from fedquant.wire import rans
 
     parts = max(1, min(64 if symbols.itemsize == 1 else 8, symbols.size // _HISTOGRAM_PART))
-    return rans.histogram(symbols, parts)
-
-
-def _counts_of(symbols: np.ndarray, num_symbols: int) -> np.ndarray:
-    """The histogram of canonical ``symbols`` over ``num_symbols`` bins; ValueError for symbols beyond."""
-    counts = _histogram(symbols)
-    if counts[num_symbols:].any():
-        seen = np.flatnonzero(counts)
-        raise ValueError(f"symbols must lie in 0..{num_symbols - 1}, got {int(seen[0])}..{int(seen[-1])}")
+    counts = rans.histogram(symbols, parts, num_symbols)
+    if counts[num_symbols]:
+        raise ValueError(f"symbols must lie in 0..{num_symbols - 1}, got {int(symbols.min())}..{int(symbols.max())}")
     return counts[:num_symbols]
 
 

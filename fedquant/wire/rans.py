@@ -414,34 +414,35 @@ def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
 
 # ---------------------------------------------------------------------------------------------- histogram
 @parallel_kernel
-def histogram(symbols, parts):
-    """Counts of every value of ``symbols`` (uint8: 256 bins, uint16: 65536), in ``parts`` parallel pieces.
+def histogram(symbols, parts, bins):
+    """Counts of ``symbols`` in ``parts`` parallel pieces: ``bins + 1`` entries, the last for values ``>= bins``.
 
-    Small alphabets keep four tables, filled in turn, so a run of one symbol does not wait on its
-    own counter's last increment.
+    Alphabets up to 4096 keep four tables per piece, filled in turn, so a run of one symbol does
+    not wait on its own counter's last increment.
     """
     n = symbols.size
-    bins = 256 if symbols.itemsize == 1 else 65536
-    ways = 4 if bins == 256 else 1
+    width = bins + 1
+    ways = 4 if bins <= 4096 else 1
     per = (n + parts - 1) // parts
-    tables = np.zeros((parts, ways * bins), np.int64)
+    tables = np.zeros((parts, ways * width), np.int64)
+    top = np.uint64(bins)
     for part in prange(parts):
         h = tables[part]
         i = part * per
         hi = min(n, i + per)
         if ways == 4:
             while i + 4 <= hi:
-                h[symbols[i]] += 1
-                h[256 + symbols[i + 1]] += 1
-                h[512 + symbols[i + 2]] += 1
-                h[768 + symbols[i + 3]] += 1
+                h[min(np.uint64(symbols[i]), top)] += 1
+                h[width + min(np.uint64(symbols[i + 1]), top)] += 1
+                h[2 * width + min(np.uint64(symbols[i + 2]), top)] += 1
+                h[3 * width + min(np.uint64(symbols[i + 3]), top)] += 1
                 i += 4
         while i < hi:
-            h[symbols[i]] += 1
+            h[min(np.uint64(symbols[i]), top)] += 1
             i += 1
-    counts = np.zeros(bins, np.int64)
+    counts = np.zeros(width, np.int64)
     for part in range(parts):
         for w in range(ways):
-            for v in range(bins):
-                counts[v] += tables[part, w * bins + v]
+            for v in range(width):
+                counts[v] += tables[part, w * width + v]
     return counts
