@@ -4,7 +4,9 @@ A *family* is a codec spec (one per registered codec and coding it offers, plus 
 variants); its *bases* are valid payloads of a handful of tensors. :func:`mutate` turns a base
 into one case: bit flips, truncation, extension, splices of two payloads, byte overwrites in
 the body, header rewrites (dtype, shape, spec, body length, version) and forged Elias / rANS
-sections behind the real bucket scales. Most mutations rebuild the envelope with a valid CRC,
+sections behind the real bucket scales. Entropy-coded families also get a base whose rANS
+section is laid out in several blocks of 8 lanes (:func:`relaid`), which the encoder itself
+picks only for streams of millions of symbols. Most mutations rebuild the envelope with a valid CRC,
 which otherwise stops almost everything before the body parsers. The harness that runs the
 cases is :mod:`benchmarks.fuzzing`.
 """
@@ -117,7 +119,47 @@ def bases(spec: str) -> tuple[object, list[Base]]:
         except ValueError:  # beyond what this codec sends (float16 levels of 3e38): not a base
             continue
         out.append(Base(payload, tuple(x.shape), x.dtype, seed, side, coded_offset(codec, x.numel())))
+    if "coding=entropy" in spec and codec.quantizer.num_symbols():
+        # One section of one alphabet re-laid in blocks of 8 lanes (ecdq's many small tables, of
+        # alphabets of their own, get the multi-block layouts from forged_entropy instead).
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(2025))
+        side = x + 0.01 if codec.needs_side_info else None
+        payload = relaid(codec, codec.encode(x, seed=2000), x.numel())
+        codec.decode(payload, 2000, side)
+        out.append(Base(payload, tuple(x.shape), x.dtype, 2000, side, coded_offset(codec, x.numel())))
     return codec, out
+
+
+def relaid(codec, payload: bytes, numel: int, lanes: int = 8, block_log2: int = 10) -> bytes:
+    """``payload`` with its rANS section re-coded in blocks of ``2**block_log2`` symbols of ``lanes`` lanes.
+
+    The same symbols and count table: the payload decodes to the same tensor.
+    """
+    from fedquant.wire.entropy import Layout, choose_layout, encode_section, entropy_decode, quantize_counts
+
+    spec_b, dtype_code, shape, body = _fields(payload)
+    offset = coded_offset(codec, numel)
+    for transform in codec.wire_transforms:
+        numel = transform.output_numel(numel)
+    k = codec.quantizer.num_symbols()
+    section = np.frombuffer(body[offset:], np.uint8)
+    symbols = entropy_decode(section, numel, k)
+    counts = np.bincount(symbols, minlength=k)
+    present = np.flatnonzero(counts)
+    precision = choose_layout(counts[present], numel)[0].precision
+    freq = quantize_counts(counts[present], numel, precision)
+    table = section[: section.size - _rans_bytes(section, numel, k)]
+    coded = encode_section(symbols, present, freq, Layout(precision, lanes, block_log2), table)
+    return envelope(spec_b, dtype_code, shape, body[:offset] + coded.tobytes())
+
+
+def _rans_bytes(section: np.ndarray, count: int, k: int) -> int:
+    """Bytes of an entropy section after its count table."""
+    from fedquant.wire.elias import elias_omega_decode_prefix
+
+    (distinct,), _ = elias_omega_decode_prefix(section, 1, min(k, count))
+    _, nbits = elias_omega_decode_prefix(section, 1 + 2 * int(distinct), max(k, count))
+    return section.size - (nbits + 7) // 8
 
 
 # ---------------------------------------------------------------------------------------------- envelopes
@@ -201,7 +243,12 @@ def forged_elias(rng: np.random.Generator) -> bytes:
 
 
 def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
-    """A count table (consistent with ``count`` or not) followed by random rANS words."""
+    """A count table (consistent with ``count`` or not), then a rANS section of random words.
+
+    The section's header is mostly plausible (a precision the table allows, any lanes, sometimes
+    several blocks with lengths that add up or not), and the first words are often valid coder
+    states, so the forgeries reach the block decoders.
+    """
     from fedquant.wire.elias import elias_omega_encode
 
     k = int(rng.choice([1, 2, 2, 3, 5, int(rng.integers(1, 2000))]))
@@ -214,11 +261,24 @@ def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
     table = np.empty(1 + 2 * k, np.int64)
     table[0], table[1::2], table[2::2] = k, gaps, counts
     head, _ = elias_omega_encode(table)
-    nwords = int(rng.choice([0, 1, 2, 3, int(rng.integers(0, 40))]))
+    lanes_log2 = int(rng.integers(0, 4))
+    precision = int(rng.integers(max(1, (k - 1).bit_length()), 25)) if rng.random() < 0.8 else int(rng.integers(1, 33))
+    nwords = int(rng.choice([0, 1, 2, 3, 16, int(rng.integers(0, 80))]))
     words = rng.integers(0, 2**32, nwords, dtype=np.uint64).astype("<u4")
-    if nwords >= 2 and rng.random() < 0.5:  # a valid initial state in [2**31, 2**63)
-        words[0] = rng.integers(1, 2**31)
-    return head.tobytes() + words.tobytes()
+    if rng.random() < 0.6:  # valid initial states in [2**31, 2**63): high words below 2**31
+        words[1 : 2 << lanes_log2 : 2] = rng.integers(1, 2**31, words[1 : 2 << lanes_log2 : 2].size)
+    section = [bytes([(precision - 1) & 0x1F | lanes_log2 << 5])]
+    if rng.random() < 0.3:  # several blocks: a block size, then the lengths of all blocks but the last
+        block_log2 = int(rng.integers(10, 14)) if rng.random() < 0.8 else int(rng.integers(0, 256))
+        blocks = max(2, -(-count // (1 << min(block_log2, 40)))) if rng.random() < 0.8 else int(rng.integers(1, 6))
+        split = rng.integers(0, max(1, nwords), min(blocks - 1, 64))
+        lengths = (
+            np.diff(np.concatenate([[0], np.sort(split)])) if rng.random() < 0.7 else rng.integers(0, 2**32, split.size)
+        )
+        section = [bytes([section[0][0] | 0x80, block_log2 & 0xFF]), lengths.astype("<u4").tobytes()]
+    elif rng.random() < 0.1:
+        section = [bytes([int(rng.integers(0, 256))])]
+    return head.tobytes() + b"".join(section) + words.tobytes()
 
 
 def forged_stages(rng: np.random.Generator, count: int) -> bytes:

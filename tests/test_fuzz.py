@@ -72,3 +72,30 @@ def test_harness_reports_crash_hang_and_nonfinite():
     assert outcomes == {(3, "crash"), (7, "hang"), (0, "nonfinite")}, report.failures
     assert report.total == 12  # the cases after the crash and the hang still ran
     assert set(FAILURES) >= {o for _, o in outcomes}
+
+
+def test_entropy_families_fuzz_the_multi_block_eight_lane_format():
+    """The mutations reach every part of the rANS section: one base of each entropy family is laid
+    out in several blocks of 8 lanes, and forged sections name several blocks too."""
+    from benchmarks.fuzz_mutations import _rans_bytes, forged_entropy
+    from fedquant.wire.payload import read_payload
+
+    def header_byte(section: np.ndarray, count: int, k: int) -> int:
+        return int(section[section.size - _rans_bytes(section, count, k)])
+
+    for spec in ("qsgd:coding=entropy", "rht+qsgd:coding=entropy"):
+        codec, valid = bases(spec)
+        relaid = valid[-1]
+        count = codec.wire_transforms[0].output_numel(5000) if codec.wire_transforms else 5000
+        section = np.frombuffer(bytes(read_payload(relaid.payload).body)[relaid.offset :], np.uint8)
+        flags = header_byte(section, count, codec.quantizer.num_symbols())
+        assert flags & 0x80 and (flags >> 5) & 3 == 3, spec  # several blocks, 8 lanes
+    rng = np.random.default_rng(3)
+    multi = 0
+    for _ in range(300):
+        section = np.frombuffer(forged_entropy(rng, 5000), np.uint8)
+        try:
+            multi += bool(header_byte(section, 5000, 2**16) & 0x80)
+        except (PayloadError, IndexError):  # a table inconsistent with the count, or no header
+            pass
+    assert multi > 30

@@ -32,8 +32,11 @@ from fedquant.errors import PayloadError
 
 MAGIC = b"FQ"
 #: 2: the codec pipeline (every quantizer's spec names its ``coding``; transforms such as ``rht+``
-#: prefix the spec). Version 1 payloads are rejected with a message naming both versions.
-FORMAT_VERSION = 2
+#: prefix the spec). 3: ``coding=entropy`` sections are the interleaved rANS of
+#: :mod:`fedquant.wire.entropy` (a header byte, lanes, blocks). Older payloads are rejected with a
+#: message naming both versions.
+FORMAT_VERSION = 3
+_CHANGED_IN = {3: "version 3 changed the entropy-coded sections (interleaved rANS)"}
 MAX_NDIM = 8
 MAX_SPEC_LEN = 512
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -130,7 +133,10 @@ def read_payload(
     if magic != MAGIC:
         raise PayloadError("payload does not start with the fedquant magic bytes b'FQ'")
     if version != FORMAT_VERSION:
-        raise PayloadError(f"payload format version {version} is not supported (this fedquant reads {FORMAT_VERSION})")
+        why = f": {_CHANGED_IN[version + 1]}" if version + 1 in _CHANGED_IN else ""
+        raise PayloadError(
+            f"payload format version {version} is not supported (this fedquant reads {FORMAT_VERSION}){why}"
+        )
     if dtype_code not in CODE_DTYPES:
         raise PayloadError(f"payload declares unknown dtype code {dtype_code}")
     if ndim > MAX_NDIM:

@@ -1,0 +1,448 @@
+"""Interleaved static rANS and the symbol histogram: the numba kernels of :mod:`fedquant.wire.entropy`.
+
+A coder state is a 64-bit integer in ``[2**31, 2**63)`` with 32-bit renormalization (Duda 2013;
+the layout of Giesen's ``rans64``). A model of precision ``P`` gives each symbol a frequency
+``f >= 1`` and a start ``c`` (frequencies sum to ``M = 2**P``, ``P <= 24``).
+
+* Encoding a symbol: if ``x >= f << (63 - P)`` the low 32 bits of ``x`` go out as a word and ``x``
+  drops them; then ``x = (x // f) * M + x % f + c``. The division is a multiplication by a
+  reciprocal (Alverson's: ``ceil(2**(63 + s) / f)`` with ``s = ceil(log2 f)``, exact for
+  ``x < 2**63``; ``_mulhi64`` gives the upper 64 bits of the 128-bit product).
+* Decoding: ``slot = x % M`` names the symbol whose range ``[c, c + f)`` holds it, then
+  ``x = f * (x >> P) + slot - c``, and if ``x < 2**31`` the next word comes in below.
+
+A block of symbols is coded by ``lanes`` states: symbol ``i`` of the block by lane ``i % lanes``,
+all lanes sharing one stream of words in decoding order (the encoder runs backwards from the
+state ``2**31`` in every lane, writing words from the end of its buffer). The block's stream
+starts with each lane's final state (lane 0 first, low word then high word). Lanes are
+independent chains of multiplications and table reads, so a core overlaps them: with 8 lanes
+held in registers the decoder spends a few cycles per symbol, where one state waits on each
+symbol's table read and multiplication in turn. Blocks are independent streams, coded and decoded
+in parallel.
+
+Decoding reads the symbol and ``f << 16 | slot - c`` from direct tables of ``2**P`` entries
+when ``P <= 16``; for larger models (or a direct
+table too large for a short stream) a table of ``2**B`` buckets of slots (``B <= 16``) names the
+first candidate symbol and a search finds the one that holds the slot (at most ``2**(P - B)``
+steps: the ranges that start inside the bucket).
+
+Kernels do not check the indices they compute from their own tables; every index computed from
+payload words is checked (the state against ``[2**31, 2**63)``, every word read against the
+block's end, once per round of 8 symbols on the fast path), and a decoded block must end with
+every word consumed and every lane back at ``2**31``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from fedquant.codecs.kernels.common import parallel_kernel
+
+STATE_LOW = 1 << 31
+FAST_LANES = 8  # lanes of the register-held fast paths
+MAX_DIRECT_PRECISION = 16  # decode tables of at most 2**16 entries; above, buckets
+BUCKET_BITS = 16
+ENC_ROW = 4  # uint64 per symbol value in the encoder table
+
+_LOW = np.uint64(STATE_LOW)
+_HIGH = np.uint64(1 << 63)
+_ONE = np.uint64(1)
+_S2 = np.uint64(2)
+_S16 = np.uint64(16)
+_S25 = np.uint64(25)
+_S32 = np.uint64(32)
+_S50 = np.uint64(50)
+_M16 = np.uint64(0xFFFF)
+_M24 = np.uint64((1 << 24) - 1)
+_M25 = np.uint64((1 << 25) - 1)
+_M32 = np.uint64(0xFFFFFFFF)
+_ABSENT = np.uint64(1 << 49)  # the spare bit between M - f and the shift in a packed encoder word
+_EIGHT = np.uint64(8)
+# Offsets within a round, unsigned: indices that numba knows are not negative need no wraparound code.
+_U1, _U2, _U3, _U4, _U5, _U6, _U7 = (np.uint64(j) for j in range(1, 8))
+
+
+@intrinsic
+def _mulhi64(typingctx, a, b):
+    """Upper 64 bits of the 128-bit product ``a * b`` (uint64 operands)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        wide = ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------- tables
+@njit(cache=True, nogil=True)
+def quantize_counts(counts, n, precision):
+    """Integer frequencies ``>= 1`` summing to ``2**precision``, about ``counts * 2**precision / n``.
+
+    Floors first; slots left over go to the symbols furthest below their share (largest
+    ``counts * 2**P - f * n``, ties to the lower index), and floors bumped up to 1 that overshoot
+    are taken back from the largest frequencies (ties to the lower index). Integer arithmetic
+    and stable sorts: encoder and decoder agree bit for bit.
+    """
+    total = np.int64(1) << precision
+    k = counts.size
+    freq = np.empty(k, np.int64)
+    excess = -total
+    for i in range(k):
+        freq[i] = max(1, (counts[i] * total) // n)
+        excess += freq[i]
+    if excess > 0:  # the bumps to 1 overshot: take back from the largest frequencies first
+        for i in np.argsort(-freq, kind="mergesort"):
+            take = min(freq[i] - 1, excess)
+            freq[i] -= take
+            excess -= take
+            if excess == 0:
+                break
+    elif excess < 0:  # at most one slot per symbol is missing: to the largest deficits
+        order = np.argsort(freq * n - counts * total, kind="mergesort")
+        for j in range(-excess):
+            freq[order[j]] += 1
+    return freq
+
+
+@njit(cache=True, nogil=True)
+def model_bits(counts, freq, precision):
+    """Bits that ``counts`` cost under frequencies ``freq`` of ``precision`` (the cross-entropy, float)."""
+    total = 0.0
+    for i in range(counts.size):
+        total += counts[i] * (precision - np.log2(freq[i]))
+    return total
+
+
+@njit(cache=True, nogil=True)
+def encoder_table(symbols, freq, rows, precision):
+    """Per symbol value, ``ENC_ROW`` uint64: reciprocal, packed ``bias | M - f << 25 | shift << 50``, ``x_max``.
+
+    ``symbols`` are the present symbol values (increasing, below ``rows``), ``freq`` their
+    frequencies (>= 1, summing to ``2**precision``). Rows of absent values hold only ``ABSENT`` in
+    the packed word: the encoder ORs the packed words it uses and fails if that bit is set.
+    The reciprocal of ``f >= 2`` is ``ceil(2**(63 + s) / f)`` with ``s = ceil(log2 f)``, by long
+    division in 32-bit digits (``2**(63 + s) = 2**(s - 1) * 2**64`` and ``2**(s - 1) < f < 2**24``:
+    every partial remainder shifted by 32 bits fits in 64); ``f = 1`` takes ``2**64 - 1``
+    (``x * (2**64 - 1) >> 64 = x - 1``).
+    """
+    table = np.zeros(rows * ENC_ROW, np.uint64)
+    for r in range(rows):
+        table[r * ENC_ROW + 1] = _ABSENT
+    total = np.uint64(1) << np.uint64(precision)
+    start = np.uint64(0)
+    for i in range(symbols.size):
+        f = np.uint64(freq[i])
+        row = symbols[i] * ENC_ROW
+        if f == _ONE:
+            rcp, rshift, bias = ~np.uint64(0), np.uint64(0), start + total - _ONE
+        else:
+            shift = np.uint64(0)
+            while (_ONE << shift) < f:
+                shift += _ONE
+            rem = _ONE << (shift - _ONE)
+            high = (rem << _S32) // f
+            rem = (rem << _S32) % f
+            low = ((rem << _S32) + f - _ONE) // f
+            rcp, rshift, bias = (high << _S32) + low, shift - _ONE, start
+        table[row] = rcp
+        table[row + 1] = bias | ((total - f) << _S25) | (rshift << _S50)
+        table[row + 2] = f << np.uint64(63 - precision)
+        start += f
+    return table
+
+
+@njit(cache=True, nogil=True)
+def direct_table(symbols, freq, precision):
+    """The decoder's tables of ``2**precision`` slots: ``f << 16 | slot - c`` (uint32) and the symbol."""
+    size = 1 << precision
+    freq_offset = np.empty(size, np.uint32)
+    symbol = np.empty(size, symbols.dtype)
+    slot = 0
+    for i in range(freq.size):
+        f = freq[i]
+        for off in range(f):
+            freq_offset[slot + off] = (f << 16) | off
+            symbol[slot + off] = symbols[i]
+        slot += f
+    return freq_offset, symbol
+
+
+def bucket_table(freq: np.ndarray, precision: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(bucket, cum)``: ``bucket[slot >> (precision - bits)]`` is the first rank whose range may hold ``slot``."""
+    cum = np.zeros(freq.size + 1, np.uint64)
+    np.cumsum(freq, out=cum[1:])
+    starts = np.arange(1 << bits, dtype=np.uint64) << np.uint64(precision - bits)
+    return np.searchsorted(cum[1:], starts, side="right").astype(np.int64), cum
+
+
+# ---------------------------------------------------------------------------------------------- encoder
+@njit(inline="always")
+def _enc_step(x, wp, out, table, s):
+    """Code symbol ``s`` into state ``x``; a word goes to ``out[wp - 1]`` when the state must shrink.
+
+    Returns the new state and ``wp``, and the symbol's packed word (``ABSENT`` set: no frequency).
+    """
+    row = np.uint64(s) << _S2
+    emit = x >= table[row + _S2]
+    out[wp - _ONE] = np.uint32(x & _M32)  # always written, kept only when wp moves
+    wp -= np.uint64(emit)
+    if emit:
+        x >>= _S32
+    packed = table[row + _ONE]
+    q = _mulhi64(x, table[row]) >> (packed >> _S50)
+    return x + (packed & _M25) + q * ((packed >> _S25) & _M24), wp, packed
+
+
+@njit(cache=True, nogil=True)
+def _encode_rounds8(symbols, lo, rounds, table, out, wp, floor, states):
+    """Rounds ``rounds - 1 .. 0`` of 8 symbols from ``symbols[lo]``, states in registers; ``(wp, ok)``."""
+    x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
+    x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
+    seen = np.uint64(0)
+    room = np.uint64(floor) + _EIGHT
+    for r in range(rounds - 1, -1, -1):
+        if wp < room:  # only with symbols the table does not know
+            return wp, False
+        b = np.uint64(lo + 8 * r)
+        x7, wp, p7 = _enc_step(x7, wp, out, table, symbols[b + _U7])
+        x6, wp, p6 = _enc_step(x6, wp, out, table, symbols[b + _U6])
+        x5, wp, p5 = _enc_step(x5, wp, out, table, symbols[b + _U5])
+        x4, wp, p4 = _enc_step(x4, wp, out, table, symbols[b + _U4])
+        x3, wp, p3 = _enc_step(x3, wp, out, table, symbols[b + _U3])
+        x2, wp, p2 = _enc_step(x2, wp, out, table, symbols[b + _U2])
+        x1, wp, p1 = _enc_step(x1, wp, out, table, symbols[b + _U1])
+        x0, wp, p0 = _enc_step(x0, wp, out, table, symbols[b])
+        seen |= p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7
+    states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+    states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+    return wp, (seen & _ABSENT) == np.uint64(0)
+
+
+@njit(cache=True, nogil=True)
+def _encode_block(symbols, lo, hi, lanes, table, out, floor, end):
+    """Code ``symbols[lo:hi]`` into ``out[floor:end]``, ending at ``end``: ``(start, ok)``.
+
+    ``ok`` is False when a symbol has no frequency (an absent row) or the room ran out (which
+    only such a symbol can cause: ``end - floor`` words hold any valid block).
+    """
+    states = np.full(lanes, _LOW, np.uint64)
+    wp = np.uint64(end)
+    low = np.uint64(floor) + _ONE
+    count = hi - lo
+    full = lo + (count // lanes) * lanes
+    ok = True
+    fast = lanes == FAST_LANES
+    # Backwards: the last partial round, then the full rounds (fast path for 8 lanes).
+    stop = full if fast else lo
+    if lanes == 1:  # one state, held in a register
+        x = _LOW
+        seen = np.uint64(0)
+        for i in range(hi - 1, lo - 1, -1):
+            if wp < low:
+                return wp, False
+            x, wp, packed = _enc_step(x, wp, out, table, symbols[i])
+            seen |= packed
+        states[0] = x
+        ok = (seen & _ABSENT) == np.uint64(0)
+        stop = hi
+    for i in range(hi - 1, stop - 1, -1):
+        if wp < low:
+            return wp, False
+        j = (i - lo) % lanes
+        x, wp, packed = _enc_step(states[j], wp, out, table, symbols[i])
+        states[j] = x
+        ok &= (packed & _ABSENT) == np.uint64(0)
+    if fast:
+        wp, good = _encode_rounds8(symbols, lo, (full - lo) // 8, table, out, wp, floor, states)
+        ok &= good
+    if not ok or wp < np.uint64(floor) + np.uint64(2 * lanes):
+        return wp, False
+    for j in range(lanes - 1, -1, -1):  # lane 0's state comes first, low word first
+        wp -= _ONE
+        out[wp] = np.uint32(states[j] >> _S32)
+        wp -= _ONE
+        out[wp] = np.uint32(states[j] & _M32)
+    return wp, True
+
+
+@parallel_kernel
+def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
+    """Code each block of ``block`` symbols into ``out[ends[b - 1]:ends[b]]``; its words start at ``starts[b]``."""
+    n = symbols.size
+    for b in prange(ends.size):
+        lo = b * block
+        floor = ends[b - 1] if b else 0
+        start, good = _encode_block(symbols, lo, min(lo + block, n), lanes, table, out, floor, ends[b])
+        starts[b] = start
+        ok[b] = good
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+@njit(inline="always")
+def _dec_step(x, rp, words, freq_offset, symbol, out, i, mask, precision):
+    slot = x & mask
+    e = np.uint64(freq_offset[slot])
+    out[i] = symbol[slot]
+    x = (e >> _S16) * (x >> precision) + (e & _M16)
+    w = np.uint64(words[rp])  # rp < the block's end: checked once per round
+    refill = x < _LOW
+    if refill:
+        x = (x << _S32) | w
+    return x, rp + np.uint64(refill)
+
+
+@njit(cache=True, nogil=True)
+def _decode_rounds8(words, rp, end, out, lo, rounds, states, precision, freq_offset, symbol):
+    """Full rounds of 8 symbols from ``out[lo]`` while 8 words are left: ``(rp, rounds done)``."""
+    x0, x1, x2, x3 = states[0], states[1], states[2], states[3]
+    x4, x5, x6, x7 = states[4], states[5], states[6], states[7]
+    mask = np.uint64((1 << precision) - 1)
+    p = np.uint64(precision)
+    rp = np.uint64(rp)
+    last = np.uint64(end - 8)  # the caller guarantees end >= 16
+    r = 0
+    while r < rounds and rp <= last:
+        b = np.uint64(lo + 8 * r)
+        x0, rp = _dec_step(x0, rp, words, freq_offset, symbol, out, b, mask, p)
+        x1, rp = _dec_step(x1, rp, words, freq_offset, symbol, out, b + _U1, mask, p)
+        x2, rp = _dec_step(x2, rp, words, freq_offset, symbol, out, b + _U2, mask, p)
+        x3, rp = _dec_step(x3, rp, words, freq_offset, symbol, out, b + _U3, mask, p)
+        x4, rp = _dec_step(x4, rp, words, freq_offset, symbol, out, b + _U4, mask, p)
+        x5, rp = _dec_step(x5, rp, words, freq_offset, symbol, out, b + _U5, mask, p)
+        x6, rp = _dec_step(x6, rp, words, freq_offset, symbol, out, b + _U6, mask, p)
+        x7, rp = _dec_step(x7, rp, words, freq_offset, symbol, out, b + _U7, mask, p)
+        r += 1
+    states[0], states[1], states[2], states[3] = x0, x1, x2, x3
+    states[4], states[5], states[6], states[7] = x4, x5, x6, x7
+    return np.int64(rp), r
+
+
+@njit(cache=True, nogil=True)
+def _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, lookup):
+    """Symbols ``i .. hi - 1`` one at a time, every word read checked: ``(status, rp)``."""
+    freq_offset, symbol, bucket, cum, present = lookup
+    mask = np.uint64((1 << precision) - 1)
+    p = np.uint64(precision)
+    if lanes == 1 and freq_offset.size:  # one state, held in a register
+        x = states[0]
+        for k in range(i, hi):
+            slot = x & mask
+            e = np.uint64(freq_offset[slot])
+            out[k] = symbol[slot]
+            x = (e >> _S16) * (x >> p) + (e & _M16)
+            if x < _LOW:
+                if rp >= end:
+                    return 2, rp
+                x = (x << _S32) | np.uint64(words[rp])
+                rp += 1
+        states[0] = x
+        return 0, rp
+    bits = 0
+    while (1 << bits) < bucket.size:
+        bits += 1
+    shift = np.uint64(max(precision - bits, 0))
+    for k in range(i, hi):
+        j = (k - lo) % lanes
+        x = states[j]
+        slot = x & mask
+        if freq_offset.size:
+            e = np.uint64(freq_offset[slot])
+            out[k] = symbol[slot]
+            x = (e >> _S16) * (x >> p) + (e & _M16)
+        else:
+            r = bucket[slot >> shift]
+            while cum[r + 1] <= slot:
+                r += 1
+            out[k] = present[r]
+            x = (cum[r + 1] - cum[r]) * (x >> p) + slot - cum[r]
+        if x < _LOW:
+            if rp >= end:
+                return 2, rp
+            x = (x << _S32) | np.uint64(words[rp])
+            rp += 1
+        states[j] = x
+    return 0, rp
+
+
+@njit(cache=True, nogil=True)
+def _decode_block(words, rp, end, out, lo, hi, lanes, precision, lookup):
+    """Decode ``out[lo:hi]`` from ``words[rp:end]``: 0, or 1 bad initial state, 2 words run out,
+    3 words left over, 4 a lane does not end in the coder's initial state.
+
+    ``lookup``: ``(freq_offset, symbol, bucket, cum, present)``, the direct tables (empty when the
+    model decodes through buckets), the buckets and cumulative frequencies, the present symbols.
+    """
+    freq_offset, symbol = lookup[0], lookup[1]
+    if end - rp < 2 * lanes:
+        return 2
+    states = np.empty(lanes, np.uint64)
+    for j in range(lanes):
+        x = np.uint64(words[rp]) | (np.uint64(words[rp + 1]) << _S32)
+        if x < _LOW or x >= _HIGH:
+            return 1
+        states[j] = x
+        rp += 2
+    i = lo
+    if lanes == FAST_LANES and freq_offset.size:
+        rp, done = _decode_rounds8(words, rp, end, out, lo, (hi - lo) // 8, states, precision, freq_offset, symbol)
+        i = lo + 8 * done
+    status, rp = _decode_checked(words, rp, end, out, i, hi, lo, lanes, states, precision, lookup)
+    if status:
+        return status
+    if rp != end:
+        return 3
+    for j in range(lanes):
+        if states[j] != _LOW:
+            return 4
+    return 0
+
+
+@parallel_kernel(count_arg=2)
+def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
+    """Decode each block (``block`` symbols of ``out``) from ``words[offsets[b]:offsets[b + 1]]`` into ``status[b]``."""
+    n = out.size
+    for b in prange(offsets.size - 1):
+        lo = b * block
+        hi = min(lo + block, n)
+        status[b] = _decode_block(words, offsets[b], offsets[b + 1], out, lo, hi, lanes, precision, lookup)
+
+
+# ---------------------------------------------------------------------------------------------- histogram
+@parallel_kernel
+def histogram(symbols, parts, bins):
+    """Counts of ``symbols`` in ``parts`` parallel pieces: ``bins + 1`` entries, the last for values ``>= bins``.
+
+    Alphabets up to 4096 keep four tables per piece, filled in turn, so a run of one symbol does
+    not wait on its own counter's last increment.
+    """
+    n = symbols.size
+    width = bins + 1
+    ways = 4 if bins <= 4096 else 1
+    per = (n + parts - 1) // parts
+    tables = np.zeros((parts, ways * width), np.int64)
+    top = np.uint64(bins)
+    for part in prange(parts):
+        h = tables[part]
+        i = part * per
+        hi = min(n, i + per)
+        if ways == 4:
+            while i + 4 <= hi:
+                h[min(np.uint64(symbols[i]), top)] += 1
+                h[width + min(np.uint64(symbols[i + 1]), top)] += 1
+                h[2 * width + min(np.uint64(symbols[i + 2]), top)] += 1
+                h[3 * width + min(np.uint64(symbols[i + 3]), top)] += 1
+                i += 4
+        while i < hi:
+            h[min(np.uint64(symbols[i]), top)] += 1
+            i += 1
+    counts = np.zeros(width, np.int64)
+    for part in range(parts):
+        for w in range(ways):
+            for v in range(width):
+                counts[v] += tables[part, w * width + v]
+    return counts
