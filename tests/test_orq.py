@@ -265,16 +265,20 @@ def test_serial_and_parallel_versions_agree():
         (kernels.linear_levels, (x, 300, 9)),
         (kernels.two_means_levels, (x, 300)),
         (kernels.partially_biased_levels, (x, 300, 20)),
-        (kernels.round_pack, (*args, 3)),
-        (kernels.round_pack, (*args, 8)),
     ]:
         assert np.array_equal(kernel.parallel(*call), kernel.serial(*call)), kernel.__name__
-    packed = kernels.round_pack(*args, 3)
-    for part in (0, 1):
-        assert np.array_equal(
-            kernels.unpack_gather.parallel(packed, x.size, levels.reshape(-1), 5, 300, 3)[part],
-            kernels.unpack_gather.serial(packed, x.size, levels.reshape(-1), 5, 300, 3)[part],
-        )
+    outputs = {}
+    for version in ("serial", "parallel"):
+        packed = np.empty(packed_size(x.size, 3), np.uint8)
+        getattr(kernels.round_pack_into, version)(*args, 3, packed, np.zeros((3, 0), np.int64))
+        indices, counts = np.empty(x.size, np.uint8), np.zeros((3, 5), np.int64)
+        getattr(kernels.round_pack_into, version)(*args, 8, indices, counts)
+        assert np.array_equal(counts.sum(axis=0), np.bincount(indices, minlength=5))
+        values = np.empty(x.size, np.float32)
+        bad = getattr(kernels.unpack_gather_into, version)(packed, x.size, levels.reshape(-1), 5, 300, 3, values)
+        outputs[version] = (packed, indices, values, bad)
+    for serial, parallel in zip(outputs["serial"], outputs["parallel"], strict=True):
+        assert np.array_equal(serial, parallel)
 
 
 @pytest.mark.parametrize(

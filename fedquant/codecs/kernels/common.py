@@ -43,6 +43,22 @@ against 57-68 us parallel.
 
 Helpers called from kernels stay plain ``njit`` functions (a switched kernel is a Python
 function, not callable from jitted code).
+
+Outputs are allocated by NumPy, not inside kernels
+--------------------------------------------------
+A large array that a kernel allocates (numba's runtime calls ``malloc``; above 32 MiB glibc
+maps fresh memory for every call) is faulted in 4 KiB pages on first write: 2.5 us per page on
+this (virtualized) machine, six times the time of copying the same bytes. NumPy asks the kernel
+for transparent huge pages on arrays of 4 MiB and more (``madvise``), which fault 512 times
+less often. So the Python wrapper of each kernel allocates its outputs with ``np.empty`` and
+the kernel (``*_into``) writes them.
+
+Symbol histograms
+-----------------
+Kernels that produce unpacked symbols for the entropy coder can count them in the same pass
+(the chunk's symbols are still in L1): the chunks are split into :func:`chunk_groups` runs, one
+per thread, each with its own row of a ``(groups, K)`` count table (:func:`add_counts`); the
+rows are summed after the call.
 """
 
 from __future__ import annotations
@@ -51,6 +67,7 @@ import functools
 import types
 from collections.abc import Callable
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -276,3 +293,51 @@ def unpack_from(data, pos, count, width, codes):
         codes[j] = acc & mask
         acc >>= np.uint64(width)
         nbits -= width
+
+
+# ---------------------------------------------------------------- symbol histograms
+def chunk_groups(n: int) -> int:
+    """Runs of chunks a counting kernel splits ``n`` elements into (one count row each).
+
+    One below ``PARALLEL_MIN`` (the serial version), else one per thread numba may use.
+    """
+    chunks = (n + CHUNK - 1) // CHUNK
+    if n < PARALLEL_MIN:
+        return 1
+    return max(1, min(chunks, numba.config.NUMBA_NUM_THREADS))
+
+
+@njit(cache=True, inline="always")
+def group_chunks(g, groups, nchunks):
+    """``(first, end)`` chunk of run ``g`` of ``groups`` (contiguous, sizes within one)."""
+    return (g * nchunks) // groups, ((g + 1) * nchunks) // groups
+
+
+@njit(cache=True)
+def add_counts(codes, m, row):
+    """``row[c] += 1`` for each of ``codes[:m]`` (each below ``row.size``).
+
+    Four interleaved sub-tables while the alphabet is small: a run of equal symbols then does not
+    wait on the previous increment of the same counter.
+    """
+    k = row.size
+    if k <= 1024:
+        sub = np.zeros(4 * k, np.int64)
+        full = m // 4
+        for i in range(full):
+            sub[np.int64(codes[4 * i])] += 1
+            sub[k + np.int64(codes[4 * i + 1])] += 1
+            sub[2 * k + np.int64(codes[4 * i + 2])] += 1
+            sub[3 * k + np.int64(codes[4 * i + 3])] += 1
+        for i in range(4 * full, m):
+            sub[np.int64(codes[i])] += 1
+        for j in range(k):
+            row[j] += (sub[j] + sub[k + j]) + (sub[2 * k + j] + sub[3 * k + j])
+    else:
+        for i in range(m):
+            row[np.int64(codes[i])] += 1
+
+
+def count_table(n: int, num_symbols: int) -> np.ndarray:
+    """A zeroed ``(chunk_groups(n), num_symbols)`` int64 table for a counting kernel."""
+    return np.zeros((chunk_groups(n), num_symbols), np.int64)

@@ -12,7 +12,7 @@ hence these kernels.
 Rounding onto the levels and decoding work on chunks of ``CHUNK`` elements (a multiple of 8, so
 every chunk starts on a byte boundary of the packed stream) and pack or unpack them with the
 shared chunk packer of :mod:`fedquant.codecs.kernels.common` (LSB first, the layout of
-:mod:`fedquant.wire.bitpack`): :func:`round_pack` encodes, :func:`unpack_gather` decodes; at
+:mod:`fedquant.wire.bitpack`): :func:`round_pack_into` encodes, :func:`unpack_gather_into` decodes; at
 width 8 they write and read one byte per index, the unpacked symbols of the entropy coder.
 Random numbers are :func:`fedquant.rng.uniform` computed inline
 (:func:`~fedquant.codecs.kernels.common.uniform24`), so the torch twin's ``random_round``
@@ -25,7 +25,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
+from fedquant.codecs.kernels.common import (
+    CHUNK,
+    add_counts,
+    count_table,
+    group_chunks,
+    pack_into,
+    parallel_kernel,
+    uniform24,
+    unpack_from,
+)
+from fedquant.wire.bitpack import packed_size
 
 
 @njit(inline="always")
@@ -285,8 +295,8 @@ def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes):
 
 
 @parallel_kernel
-def round_pack(x, levels, d, key, nearest, width):
-    """Round ``x`` onto its buckets' ``levels`` and pack the indices at ``width`` bits (at most 8).
+def round_pack_into(x, levels, d, key, nearest, width, out, counts):
+    """Round ``x`` onto its buckets' ``levels`` and pack the indices at ``width`` bits (at most 8) into ``out``.
 
     Parameters
     ----------
@@ -302,24 +312,38 @@ def round_pack(x, levels, d, key, nearest, width):
         Deterministic nearest of two levels instead of unbiased random rounding.
     width : int
         Bits per index; 8 gives one byte per index, the unpacked symbols for the entropy coder.
-
-    Returns
-    -------
-    np.ndarray
+    out : np.ndarray
         uint8, ``ceil(n * width / 8)`` bytes (``fedquant.wire.bitpack.pack_bits`` layout).
+    counts : np.ndarray
+        ``(groups, s)`` int64 (:func:`~fedquant.codecs.kernels.common.count_table`): receives the
+        index histogram of each run of chunks (width 8 only), or ``(groups, 0)`` for none.
     """
     n = x.size
-    out = np.empty((n * width + 7) // 8, np.uint8)
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        if width == 8:  # one byte per index: nothing to pack
-            _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
-        else:
-            codes = np.empty(CHUNK, np.uint8)
-            _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
-            pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
-    return out
+    nchunks = (n + CHUNK - 1) // CHUNK
+    groups = counts.shape[0]
+    for g in prange(groups):
+        first, end = group_chunks(g, groups, nchunks)
+        codes = np.empty(CHUNK, np.uint8)
+        for c in range(first, end):
+            c0 = c * CHUNK
+            c1 = min(c0 + CHUNK, n)
+            if width == 8:  # one byte per index: nothing to pack
+                _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
+                if counts.shape[1]:
+                    add_counts(out[c0:c1], c1 - c0, counts[g])
+            else:
+                _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
+                pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+
+
+def round_pack(
+    x: np.ndarray, levels: np.ndarray, d: int, key: np.uint64, nearest: bool, width: int, count: bool = False
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """:func:`round_pack_into` a new array; with ``count`` (width 8), also the index histogram."""
+    out = np.empty(packed_size(x.size, width), np.uint8)
+    counts = count_table(x.size, levels.shape[1] if count else 0)
+    round_pack_into(x, levels, d, key, nearest, width, out, counts)
+    return (out, counts.sum(axis=0)) if count else out
 
 
 # ---------------------------------------------------------------- decoding
@@ -346,14 +370,13 @@ def _chunk_gather(codes, flat_levels, s, d, c0, c1, out):
 
 
 @parallel_kernel(count_arg=1)
-def unpack_gather(data, n, flat_levels, s, d, width):
-    """Decode ``n`` indices packed at ``width`` bits into their buckets' levels.
+def unpack_gather_into(data, n, flat_levels, s, d, width, out):
+    """Decode ``n`` indices packed at ``width`` bits into their buckets' levels, in ``out``.
 
     ``data`` (uint8) must hold exactly ``ceil(n * width / 8)`` bytes and ``flat_levels`` the
-    ``ceil(n / d) * s`` levels, bucket by bucket (the caller checks). Returns
-    ``(values, number of indices >= s)``; a bad index decodes to 0.
+    ``ceil(n / d) * s`` levels, bucket by bucket (the caller checks). Returns the number of
+    indices ``>= s``; a bad index decodes to 0.
     """
-    out = np.empty(n, np.float32)
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
@@ -365,4 +388,12 @@ def unpack_gather(data, n, flat_levels, s, d, width):
             codes = np.empty(CHUNK, np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
             bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
-    return out, bad.sum()
+    return bad.sum()
+
+
+def unpack_gather(
+    data: np.ndarray, n: int, flat_levels: np.ndarray, s: int, d: int, width: int
+) -> tuple[np.ndarray, int]:
+    """:func:`unpack_gather_into` new float32 values: ``(values, number of indices >= s)``."""
+    out = np.empty(n, np.float32)
+    return out, unpack_gather_into(data, n, flat_levels, s, d, width, out)
