@@ -150,13 +150,19 @@ def kernel_key(seed: int) -> np.uint64:
 
 
 @njit(cache=True, inline="always")
-def uniform24(key: np.uint64, i: np.int64) -> np.float32:
-    """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
+def hash24(key: np.uint64, i: np.int64) -> np.uint64:
+    """The 24 random bits of element ``i`` of the stream with key ``key`` (``uniform24`` times ``2**24``)."""
     z = key + np.uint64(i + 1) * _GAMMA
     z = (z ^ (z >> _S30)) * _MIX1
     z = (z ^ (z >> _S27)) * _MIX2
     z = z ^ (z >> _S31)
-    return np.float32(z >> _SHIFT_U) * _U_SCALE
+    return z >> _SHIFT_U
+
+
+@njit(cache=True, inline="always")
+def uniform24(key: np.uint64, i: np.int64) -> np.float32:
+    """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
+    return np.float32(hash24(key, i)) * _U_SCALE
 
 
 @parallel_kernel(count_arg=1)
@@ -291,6 +297,116 @@ def unpack_from(data, pos, count, width, codes):
             nbits += 8
             p += 1
         codes[j] = acc & mask
+        acc >>= np.uint64(width)
+        nbits -= width
+
+
+@njit(cache=True, inline="always")
+def _emit(out, p, first, byte, edge_pos, edge_val, slot):
+    """Write byte ``p`` of a :func:`pack_at` stream, or keep it as an edge if it is the shared first one."""
+    if p == first:
+        edge_pos[slot] = p
+        edge_val[slot] = byte
+    else:
+        out[p] = byte
+
+
+@njit(cache=True)
+def pack_at(codes, count, width, out, bitpos, edge_pos, edge_val, slot):
+    """Pack ``codes[:count]`` at ``width`` bits into ``out`` from bit ``bitpos`` (any bit, LSB first).
+
+    For streams that chunks fill in parallel at offsets that are not byte aligned: the bytes
+    wholly inside ``[bitpos, bitpos + count * width)`` are written; a first or last byte that
+    neighbouring chunks may share is not, its bits go to ``edge_pos[slot + j]`` /
+    ``edge_val[slot + j]`` (``j`` = 0, 1; position -1 when unused) for :func:`merge_edges`. The
+    byte-aligned middle goes eight symbols at a time through :func:`pack_into`.
+    """
+    edge_pos[slot] = -1
+    edge_pos[slot + 1] = -1
+    first = bitpos >> 3
+    p = first
+    acc = np.uint64(0)
+    nbits = bitpos & 7
+    j = 0
+    while j < count and (bitpos + j * width) & 7:  # head: up to a byte boundary
+        acc |= np.uint64(codes[j]) << np.uint64(nbits)
+        nbits += width
+        j += 1
+        while nbits >= 8:
+            _emit(out, p, first, acc & np.uint64(255), edge_pos, edge_val, slot)
+            acc >>= np.uint64(8)
+            nbits -= 8
+            p += 1
+    if width <= 8 and nbits == 0:
+        groups = (count - j) // 8
+        if groups:
+            pack_into(codes[j : j + 8 * groups], 8 * groups, width, out, p)
+            j += 8 * groups
+            p += groups * width
+    for i in range(j, count):  # tail (everything, for widths above 8)
+        acc |= np.uint64(codes[i]) << np.uint64(nbits)
+        nbits += width
+        while nbits >= 8:
+            _emit(out, p, first, acc & np.uint64(255), edge_pos, edge_val, slot)
+            acc >>= np.uint64(8)
+            nbits -= 8
+            p += 1
+    if nbits:  # a last byte that the next chunk (or the padding) completes
+        k = slot if p == first else slot + 1
+        edge_pos[k] = p
+        edge_val[k] = acc & np.uint64(255)
+
+
+@njit(cache=True)
+def merge_edges(out, edge_pos, edge_val):
+    """Write the shared edge bytes of :func:`pack_at` calls: each the OR of its parts."""
+    for i in range(edge_pos.size):
+        if edge_pos[i] >= 0:
+            out[edge_pos[i]] = 0
+    for i in range(edge_pos.size):
+        if edge_pos[i] >= 0:
+            out[edge_pos[i]] |= edge_val[i]
+
+
+@njit(cache=True)
+def unpack_at(data, bitpos, count, width, codes):
+    """Inverse of :func:`pack_at`: ``count`` symbols of ``width`` bits from bit ``bitpos`` into ``codes``.
+
+    Reads only the bytes that hold those bits.
+    """
+    if count == 0:
+        return
+    mask = np.uint64((1 << width) - 1)
+    p = bitpos >> 3
+    acc = np.uint64(0)
+    nbits = 0
+    skip = bitpos & 7
+    if skip:
+        acc = np.uint64(data[p]) >> np.uint64(skip)
+        nbits = 8 - skip
+        p += 1
+    j = 0
+    while j < count and (bitpos + j * width) & 7:  # head: up to a byte boundary
+        while nbits < width:
+            acc |= np.uint64(data[p]) << np.uint64(nbits)
+            nbits += 8
+            p += 1
+        codes[j] = acc & mask
+        acc >>= np.uint64(width)
+        nbits -= width
+        j += 1
+    if width <= 8 and nbits == 0:
+        groups = (count - j) // 8
+        if groups:
+            unpack_from(data, p, 8 * groups, width, codes[j : j + 8 * groups])
+            j += 8 * groups
+            p += groups * width
+    for i in range(j, count):
+        while nbits < width:
+            acc |= np.uint64(data[p]) << np.uint64(nbits)
+            nbits += 8
+            p += 1
+        codes[i] = acc & mask
         acc >>= np.uint64(width)
         nbits -= width
 

@@ -284,9 +284,7 @@ def _work(runs: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, np
     return arrays
 
 
-def fwht_numba(
-    src: np.ndarray, runs: tuple[tuple[int, int], ...], key: int, inverse: bool
-) -> tuple[np.ndarray, int]:
+def fwht_numba(src: np.ndarray, runs: tuple[tuple[int, int], ...], key: int, inverse: bool) -> tuple[np.ndarray, int]:
     """The randomized Hadamard transform of ``src`` (float32, contiguous) on the CPU.
 
     Parameters
