@@ -260,13 +260,16 @@ def test_serial_and_parallel_versions_agree():
     x = sample_tensor((5 * CHUNK + 77,), seed=7).numpy()
     levels = np.sort(np.random.default_rng(7).standard_normal((-(-x.size // 300), 5)).astype(np.float32), axis=1)
     args = (x, levels, 300, kernel_key(2), False)
-    for kernel, call in [
-        (kernels.orq_levels, (x, 300, 9, *(np.array(a, np.int64) for a in zip(*L.level_schedule(9), strict=True)))),
-        (kernels.linear_levels, (x, 300, 9)),
-        (kernels.two_means_levels, (x, 300)),
-        (kernels.partially_biased_levels, (x, 300, 20)),
+    tree = tuple(np.array(a, np.int64) for a in zip(*L.level_schedule(9), strict=True))
+    none = np.zeros(0, np.int64)
+    for call in [
+        (9, 0, *tree, 0),
+        (9, 1, none, none, none, 0),
+        (2, 2, none, none, none, 0),
+        (2, 3, none, none, none, 20),
     ]:
-        assert np.array_equal(kernel.parallel(*call), kernel.serial(*call)), kernel.__name__
+        select = kernels.select_levels
+        assert np.array_equal(select.parallel(x, 300, *call), select.serial(x, 300, *call)), call[1]
     outputs = {}
     for version in ("serial", "parallel"):
         packed = np.empty(packed_size(x.size, 3), np.uint8)

@@ -37,35 +37,45 @@ from fedquant.codecs.kernels.common import (
 )
 from fedquant.wire.bitpack import packed_size
 
+#: Level selection runs over this many runs of buckets (each with its own scratch buffers).
+BUCKET_GROUPS = 64
 
-@njit(inline="always")
-def _sorted_bucket(x, start, end):
-    """A sorted copy of ``x[start:end]``: LSD radix sort on order-preserving uint32 keys.
 
-    Four passes of 8 bits; about five times faster than ``np.sort`` on 512 values. ``-0.0``
-    sorts before ``0.0`` (they compare equal, so either order is a valid sort).
+@njit(cache=True)
+def _sorted_bucket(x, start, end, keys, spare, count):
+    """``x[start:end]`` sorted, in ``keys`` or ``spare`` (scratch of at least ``end - start``): LSD radix sort.
+
+    Order-preserving uint32 keys, four digits of 8 bits whose histograms are counted in one
+    pass; a digit that is the same for the whole bucket needs no pass. About five times faster
+    than ``np.sort`` on 512 values. ``-0.0`` sorts before ``0.0`` (they compare equal, so either
+    order is a valid sort). ``count`` is scratch of 1024 int64.
     """
     m = end - start
-    keys = x[start:end].view(np.uint32).copy()
+    src = keys[:m]
+    dst = spare[:m]
+    raw = x[start:end].view(np.uint32)
     for i in range(m):
-        k = keys[i]
-        keys[i] = ~k if (k >> np.uint32(31)) else (k | np.uint32(0x80000000))
-    spare = np.empty(m, np.uint32)
-    count = np.empty(256, np.int64)
-    src = keys
-    dst = spare
-    for shift in range(0, 32, 8):
-        sh = np.uint32(shift)
-        count[:] = 0
-        for i in range(m):
-            count[(src[i] >> sh) & np.uint32(255)] += 1
+        k = raw[i]
+        src[i] = ~k if (k >> np.uint32(31)) else (k | np.uint32(0x80000000))
+    count[:] = 0
+    for i in range(m):
+        v = src[i]
+        count[v & np.uint32(255)] += 1
+        count[256 + ((v >> np.uint32(8)) & np.uint32(255))] += 1
+        count[512 + ((v >> np.uint32(16)) & np.uint32(255))] += 1
+        count[768 + (v >> np.uint32(24))] += 1
+    for digit_pass in range(4):
+        base = 256 * digit_pass
+        sh = np.uint32(8 * digit_pass)
+        if count[base + ((src[0] >> sh) & np.uint32(255))] == m:
+            continue  # one value of this digit: the pass would not move anything
         total = 0
         for c in range(256):
-            t = count[c]
-            count[c] = total
+            t = count[base + c]
+            count[base + c] = total
             total += t
         for i in range(m):
-            digit = (src[i] >> sh) & np.uint32(255)
+            digit = base + ((src[i] >> sh) & np.uint32(255))
             dst[count[digit]] = src[i]
             count[digit] += 1
         src, dst = dst, src
@@ -76,25 +86,21 @@ def _sorted_bucket(x, start, end):
 
 
 @njit(inline="always")
-def _prefix(w):
+def _prefix(w, p):
+    """``p[: w.size + 1]``: float64 prefix sums of ``w``, accumulated in order; returns that view."""
     m = w.size
-    p = np.empty(m + 1, np.float64)
     acc = 0.0
     p[0] = 0.0
     for i in range(m):
         acc += np.float64(w[i])
         p[i + 1] = acc
-    return p
+    return p[: m + 1]
 
 
 # ---------------------------------------------------------------- per-bucket level selection
 @njit(cache=True)
-def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _orq_bucket(w, p, s, tree_lo, tree_mid, tree_hi, idx, row):
     m = w.size
-    p = _prefix(w)
-    idx = np.empty(s, np.int64)
     idx[0] = 0
     idx[s - 1] = m - 1
     for t in range(tree_mid.size):
@@ -111,28 +117,23 @@ def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
             pos = min(max(il + j - 1, il), ir)
         idx[tree_mid[t]] = pos
     for k in range(s):
-        out[b, k] = w[idx[k]]
+        row[k] = w[idx[k]]
 
 
 @njit(cache=True)
-def _linear_bucket(x, b, d, s, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _linear_bucket(w, s, row):
     m = w.size
     for k in range(s):
-        out[b, k] = w[max((k * m + (s - 2)) // (s - 1) - 1, 0)]
+        row[k] = w[max((k * m + (s - 2)) // (s - 1) - 1, 0)]
 
 
 @njit(cache=True)
-def _two_means_bucket(x, b, d, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _two_means_bucket(w, p, row):
     m = w.size
     if m < 2:
-        out[b, 0] = w[0]
-        out[b, 1] = w[0]
+        row[0] = w[0]
+        row[1] = w[0]
         return
-    p = _prefix(w)
     mean = p[m] / m
     best = 1
     best_score = -1.0
@@ -143,8 +144,8 @@ def _two_means_bucket(x, b, d, out):
         if score > best_score:
             best_score = score
             best = j
-    out[b, 0] = np.float32(p[best] / np.float64(best))
-    out[b, 1] = np.float32((p[m] - p[best]) / np.float64(m - best))
+    row[0] = np.float32(p[best] / np.float64(best))
+    row[1] = np.float32((p[m] - p[best]) / np.float64(m - best))
 
 
 @njit(inline="always")
@@ -192,15 +193,12 @@ def _pb_update_low(w, p, b1_32):
 
 
 @njit(cache=True)
-def _pb_bucket(x, b, d, max_sweeps, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row):
     m = w.size
-    wr = np.empty(m, np.float32)
+    wr = wr_buf[:m]
     for i in range(m):
         wr[i] = -w[m - 1 - i]
-    p = _prefix(w)
-    pr = _prefix(wr)
+    pr = _prefix(wr, pr_buf)
     b0 = w[(m - 1) // 4]
     b1 = w[(3 * (m - 1)) // 4]
     for _ in range(max_sweeps):
@@ -211,48 +209,71 @@ def _pb_bucket(x, b, d, max_sweeps, out):
         b1 = nb1
         if done:
             break
-    out[b, 0] = b0
-    out[b, 1] = b1
+    row[0] = b0
+    row[1] = b1
 
 
 # ---------------------------------------------------------------- level selection
 @parallel_kernel
-def orq_levels(x, d, s, tree_lo, tree_mid, tree_hi):
-    """ORQ-s levels of every bucket of ``x``, ``(buckets, s)`` float32 (see ``levels_torch.orq_levels``).
+def select_levels(x, d, s, family, tree_lo, tree_mid, tree_hi, max_sweeps):
+    """The ``(buckets, s)`` float32 levels of every bucket of ``x`` for one level family.
 
-    ``tree_*`` are the ``(left, middle, right)`` level indices of ``levels_torch.level_schedule``.
+    ``family``: 0 ORQ (``tree_*``: the ``(left, middle, right)`` level indices of
+    ``levels_torch.level_schedule``), 1 Linear, 2 BinGrad-b (two-means), 3 BinGrad-pb (at most
+    ``max_sweeps`` sweeps). Buckets go in ``BUCKET_GROUPS`` runs, each with its scratch (sort
+    buffers, prefix sums) allocated once; each family is the per-bucket loop of the batched torch
+    function of the same name in ``levels_torch``.
     """
-    out = np.empty(((x.size + d - 1) // d, s), np.float32)
-    for b in prange(out.shape[0]):
-        _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out)
+    n = x.size
+    nb = (n + d - 1) // d
+    out = np.empty((nb, s), np.float32)
+    groups = min(nb, BUCKET_GROUPS)
+    for g in prange(groups):
+        keys = np.empty(d, np.uint32)
+        spare = np.empty(d, np.uint32)
+        count = np.empty(1024, np.int64)
+        p_buf = np.empty(d + 1, np.float64)
+        wr_buf = np.empty(d if family == 3 else 0, np.float32)
+        pr_buf = np.empty(d + 1 if family == 3 else 0, np.float64)
+        idx = np.empty(s, np.int64)
+        for b in range((g * nb) // groups, ((g + 1) * nb) // groups):
+            start = b * d
+            w = _sorted_bucket(x, start, min(start + d, n), keys, spare, count)
+            row = out[b]
+            if family == 1:
+                _linear_bucket(w, s, row)
+                continue
+            p = _prefix(w, p_buf)
+            if family == 0:
+                _orq_bucket(w, p, s, tree_lo, tree_mid, tree_hi, idx, row)
+            elif family == 2:
+                _two_means_bucket(w, p, row)
+            else:
+                _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row)
     return out
 
 
-@parallel_kernel
+_NO_TREE = np.zeros(0, np.int64)
+
+
+def orq_levels(x, d, s, tree_lo, tree_mid, tree_hi):
+    """ORQ-s levels of every bucket of ``x``, ``(buckets, s)`` float32 (see ``levels_torch.orq_levels``)."""
+    return select_levels(x, d, s, 0, tree_lo, tree_mid, tree_hi, 0)
+
+
 def linear_levels(x, d, s):
     """Linear-s levels, ``(buckets, s)`` float32 (see ``levels_torch.linear_levels``)."""
-    out = np.empty(((x.size + d - 1) // d, s), np.float32)
-    for b in prange(out.shape[0]):
-        _linear_bucket(x, b, d, s, out)
-    return out
+    return select_levels(x, d, s, 1, _NO_TREE, _NO_TREE, _NO_TREE, 0)
 
 
-@parallel_kernel
 def two_means_levels(x, d):
     """BinGrad-b levels, ``(buckets, 2)`` float32 (see ``levels_torch.two_means_levels``)."""
-    out = np.empty(((x.size + d - 1) // d, 2), np.float32)
-    for b in prange(out.shape[0]):
-        _two_means_bucket(x, b, d, out)
-    return out
+    return select_levels(x, d, 2, 2, _NO_TREE, _NO_TREE, _NO_TREE, 0)
 
 
-@parallel_kernel
 def partially_biased_levels(x, d, max_sweeps):
     """BinGrad-pb levels, ``(buckets, 2)`` float32 (see ``levels_torch.partially_biased_levels``)."""
-    out = np.empty(((x.size + d - 1) // d, 2), np.float32)
-    for b in prange(out.shape[0]):
-        _pb_bucket(x, b, d, max_sweeps, out)
-    return out
+    return select_levels(x, d, 2, 3, _NO_TREE, _NO_TREE, _NO_TREE, max_sweeps)
 
 
 # ---------------------------------------------------------------- rounding onto the levels
