@@ -239,15 +239,58 @@ def bucket_l1_mean(x: np.ndarray, d: int) -> np.ndarray:
 
 
 @njit(cache=True)
+def _pack_sub_byte(codes, nbytes, width, out, pos):
+    """``nbytes`` whole bytes of symbols of 1, 2 or 4 bits: one output byte per iteration (vectorizes)."""
+    if width == 1:
+        for j in range(nbytes):
+            c = codes[8 * j : 8 * j + 8]
+            out[pos + j] = (
+                (c[0] | (c[1] << 1))
+                | ((c[2] << 2) | (c[3] << 3))
+                | ((c[4] << 4) | (c[5] << 5))
+                | ((c[6] << 6) | (c[7] << 7))
+            )
+    elif width == 2:
+        for j in range(nbytes):
+            out[pos + j] = (codes[4 * j] | (codes[4 * j + 1] << 2)) | (
+                (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+            )
+    else:
+        for j in range(nbytes):
+            out[pos + j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+
+
+@njit(cache=True)
+def _unpack_sub_byte(data, pos, nbytes, width, codes):
+    """Inverse of :func:`_pack_sub_byte`: the symbols of ``nbytes`` whole bytes."""
+    mask = (1 << width) - 1
+    per = 8 // width
+    for j in range(nbytes):
+        byte = data[pos + j]
+        for k in range(per):
+            codes[per * j + k] = (byte >> (k * width)) & mask
+
+
+@njit(cache=True)
 def pack_into(codes, count, width, out, pos):
     """Pack ``codes[:count]`` LSB-first at ``width`` bits into ``out`` from byte ``pos``.
 
-    Widths up to 8 go by groups of 8 symbols, which fill exactly ``width`` bytes; wider symbols
-    and the tail go through a bit accumulator.
+    Widths 1, 2 and 4 go one output byte at a time, width 8 is a copy, other widths up to 8 go
+    by groups of 8 symbols, which fill exactly ``width`` bytes; wider symbols and the tail go
+    through a bit accumulator.
     """
     start = 0
     p = pos
-    if width <= 8:
+    if width == 8:
+        for j in range(count):
+            out[pos + j] = codes[j]
+        return
+    if width == 1 or width == 2 or width == 4:
+        nbytes = (count * width) // 8
+        _pack_sub_byte(codes, nbytes, width, out, pos)
+        start = nbytes * (8 // width)
+        p = pos + nbytes
+    elif width < 8:
         groups = count // 8
         for g in range(groups):
             word = np.uint64(0)
@@ -278,7 +321,16 @@ def unpack_from(data, pos, count, width, codes):
     mask = np.uint64((1 << width) - 1)
     start = 0
     p = pos
-    if width <= 8:
+    if width == 8:
+        for j in range(count):
+            codes[j] = data[pos + j]
+        return
+    if width == 1 or width == 2 or width == 4:
+        nbytes = (count * width) // 8
+        _unpack_sub_byte(data, pos, nbytes, width, codes)
+        start = nbytes * (8 // width)
+        p = pos + nbytes
+    elif width < 8:
         groups = count // 8
         for g in range(groups):
             base = pos + g * width
