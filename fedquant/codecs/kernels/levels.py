@@ -1,8 +1,8 @@
 """Numba kernels of the per-bucket levels family (ORQ, Linear, BinGrad): the CPU path.
 
-Level selection (one bucket per parallel iteration, sorted in cache by a radix sort):
-:func:`orq_levels`, :func:`linear_levels`, :func:`two_means_levels`,
-:func:`partially_biased_levels`. Each is the per-bucket loop of the batched torch function of
+Level selection (:func:`select_levels`: runs of buckets in parallel, each bucket sorted in cache
+by a radix sort into scratch allocated once per run): :func:`orq_levels`, :func:`linear_levels`,
+:func:`two_means_levels`, :func:`partially_biased_levels`. Each is the per-bucket loop of the batched torch function of
 the same name in :mod:`fedquant.codecs.kernels.levels_torch` (the CUDA path), with the same
 arithmetic (float64 prefix sums accumulated in order, the same formulas and tie rules), so both
 paths select the same levels; ``tests/test_orq.py`` and ``tests/test_bingrad.py`` check this. On
