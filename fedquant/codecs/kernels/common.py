@@ -389,13 +389,13 @@ def pack_at(codes, count, width, out, bitpos, edge_pos, edge_val, slot):
             acc >>= np.uint64(8)
             nbits -= 8
             p += 1
-    if width <= 8 and nbits == 0:
-        groups = (count - j) // 8
-        if groups:
-            pack_into(codes[j : j + 8 * groups], 8 * groups, width, out, p)
-            j += 8 * groups
-            p += groups * width
-    for i in range(j, count):  # tail (everything, for widths above 8)
+    if nbits == 0:  # on a byte boundary: whole groups of 8 symbols end on one too
+        whole = 8 * ((count - j) // 8)
+        if whole:
+            pack_into(codes[j : j + whole], whole, width, out, p)
+            j += whole
+            p += whole * width // 8
+    for i in range(j, count):  # tail: its last byte may be shared
         acc |= np.uint64(codes[i]) << np.uint64(nbits)
         nbits += width
         while nbits >= 8:
@@ -424,7 +424,8 @@ def merge_edges(out, edge_pos, edge_val):
 def unpack_at(data, bitpos, count, width, codes):
     """Inverse of :func:`pack_at`: ``count`` symbols of ``width`` bits from bit ``bitpos`` into ``codes``.
 
-    Reads only the bytes that hold those bits.
+    Reads only the bytes that hold those bits: symbol by symbol up to a byte boundary, then
+    :func:`unpack_from`.
     """
     if count == 0:
         return
@@ -438,7 +439,7 @@ def unpack_at(data, bitpos, count, width, codes):
         nbits = 8 - skip
         p += 1
     j = 0
-    while j < count and (bitpos + j * width) & 7:  # head: up to a byte boundary
+    while j < count and (bitpos + j * width) & 7:
         while nbits < width:
             acc |= np.uint64(data[p]) << np.uint64(nbits)
             nbits += 8
@@ -447,20 +448,8 @@ def unpack_at(data, bitpos, count, width, codes):
         acc >>= np.uint64(width)
         nbits -= width
         j += 1
-    if width <= 8 and nbits == 0:
-        groups = (count - j) // 8
-        if groups:
-            unpack_from(data, p, 8 * groups, width, codes[j : j + 8 * groups])
-            j += 8 * groups
-            p += groups * width
-    for i in range(j, count):
-        while nbits < width:
-            acc |= np.uint64(data[p]) << np.uint64(nbits)
-            nbits += 8
-            p += 1
-        codes[i] = acc & mask
-        acc >>= np.uint64(width)
-        nbits -= width
+    if j < count:  # now on a byte boundary, nothing left in the accumulator
+        unpack_from(data, p, count - j, width, codes[j:count])
 
 
 # ---------------------------------------------------------------- symbol histograms

@@ -306,22 +306,30 @@ def sign_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return out, np.array([x.size - ones, ones], np.int64)
 
 
+@njit(cache=True)
+def _chunk_signs(codes, d, scales, c0, c1, out):
+    """``-scale`` where ``codes[i - c0]`` is nonzero, ``+scale`` where it is 0, for elements ``c0 .. c1``."""
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        m = scales[b]
+        cs = codes[i - c0 : hi - c0]
+        ys = out[i:hi]
+        for k in range(hi - i):
+            ys[k] = -m if cs[k] else m
+        i = hi
+
+
 @parallel_kernel(count_arg=1)
 def sign_unpack_into(data, n, d, scales, out):
     """``-scale`` where the bit is 1, ``+scale`` where it is 0, bucket by bucket, into ``out``."""
-    nchunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
+    for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        i = c0
-        while i < c1:
-            b = i // d
-            hi = min((b + 1) * d, c1)
-            m = scales[b]
-            for j in range(i, hi):
-                bit = (data[j >> 3] >> (j & 7)) & 1
-                out[j] = -m if bit else m
-            i = hi
+        bits = np.empty(CHUNK, np.uint8)
+        unpack_from(data, c0 // 8, c1 - c0, 1, bits)
+        _chunk_signs(bits, d, scales, c0, c1, out)
 
 
 def sign_unpack(data: np.ndarray, n: int, d: int, scales: np.ndarray) -> np.ndarray:
@@ -338,16 +346,7 @@ def sign_values_into(codes, d, scales, out):
     for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        i = c0
-        while i < c1:
-            b = i // d
-            hi = min((b + 1) * d, c1)
-            m = scales[b]
-            cs = codes[i:hi]
-            ys = out[i:hi]
-            for k in range(hi - i):
-                ys[k] = -m if cs[k] else m
-            i = hi
+        _chunk_signs(codes[c0:c1], d, scales, c0, c1, out)
 
 
 def sign_values(codes: np.ndarray, d: int, scales: np.ndarray) -> np.ndarray:
