@@ -79,6 +79,11 @@ SPECS = [
     "eden:bits=0.1",
     "eden:bits=0.999",
     "eden:bits=7.5",
+    "ecdq",
+    "ecdq:coding=fixed",
+    "ecdq:bits=2,lattice=z",
+    "ecdq:bits=0.5,lattice=e8,coding=fixed",
+    "ecdq:bits=4",
 ]
 SIZES = [1, 7, 100, 512, 1000, 4097, 65537, 300_001]
 QUICK_SIZES = [1, 7, 100, 512, 1000, 4097]
