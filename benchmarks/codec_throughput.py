@@ -307,13 +307,16 @@ def main(argv: list[str] | None = None) -> int:
             ]
             print(row(data, widths))
     print()
-    if target_size not in sizes or "core" not in modes:
+    checked = target_size in sizes and "core" in modes
+    if not checked:
         print(f"(per-core targets apply at {target_size:,} elements with --modes core: not checked in this run)")
     if failures:
         print("TARGETS MISSED:")
         for f in failures:
             print("  " + f)
         return 1
+    if not checked:
+        return 0
     print(
         f"all targets met per core at {target_size:,} elements: fixed-width codecs within 3x of an in-place copy "
         f"({', '.join(FIXED_WIDTH_PATHS)}), rht+ and EDEN within 6x ({', '.join(RHT_PATHS)})"
