@@ -36,20 +36,37 @@ REPRESENTATIVE: dict[str, list[str]] = {
     "ecdq": ["ecdq", "ecdq:coding=fixed", "ecdq:bits=2", "ecdq:bits=2,lattice=z", "ecdq:bits=4"],
 }
 
-#: Settings that the throughput target (>= 1/15 of an in-place copy) applies to.
-FAST_PATHS = ("qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=7", "terngrad", "signsgd", "dqsg", "ndqsg")
+#: Fixed-width settings: quantize + pack and unpack + dequantize as single passes (the
+#: throughput benchmark's 3x-a-copy target per core).
+FIXED_WIDTH_PATHS = (
+    "qsgd",
+    "qsgd:levels=1,bucket_size=128",
+    "qsgd:levels=7",
+    "terngrad",
+    "signsgd",
+    "dqsg",
+    "ndqsg",
+    "orq",
+    "linear",
+    "bingrad-b",
+    "bingrad-pb",
+)
 
-#: Settings behind the ``rht+`` rotation (after the registered codecs' rows); their target is
-#: ``RHT_TARGET_FACTOR`` times an in-place copy.
+#: Settings behind the ``rht+`` rotation, EDEN at integer and fractional bits (after the
+#: registered codecs' rows; the throughput benchmark's 6x-a-copy target per core).
 RHT_PATHS = (
     "rht+fp32",
     "rht+qsgd:levels=7",
     "rht+dqsg",
-    "rht+dqsg:levels=2,coding=entropy",
     "rht+ndqsg",
     "eden:bits=1",
     "eden:bits=2",
+    "eden:bits=1.037",
+    "eden:bits=0.5",
 )
+
+#: Entropy-coded settings behind the rotation (rows without a target here).
+RHT_ENTROPY_PATHS = ("rht+dqsg:levels=2,coding=entropy", "eden:bits=2,coding=entropy")
 
 
 @dataclass
@@ -69,7 +86,7 @@ def all_specs(only: list[str] | None = None) -> list[str]:
     for name in REPRESENTATIVE:
         if name not in available_codecs():
             specs += REPRESENTATIVE[name]
-    specs += RHT_PATHS
+    specs += RHT_PATHS + RHT_ENTROPY_PATHS
     if only:
         specs = [s for s in specs if s in only or s.split(":")[0] in only] + [
             s for s in only if s not in specs and (":" in s or "+" in s)

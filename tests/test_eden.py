@@ -20,6 +20,7 @@ import torch
 
 from fedquant import PayloadError
 from fedquant.codecs import Codec, get_codec
+from fedquant.codecs.kernels import common, eden
 from fedquant.codecs.kernels.common import PARALLEL_MIN
 from fedquant.codecs.quantizers.eden import EdenQuantizer, eden_vnmse, lloyd_max, lloyd_max_distortion
 from fedquant.wire.bitpack import packed_size
@@ -290,7 +291,17 @@ SIZES = [0, 1, 7, 300, 1000, PARALLEL_MIN - 3, PARALLEL_MIN + 777]
 
 @pytest.mark.parametrize(
     "spec",
-    ["eden:bits=1", "eden:bits=3,bucket_size=64", "eden:bits=8", "eden:bits=2,coding=entropy,bucket_size=128"],
+    [
+        "eden:bits=1",
+        "eden:bits=3,bucket_size=64",
+        "eden:bits=8",
+        "eden:bits=2,coding=entropy,bucket_size=128",
+        "eden:bits=1.037",
+        "eden:bits=2.5,bucket_size=64",
+        "eden:bits=0.5",
+        "eden:bits=0.001",
+        "eden:bits=7.9",
+    ],
 )
 def test_kernels_give_the_torch_bytes_and_values(spec):
     """Same payload bytes and decoded values on both paths (sizes across the serial/parallel switch,
@@ -308,6 +319,38 @@ def test_kernels_give_the_torch_bytes_and_values(spec):
             assert torch.equal(decoded, twin.decode(payload, seed=seed, shape=(n,))), (n, seed)
             if n:
                 assert 0 < float(decoded @ x) / float(x @ x) < 2  # an estimate of x, not noise
+
+
+@pytest.mark.parametrize("bits", [1.3, 0.2])
+def test_split_plan_fallback_gives_the_same_bytes(bits, monkeypatch):
+    """A threshold outside the counting window (forced by a window of 0.01 standard deviations)
+    takes the exact path over all uniforms: same plan, same bytes."""
+    codec = get_codec(f"eden:bits={bits}")
+    x = gaussian(3 * PARALLEL_MIN + 5, 4)
+    payload = codec.encode(x, seed=6)
+    decoded = codec.decode(payload, seed=6)
+    calls = []
+    exact = eden._plan_exact
+    monkeypatch.setattr(eden, "_plan_exact", lambda *a: calls.append(a) or exact(*a))
+    monkeypatch.setattr(eden, "WINDOW_SIGMAS", 0.01)
+    assert codec.encode(x, seed=6) == payload
+    assert torch.equal(codec.decode(payload, seed=6), decoded)
+    assert len(calls) == 2  # encode and decode both fell back
+
+
+@pytest.mark.parametrize("n", [1, 100, 2 * common.CHUNK + 3, 5 * common.CHUNK])
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.5, 0.999, 1.0])
+def test_split_plan_chooses_the_smallest_uniforms_chunk_by_chunk(n, fraction):
+    key = np.uint64(12345)
+    k = min(n, int(fraction * n))
+    threshold, r, hi_before, ties_before = eden.split_plan(key, n, k)
+    u24 = (common.uniform_stream(key, n, 0) * np.float32(1 << 24)).astype(np.int64)
+    order = np.lexsort((np.arange(n), u24))
+    chosen = np.zeros(n, bool)
+    chosen[order[:k]] = True
+    assert np.array_equal(chosen, (u24 < threshold) | ((u24 == threshold) & (np.cumsum(u24 == threshold) <= r)))
+    starts = np.arange(0, n + common.CHUNK, common.CHUNK).clip(max=n)
+    assert np.array_equal(hi_before, np.concatenate([[0], np.cumsum(chosen)])[starts])
 
 
 @pytest.mark.parametrize("bits", [1, 2, 5])

@@ -14,7 +14,7 @@ from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.quantizers.grid import grid_steps
 from fedquant.rng import stream_key, uniform
-from fedquant.wire.bitpack import bit_width, pack_bits, unpack_bits
+from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from tests.helpers import sample_tensor
 
 
@@ -147,15 +147,21 @@ def test_serial_and_parallel_versions_of_a_kernel_agree(n):
     key = np.uint64(stream_key(9))
     for stat in (common.bucket_max_abs, common.bucket_l2, common.bucket_l1_mean):
         assert np.array_equal(stat.serial(x, 100), stat.parallel(x, 100))
-    scales, packed = kernels.scale_round_pack.serial(x, 128, 7, key, 4, False)
-    par_scales, par_packed = kernels.scale_round_pack.parallel(x, 128, 7, key, 4, False)
-    assert np.array_equal(scales, par_scales) and np.array_equal(packed, par_packed)
-    steps = scales / np.float32(7)
-    y, bad = kernels.unpack_dequant.serial(packed, n, 128, steps, 7, 4)
-    par_y, par_bad = kernels.unpack_dequant.parallel(packed, n, 128, steps, 7, 4)
-    assert bad == par_bad == 0 and np.array_equal(y, par_y)
-    bits = kernels.sign_pack.serial(x)
-    assert np.array_equal(bits, kernels.sign_pack.parallel(x))
+    nb = -(-n // 128)
+    outputs = {}
+    for version in ("serial", "parallel"):
+        scales, packed = np.empty(nb, np.float32), np.empty(packed_size(n, 4), np.uint8)
+        getattr(kernels.scale_round_pack_into, version)(x, 128, 7, key, 4, False, scales, packed)
+        y = np.empty(n, np.float32)
+        bad = getattr(kernels.unpack_dequant_into, version)(packed, n, 128, scales / np.float32(7), 7, 4, y)
+        bits = np.empty(packed_size(n, 1), np.uint8)
+        getattr(kernels.sign_pack_into, version)(x, bits)
+        codes, counts = np.empty(n, np.uint16), np.zeros((3, 15), np.int64)
+        getattr(kernels.round_codes_into, version)(x, 128, scales / np.float32(7), 7, key, codes, counts)
+        assert bad == 0 and np.array_equal(counts.sum(axis=0), np.bincount(codes, minlength=15))
+        outputs[version] = (scales, packed, y, bits, codes)
+    for serial, parallel in zip(outputs["serial"], outputs["parallel"], strict=True):
+        assert np.array_equal(serial, parallel)
 
 
 _SWITCH_PROBE = """

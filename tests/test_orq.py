@@ -260,21 +260,28 @@ def test_serial_and_parallel_versions_agree():
     x = sample_tensor((5 * CHUNK + 77,), seed=7).numpy()
     levels = np.sort(np.random.default_rng(7).standard_normal((-(-x.size // 300), 5)).astype(np.float32), axis=1)
     args = (x, levels, 300, kernel_key(2), False)
-    for kernel, call in [
-        (kernels.orq_levels, (x, 300, 9, *(np.array(a, np.int64) for a in zip(*L.level_schedule(9), strict=True)))),
-        (kernels.linear_levels, (x, 300, 9)),
-        (kernels.two_means_levels, (x, 300)),
-        (kernels.partially_biased_levels, (x, 300, 20)),
-        (kernels.round_pack, (*args, 3)),
-        (kernels.round_pack, (*args, 8)),
+    tree = tuple(np.array(a, np.int64) for a in zip(*L.level_schedule(9), strict=True))
+    none = np.zeros(0, np.int64)
+    for call in [
+        (9, 0, *tree, 0),
+        (9, 1, none, none, none, 0),
+        (2, 2, none, none, none, 0),
+        (2, 3, none, none, none, 20),
     ]:
-        assert np.array_equal(kernel.parallel(*call), kernel.serial(*call)), kernel.__name__
-    packed = kernels.round_pack(*args, 3)
-    for part in (0, 1):
-        assert np.array_equal(
-            kernels.unpack_gather.parallel(packed, x.size, levels.reshape(-1), 5, 300, 3)[part],
-            kernels.unpack_gather.serial(packed, x.size, levels.reshape(-1), 5, 300, 3)[part],
-        )
+        select = kernels.select_levels
+        assert np.array_equal(select.parallel(x, 300, *call), select.serial(x, 300, *call)), call[1]
+    outputs = {}
+    for version in ("serial", "parallel"):
+        packed = np.empty(packed_size(x.size, 3), np.uint8)
+        getattr(kernels.round_pack_into, version)(*args, 3, packed, np.zeros((3, 0), np.int64))
+        indices, counts = np.empty(x.size, np.uint8), np.zeros((3, 5), np.int64)
+        getattr(kernels.round_pack_into, version)(*args, 8, indices, counts)
+        assert np.array_equal(counts.sum(axis=0), np.bincount(indices, minlength=5))
+        values = np.empty(x.size, np.float32)
+        bad = getattr(kernels.unpack_gather_into, version)(packed, x.size, levels.reshape(-1), 5, 300, 3, values)
+        outputs[version] = (packed, indices, values, bad)
+    for serial, parallel in zip(outputs["serial"], outputs["parallel"], strict=True):
+        assert np.array_equal(serial, parallel)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from fedquant import PayloadError
 from fedquant.codecs import Codec, available_codecs, codec_class, get_codec
 from fedquant.codecs.kernels import hadamard
 from fedquant.codecs.quantizers.base import Quantized, Quantizer
-from fedquant.codecs.transforms.rht import MAX_BLOCK_LOG2, RandomizedHadamard, block_layout
+from fedquant.codecs.transforms.rht import MAX_BLOCK_LOG2, RandomizedHadamard, block_layout, block_runs
 from fedquant.rng import derive_seed, stream_key, uniform
 from fedquant.wire import read_payload, write_payload
 from tests.helpers import cuda, decode_kwargs, reseal, sample_tensor
@@ -54,6 +54,16 @@ def test_block_layout():
         # Only the tail is padded, to the next power of two: less than itself and than half a block.
         assert 0 <= rht.output_numel(n) - n < min(n, 1 << (MAX_BLOCK_LOG2 - 1))
         assert rht.output_numel(n) == sum(1 << k for k in rht.blocks(n))
+
+
+@pytest.mark.parametrize(("max_log2", "min_log2"), [(9, None), (8, 0), (9, 3), (16, None), (4, 2)])
+def test_block_runs_are_the_block_layout_run_length_encoded(max_log2, min_log2):
+    for n in [*LENGTHS, 0, 13, 511, 513, 1023, 25_000_000]:
+        runs = block_runs(n, max_log2, min_log2)
+        expanded = tuple(k for k, count in runs for _ in range(count))
+        assert expanded == block_layout(n, max_log2, min_log2)
+        assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))  # maximal runs
+        assert hadamard.runs_numel(runs) == sum(1 << k for k in expanded)
 
 
 # ---------------------------------------------------------------- the rotation

@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 import re
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fedquant.errors import PayloadError
+from fedquant.wire.checksum import crc32
 
 MAGIC = b"FQ"
 #: 2: the codec pipeline (every quantizer's spec names its ``coding``; transforms such as ``rht+``
@@ -95,9 +95,9 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
             _U64.pack(body_len),
         ]
     )
-    crc = zlib.crc32(head)
+    crc = crc32(head)
     for part in body:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return b"".join([head, *body, _CRC.pack(crc)])  # the body is copied once, here
 
 
@@ -168,6 +168,6 @@ def read_payload(
     if check_header is not None:
         check_header(parsed)
     (crc,) = _CRC.unpack_from(view, size - _CRC.size)
-    if zlib.crc32(view[: size - _CRC.size]) != crc:
+    if crc32(view[: size - _CRC.size]) != crc:
         raise PayloadError("payload checksum mismatch: the bytes were corrupted in transit")
     return parsed

@@ -52,7 +52,7 @@ def encode_body(quantizer: Quantizer, flat: torch.Tensor, seed: int) -> BodyWrit
             raise RuntimeError(f"{quantizer.name} returned packed symbols for coding {coding!r}")
         out.add(q.packed)
     else:
-        write_symbols(out, q.symbols, k, coding)
+        write_symbols(out, q.symbols, k, coding, q.counts)
     return out
 
 

@@ -15,6 +15,9 @@ quantizer's fused decoder, padding checked).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import numpy as np
 
 from fedquant.errors import PayloadError
@@ -35,14 +38,29 @@ def _signed(symbols: np.ndarray, half: int) -> np.ndarray:
     return (symbols.astype(np.int32) - half).astype(dtype)
 
 
-def write_symbols(out: BodyWriter, symbols: np.ndarray, num_symbols: int, coding: str) -> None:
-    """Append ``symbols`` (unpacked, each below ``num_symbols``) coded with ``coding``."""
+@functools.cache
+def coder_takes_counts() -> bool:
+    """Whether :func:`fedquant.wire.entropy.entropy_encode` accepts a histogram (``counts=``) counted by the caller."""
+    from fedquant.wire.entropy import entropy_encode
+
+    return "counts" in inspect.signature(entropy_encode).parameters
+
+
+def write_symbols(
+    out: BodyWriter, symbols: np.ndarray, num_symbols: int, coding: str, counts: np.ndarray | None = None
+) -> None:
+    """Append ``symbols`` (unpacked, each below ``num_symbols``) coded with ``coding``.
+
+    ``counts``, the symbols' histogram if the quantizer counted them, spares the entropy coder
+    its own counting pass (when it takes one, :func:`coder_takes_counts`).
+    """
     if coding == "fixed":
         out.add(pack_bits(symbols, fixed_width(num_symbols)))
     elif coding == "entropy":
         from fedquant.wire.entropy import entropy_encode
 
-        out.add(np.asarray(entropy_encode(symbols, num_symbols), dtype=np.uint8))
+        extra = {"counts": counts} if counts is not None and coder_takes_counts() else {}
+        out.add(np.asarray(entropy_encode(symbols, num_symbols, **extra), dtype=np.uint8))
     elif coding == "elias":
         from fedquant.wire.elias import code_s_dense_encode, code_s_encode
 

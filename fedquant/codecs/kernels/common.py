@@ -43,6 +43,22 @@ against 57-68 us parallel.
 
 Helpers called from kernels stay plain ``njit`` functions (a switched kernel is a Python
 function, not callable from jitted code).
+
+Outputs are allocated by NumPy, not inside kernels
+--------------------------------------------------
+A large array that a kernel allocates (numba's runtime calls ``malloc``; above 32 MiB glibc
+maps fresh memory for every call) is faulted in 4 KiB pages on first write: 2.5 us per page on
+this (virtualized) machine, six times the time of copying the same bytes. NumPy asks the kernel
+for transparent huge pages on arrays of 4 MiB and more (``madvise``), which fault 512 times
+less often. So the Python wrapper of each kernel allocates its outputs with ``np.empty`` and
+the kernel (``*_into``) writes them.
+
+Symbol histograms
+-----------------
+Kernels that produce unpacked symbols for the entropy coder can count them in the same pass
+(the chunk's symbols are still in L1): the chunks are split into :func:`chunk_groups` runs, one
+per thread, each with its own row of a ``(groups, K)`` count table (:func:`add_counts`); the
+rows are summed after the call.
 """
 
 from __future__ import annotations
@@ -51,6 +67,7 @@ import functools
 import types
 from collections.abc import Callable
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -133,13 +150,19 @@ def kernel_key(seed: int) -> np.uint64:
 
 
 @njit(cache=True, inline="always")
-def uniform24(key: np.uint64, i: np.int64) -> np.float32:
-    """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
+def hash24(key: np.uint64, i: np.int64) -> np.uint64:
+    """The 24 random bits of element ``i`` of the stream with key ``key`` (``uniform24`` times ``2**24``)."""
     z = key + np.uint64(i + 1) * _GAMMA
     z = (z ^ (z >> _S30)) * _MIX1
     z = (z ^ (z >> _S27)) * _MIX2
     z = z ^ (z >> _S31)
-    return np.float32(z >> _SHIFT_U) * _U_SCALE
+    return z >> _SHIFT_U
+
+
+@njit(cache=True, inline="always")
+def uniform24(key: np.uint64, i: np.int64) -> np.float32:
+    """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
+    return np.float32(hash24(key, i)) * _U_SCALE
 
 
 @parallel_kernel(count_arg=1)
@@ -216,15 +239,58 @@ def bucket_l1_mean(x: np.ndarray, d: int) -> np.ndarray:
 
 
 @njit(cache=True)
+def _pack_sub_byte(codes, nbytes, width, out, pos):
+    """``nbytes`` whole bytes of symbols of 1, 2 or 4 bits: one output byte per iteration (vectorizes)."""
+    if width == 1:
+        for j in range(nbytes):
+            c = codes[8 * j : 8 * j + 8]
+            out[pos + j] = (
+                (c[0] | (c[1] << 1))
+                | ((c[2] << 2) | (c[3] << 3))
+                | ((c[4] << 4) | (c[5] << 5))
+                | ((c[6] << 6) | (c[7] << 7))
+            )
+    elif width == 2:
+        for j in range(nbytes):
+            out[pos + j] = (codes[4 * j] | (codes[4 * j + 1] << 2)) | (
+                (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+            )
+    else:
+        for j in range(nbytes):
+            out[pos + j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+
+
+@njit(cache=True)
+def _unpack_sub_byte(data, pos, nbytes, width, codes):
+    """Inverse of :func:`_pack_sub_byte`: the symbols of ``nbytes`` whole bytes."""
+    mask = (1 << width) - 1
+    per = 8 // width
+    for j in range(nbytes):
+        byte = data[pos + j]
+        for k in range(per):
+            codes[per * j + k] = (byte >> (k * width)) & mask
+
+
+@njit(cache=True)
 def pack_into(codes, count, width, out, pos):
     """Pack ``codes[:count]`` LSB-first at ``width`` bits into ``out`` from byte ``pos``.
 
-    Widths up to 8 go by groups of 8 symbols, which fill exactly ``width`` bytes; wider symbols
-    and the tail go through a bit accumulator.
+    Widths 1, 2 and 4 go one output byte at a time, width 8 is a copy, other widths up to 8 go
+    by groups of 8 symbols, which fill exactly ``width`` bytes; wider symbols and the tail go
+    through a bit accumulator.
     """
     start = 0
     p = pos
-    if width <= 8:
+    if width == 8:
+        for j in range(count):
+            out[pos + j] = codes[j]
+        return
+    if width == 1 or width == 2 or width == 4:
+        nbytes = (count * width) // 8
+        _pack_sub_byte(codes, nbytes, width, out, pos)
+        start = nbytes * (8 // width)
+        p = pos + nbytes
+    elif width < 8:
         groups = count // 8
         for g in range(groups):
             word = np.uint64(0)
@@ -255,7 +321,16 @@ def unpack_from(data, pos, count, width, codes):
     mask = np.uint64((1 << width) - 1)
     start = 0
     p = pos
-    if width <= 8:
+    if width == 8:
+        for j in range(count):
+            codes[j] = data[pos + j]
+        return
+    if width == 1 or width == 2 or width == 4:
+        nbytes = (count * width) // 8
+        _unpack_sub_byte(data, pos, nbytes, width, codes)
+        start = nbytes * (8 // width)
+        p = pos + nbytes
+    elif width < 8:
         groups = count // 8
         for g in range(groups):
             base = pos + g * width
@@ -276,3 +351,150 @@ def unpack_from(data, pos, count, width, codes):
         codes[j] = acc & mask
         acc >>= np.uint64(width)
         nbits -= width
+
+
+@njit(cache=True, inline="always")
+def _emit(out, p, first, byte, edge_pos, edge_val, slot):
+    """Write byte ``p`` of a :func:`pack_at` stream, or keep it as an edge if it is the shared first one."""
+    if p == first:
+        edge_pos[slot] = p
+        edge_val[slot] = byte
+    else:
+        out[p] = byte
+
+
+@njit(cache=True)
+def pack_at(codes, count, width, out, bitpos, edge_pos, edge_val, slot):
+    """Pack ``codes[:count]`` at ``width`` bits into ``out`` from bit ``bitpos`` (any bit, LSB first).
+
+    For streams that chunks fill in parallel at offsets that are not byte aligned: the bytes
+    wholly inside ``[bitpos, bitpos + count * width)`` are written; a first or last byte that
+    neighbouring chunks may share is not, its bits go to ``edge_pos[slot + j]`` /
+    ``edge_val[slot + j]`` (``j`` = 0, 1; position -1 when unused) for :func:`merge_edges`. The
+    byte-aligned middle goes eight symbols at a time through :func:`pack_into`.
+    """
+    edge_pos[slot] = -1
+    edge_pos[slot + 1] = -1
+    first = bitpos >> 3
+    p = first
+    acc = np.uint64(0)
+    nbits = bitpos & 7
+    j = 0
+    while j < count and (bitpos + j * width) & 7:  # head: up to a byte boundary
+        acc |= np.uint64(codes[j]) << np.uint64(nbits)
+        nbits += width
+        j += 1
+        while nbits >= 8:
+            _emit(out, p, first, acc & np.uint64(255), edge_pos, edge_val, slot)
+            acc >>= np.uint64(8)
+            nbits -= 8
+            p += 1
+    if nbits == 0:  # on a byte boundary: whole groups of 8 symbols end on one too
+        whole = 8 * ((count - j) // 8)
+        if whole:
+            pack_into(codes[j : j + whole], whole, width, out, p)
+            j += whole
+            p += whole * width // 8
+    for i in range(j, count):  # tail: its last byte may be shared
+        acc |= np.uint64(codes[i]) << np.uint64(nbits)
+        nbits += width
+        while nbits >= 8:
+            _emit(out, p, first, acc & np.uint64(255), edge_pos, edge_val, slot)
+            acc >>= np.uint64(8)
+            nbits -= 8
+            p += 1
+    if nbits:  # a last byte that the next chunk (or the padding) completes
+        k = slot if p == first else slot + 1
+        edge_pos[k] = p
+        edge_val[k] = acc & np.uint64(255)
+
+
+@njit(cache=True)
+def merge_edges(out, edge_pos, edge_val):
+    """Write the shared edge bytes of :func:`pack_at` calls: each the OR of its parts."""
+    for i in range(edge_pos.size):
+        if edge_pos[i] >= 0:
+            out[edge_pos[i]] = 0
+    for i in range(edge_pos.size):
+        if edge_pos[i] >= 0:
+            out[edge_pos[i]] |= edge_val[i]
+
+
+@njit(cache=True)
+def unpack_at(data, bitpos, count, width, codes):
+    """Inverse of :func:`pack_at`: ``count`` symbols of ``width`` bits from bit ``bitpos`` into ``codes``.
+
+    Reads only the bytes that hold those bits: symbol by symbol up to a byte boundary, then
+    :func:`unpack_from`.
+    """
+    if count == 0:
+        return
+    mask = np.uint64((1 << width) - 1)
+    p = bitpos >> 3
+    acc = np.uint64(0)
+    nbits = 0
+    skip = bitpos & 7
+    if skip:
+        acc = np.uint64(data[p]) >> np.uint64(skip)
+        nbits = 8 - skip
+        p += 1
+    j = 0
+    while j < count and (bitpos + j * width) & 7:
+        while nbits < width:
+            acc |= np.uint64(data[p]) << np.uint64(nbits)
+            nbits += 8
+            p += 1
+        codes[j] = acc & mask
+        acc >>= np.uint64(width)
+        nbits -= width
+        j += 1
+    if j < count:  # now on a byte boundary, nothing left in the accumulator
+        unpack_from(data, p, count - j, width, codes[j:count])
+
+
+# ---------------------------------------------------------------- symbol histograms
+def chunk_groups(n: int) -> int:
+    """Runs of chunks a counting kernel splits ``n`` elements into (one count row each).
+
+    One below ``PARALLEL_MIN`` (the serial version), else one per thread numba may use.
+    """
+    chunks = (n + CHUNK - 1) // CHUNK
+    if n < PARALLEL_MIN:
+        return 1
+    return max(1, min(chunks, numba.config.NUMBA_NUM_THREADS))
+
+
+@njit(cache=True, inline="always")
+def group_chunks(g, groups, nchunks):
+    """``(first, end)`` chunk of run ``g`` of ``groups`` (contiguous, sizes within one)."""
+    return (g * nchunks) // groups, ((g + 1) * nchunks) // groups
+
+
+@njit(cache=True)
+def add_counts(codes, m, row):
+    """``row[c] += 1`` for each of ``codes[:m]`` (each below ``row.size``).
+
+    Four interleaved sub-tables while the alphabet is small: a run of equal symbols then does not
+    wait on the previous increment of the same counter.
+    """
+    k = row.size
+    if k <= 1024:
+        sub = np.zeros(4 * k, np.int64)
+        full = m // 4
+        for i in range(full):
+            sub[np.int64(codes[4 * i])] += 1
+            sub[k + np.int64(codes[4 * i + 1])] += 1
+            sub[2 * k + np.int64(codes[4 * i + 2])] += 1
+            sub[3 * k + np.int64(codes[4 * i + 3])] += 1
+        for i in range(4 * full, m):
+            sub[np.int64(codes[i])] += 1
+        for j in range(k):
+            row[j] += (sub[j] + sub[k + j]) + (sub[2 * k + j] + sub[3 * k + j])
+    else:
+        for i in range(m):
+            row[np.int64(codes[i])] += 1
+
+
+def count_table(n: int, num_symbols: int) -> np.ndarray:
+    """A zeroed ``(chunk_groups(n), num_symbols)`` int64 table for a counting kernel."""
+    return np.zeros((chunk_groups(n), num_symbols), np.int64)

@@ -29,7 +29,16 @@ import torch
 from numba import njit, prange
 
 from fedquant.codecs.buckets import torch_bucket_stat
-from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
+from fedquant.codecs.kernels.common import (
+    CHUNK,
+    add_counts,
+    count_table,
+    group_chunks,
+    pack_into,
+    parallel_kernel,
+    uniform24,
+    unpack_from,
+)
 from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
@@ -157,12 +166,18 @@ def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out):
 
 
 @parallel_kernel
-def _codes(x, d, steps, nested, levels, rho, alpha, key, out):
+def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
     n = x.size
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
+    nchunks = (n + CHUNK - 1) // CHUNK
+    groups = counts.shape[0]
+    for g in prange(groups):
+        first, end = group_chunks(g, groups, nchunks)
+        for c in range(first, end):
+            c0 = c * CHUNK
+            c1 = min(c0 + CHUNK, n)
+            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
+            if counts.shape[1]:
+                add_counts(out[c0:c1], c1 - c0, counts[g])
 
 
 # ---------------------------------------------------------------- decoding
@@ -334,12 +349,17 @@ def encode_symbols(
     nested: bool = False,
     rho: int = 1,
     alpha: float = 1.0,
-) -> np.ndarray:
-    """Like :func:`encode_packed` but returns the unpacked symbols (uint16), for entropy coding."""
+    count: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Like :func:`encode_packed` but returns the unpacked symbols (uint16), for entropy coding.
+
+    With ``count``, returns ``(symbols, histogram)``, the histogram counted in the same pass.
+    """
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty(x.size, np.uint16)
-    _codes(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out)
-    return out
+    counts = count_table(x.size, (rho if nested else 2 * levels + 1) if count else 0)
+    _codes(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out, counts)
+    return (out, counts.sum(axis=0)) if count else out
 
 
 def _side(y: np.ndarray | None) -> np.ndarray:

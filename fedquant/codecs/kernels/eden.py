@@ -1,4 +1,4 @@
-"""Numba CPU kernels of EDEN (:mod:`fedquant.codecs.quantizers.eden`), integer bits.
+"""Numba CPU kernels of EDEN (:mod:`fedquant.codecs.quantizers.eden`), integer and fractional bits.
 
 The torch twin stays next to its caller in the quantizer module (the CUDA path, and CPU with
 ``force_torch=True``). Both compute, per bucket of ``d`` coordinates: the float64 sum of squares
@@ -10,14 +10,43 @@ and the bfloat16 scales derived from them agree except with negligible probabili
 
 Work is split in chunks of ``CHUNK`` coordinates; every bucket size of EDEN (64..512) divides
 ``CHUNK``, so a chunk holds whole buckets and its packed indices start on a byte boundary.
+
+Fractional bits (``split_*``): the coordinates at ``ceil(B)`` bits are the ``k`` with the
+smallest ``(u_i, i)``, ``u_i`` the 24-bit uniform of coordinate ``i`` of the split stream. That
+set is "every ``u_i < T``, and the first ``r`` coordinates with ``u_i = T``";
+:func:`split_plan` finds ``T`` and ``r`` in one pass that only counts (the threshold lies, but
+for a probability below ``1e-30``, in a narrow window around ``k / n``, whose few members it
+keeps), and how many chosen coordinates each chunk holds, so that every chunk knows where its
+indices start in the two packed streams. The quantize and dequantize passes redraw ``u_i``
+inline; the streams' bytes that two chunks share are merged after the pass
+(:func:`~fedquant.codecs.kernels.common.pack_at`).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, _sum_f64, pack_into, parallel_kernel, unpack_from
+from fedquant.codecs.kernels import common
+from fedquant.codecs.kernels.common import (
+    CHUNK,
+    _sum_f64,
+    add_counts,
+    group_chunks,
+    hash24,
+    merge_edges,
+    pack_at,
+    pack_into,
+    parallel_kernel,
+    unpack_at,
+    unpack_from,
+)
+
+#: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
+WINDOW_SIGMAS = 12.0
+_TOP = 1 << 24
 
 
 @njit(cache=True)
@@ -50,36 +79,49 @@ def _dot_f64(centroids, k, x, lo, m):
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 
 
+@njit(cache=True)
+def _normalized(x, lo, m, z):
+    """``z[:m]`` = bucket ``x[lo : lo + m]`` times ``sqrt(m / sq)`` (0 for a zero bucket); returns ``sq``."""
+    s = _sum_f64(x, lo, lo + m, True)
+    norm = np.sqrt(m / s) if s > 0 else 0.0
+    for i in range(m):
+        z[i] = np.float64(x[lo + i]) * norm
+    return s
+
+
+# ---------------------------------------------------------------- integer bits
 @parallel_kernel
-def quantize(x, d, bounds, centroids, width, pack, out, sq, dot):
+def quantize(x, d, bounds, centroids, width, pack, out, sq, dot, counts):
     """Centroid indices of float32 ``x`` and the per-bucket ``sq`` / ``dot`` (float64, written).
 
     ``out`` receives the indices packed at ``width`` bits (``pack``: ``packed_size(x.size, width)``
-    bytes) or one uint8 per coordinate.
+    bytes) or one uint8 per coordinate; then ``counts`` (``(groups, 2**width)`` int64, or
+    ``(groups, 0)`` for none) receives their histogram per run of chunks.
     """
     n = x.size
     chunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(chunks):
-        start = c * CHUNK
-        stop = min(start + CHUNK, n)
-        codes = np.empty(stop - start, np.uint8)
+    groups = counts.shape[0]
+    for g in prange(groups):
+        first, end = group_chunks(g, groups, chunks)
+        codes = np.empty(CHUNK, np.uint8)
         z = np.empty(d, np.float64)
         k = np.empty(d, np.uint8)
-        for lo in range(start, stop, d):
-            m = min(d, stop - lo)
-            b = lo // d
-            s = _sum_f64(x, lo, lo + m, True)
-            sq[b] = s
-            norm = np.sqrt(m / s) if s > 0 else 0.0
-            for i in range(m):
-                z[i] = np.float64(x[lo + i]) * norm
-            _nearest(z, m, bounds, k)
-            codes[lo - start : lo - start + m] = k[:m]
-            dot[b] = _dot_f64(centroids, k, x, lo, m)
-        if pack:
-            pack_into(codes, stop - start, width, out, start // 8 * width)
-        else:
-            out[start:stop] = codes
+        for c in range(first, end):
+            start = c * CHUNK
+            stop = min(start + CHUNK, n)
+            for lo in range(start, stop, d):
+                m = min(d, stop - lo)
+                b = lo // d
+                sq[b] = _normalized(x, lo, m, z)
+                _nearest(z, m, bounds, k)
+                codes[lo - start : lo - start + m] = k[:m]
+                dot[b] = _dot_f64(centroids, k, x, lo, m)
+            if pack:
+                pack_into(codes, stop - start, width, out, start // 8 * width)
+            else:
+                out[start:stop] = codes[: stop - start]
+                if counts.shape[1]:
+                    add_counts(codes, stop - start, counts[g])
 
 
 @parallel_kernel(count_arg=1)
@@ -112,3 +154,252 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out):
             for i in range(seg.size):
                 dst[i] = centroids[min(seg[i], top)] * scale
     return bad
+
+
+# ---------------------------------------------------------------- fractional bits: the split
+@parallel_kernel(count_arg=1)
+def _split_window(key, n, w_lo, w_hi, below, entries, filled):
+    """Per chunk: how many ``u_i < w_lo`` (``below``), and the ``u_i`` in ``[w_lo, w_hi)`` (``entries``, ``filled``).
+
+    ``filled[c]`` may exceed the capacity ``entries.shape[1]`` (only the first ones are kept):
+    the caller then falls back to the exact full computation.
+    """
+    cap = entries.shape[1]
+    nchunks = (n + CHUNK - 1) // CHUNK
+    lo32 = np.uint64(w_lo)
+    hi32 = np.uint64(w_hi)
+    for c in prange(nchunks):
+        start = c * CHUNK
+        stop = min(start + CHUNK, n)
+        u = np.empty(64, np.uint64)
+        count_below = 0
+        kept = 0
+        for s0 in range(start, stop, 64):
+            m = min(64, stop - s0)
+            inside = 0
+            for i in range(m):
+                v = hash24(key, s0 + i)
+                u[i] = v
+                count_below += v < lo32
+                inside += (v >= lo32) & (v < hi32)
+            if inside:
+                for i in range(m):
+                    if u[i] >= lo32 and u[i] < hi32:
+                        if kept < cap:
+                            entries[c, kept] = u[i]
+                        kept += 1
+        below[c] = count_below
+        filled[c] = kept
+
+
+@njit(cache=True)
+def _chunk_counts(below, entries, filled, threshold, r):
+    """Chosen coordinates per chunk (exclusive prefix, ``nchunks + 1``) and ties before each chunk."""
+    nchunks = below.size
+    hi_before = np.zeros(nchunks + 1, np.int64)
+    ties_before = np.zeros(nchunks, np.int64)
+    ties = 0
+    for c in range(nchunks):
+        less = 0
+        equal = 0
+        for j in range(filled[c]):
+            v = entries[c, j]
+            less += v < threshold
+            equal += v == threshold
+        ties_before[c] = ties
+        take = min(equal, max(0, r - ties))
+        ties += equal
+        hi_before[c + 1] = hi_before[c] + below[c] + less + take
+    return hi_before, ties_before
+
+
+def _plan_exact(key: np.uint64, n: int, k: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """:func:`split_plan` from all ``n`` uniforms at once (``n`` int64 of memory): the fallback."""
+    u24 = (common.uniform_stream(key, n, 0) * np.float32(_TOP)).astype(np.int64)
+    threshold = int(np.partition(u24, k - 1)[k - 1])
+    less = u24 < threshold
+    r = k - int(less.sum())
+    starts = np.arange(0, n, CHUNK)
+    tie = (u24 == threshold).astype(np.int64)
+    ties_in = np.add.reduceat(tie, starts)
+    ties_before = np.concatenate([[0], np.cumsum(ties_in)[:-1]]).astype(np.int64)
+    taken = np.minimum(ties_in, np.maximum(0, r - ties_before))
+    per_chunk = np.add.reduceat(less.astype(np.int64), starts) + taken
+    hi_before = np.concatenate([[0], np.cumsum(per_chunk)]).astype(np.int64)
+    return threshold, r, hi_before, ties_before
+
+
+def split_plan(key: np.uint64, n: int, k: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """Where the ``k`` coordinates with the smallest ``(u_i, i)`` are, chunk by chunk.
+
+    Parameters
+    ----------
+    key : np.uint64
+        Stream key of the split's uniforms.
+    n, k : int
+        Coordinates, and how many of them to choose (``0 <= k <= n``).
+
+    Returns
+    -------
+    threshold, r : int
+        The chosen set is every ``u_i < threshold`` and the first ``r`` coordinates with
+        ``u_i == threshold``.
+    hi_before : np.ndarray
+        int64, ``nchunks + 1``: chosen coordinates before each chunk (and in all).
+    ties_before : np.ndarray
+        int64, ``nchunks``: coordinates with ``u_i == threshold`` before each chunk.
+    """
+    nchunks = (n + CHUNK - 1) // CHUNK
+    if k <= 0 or k >= n:  # none or all: every u_i is below 2**24, none below 0
+        sizes = np.minimum(CHUNK, n - CHUNK * np.arange(nchunks)) if k else np.zeros(nchunks, np.int64)
+        hi_before = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return (_TOP if k else 0), 0, hi_before, np.zeros(nchunks, np.int64)
+    p = k / n
+    half = math.ceil(WINDOW_SIGMAS * math.sqrt(n * p * (1 - p)) / n * _TOP) + 64
+    centre = round(p * _TOP)
+    w_lo, w_hi = max(0, centre - half), min(_TOP, centre + half + 1)
+    expected = min(n, CHUNK) * (w_hi - w_lo) / _TOP
+    cap = min(CHUNK, math.ceil(expected + WINDOW_SIGMAS * math.sqrt(expected) + 64))
+    below = np.empty(nchunks, np.int64)
+    filled = np.empty(nchunks, np.int64)
+    entries = np.empty((nchunks, cap), np.uint64)
+    _split_window(key, n, w_lo, w_hi, below, entries, filled)
+    rank = k - int(below.sum())  # 1-based rank of the threshold among the window's members
+    if int(filled.max()) > cap or not 1 <= rank <= int(filled.sum()):
+        return _plan_exact(key, n, k)
+    members = entries[np.arange(cap)[None, :] < filled[:, None]]
+    threshold = int(np.partition(members, rank - 1)[rank - 1])
+    r = rank - int((members < threshold).sum())
+    hi_before, ties_before = _chunk_counts(below, entries, filled, np.uint64(threshold), r)
+    return threshold, r, hi_before, ties_before
+
+
+@njit(cache=True)
+def _chosen(key, lo, m, threshold, r, tie, flag):
+    """``flag[:m]`` = whether coordinates ``lo .. lo + m`` are chosen; returns the ties seen so far."""
+    t = np.uint64(threshold)
+    equal = 0
+    for i in range(m):
+        v = hash24(key, lo + i)
+        flag[i] = v < t
+        equal += v == t
+    if equal:  # rare: coordinates exactly at the threshold, chosen in position order
+        for i in range(m):
+            if hash24(key, lo + i) == t:
+                flag[i] = tie < r
+                tie += 1
+    return tie
+
+
+# ---------------------------------------------------------------- fractional bits: the passes
+@parallel_kernel
+def split_quantize(
+    x, d, lo_width, hi_width, lo_bounds, lo_cents, hi_bounds, hi_cents,
+    key, threshold, r, hi_before, ties_before, lo_out, hi_out, sq, dot, edge_pos, edge_val,
+):  # fmt: skip
+    """Fractional EDEN: indices of the chosen coordinates at ``hi_width`` bits into ``hi_out``, of the
+    others at ``lo_width`` (0: not sent) into ``lo_out``, in coordinate order; ``sq`` / ``dot`` per bucket.
+
+    ``edge_pos`` / ``edge_val`` (``4 * nchunks``) receive the stream bytes that chunks share
+    (:func:`~fedquant.codecs.kernels.common.merge_edges` writes them after the pass). Returns the
+    number of chunks whose count of chosen coordinates disagrees with ``hi_before`` (0; such a
+    chunk writes nothing).
+    """
+    n = x.size
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        start = c * CHUNK
+        stop = min(start + CHUNK, n)
+        z = np.empty(d, np.float64)
+        k_lo = np.zeros(d, np.uint8)
+        k_hi = np.empty(d, np.uint8)
+        flag = np.empty(d, np.uint8)
+        lo_codes = np.empty(CHUNK + 1, np.uint8)
+        hi_codes = np.empty(CHUNK + 1, np.uint8)
+        n_lo = 0
+        n_hi = 0
+        tie = ties_before[c]
+        for lo in range(start, stop, d):
+            m = min(d, stop - lo)
+            b = lo // d
+            sq[b] = _normalized(x, lo, m, z)
+            tie = _chosen(key, lo, m, threshold, r, tie, flag)
+            if lo_width:
+                _nearest(z, m, lo_bounds, k_lo)
+            _nearest(z, m, hi_bounds, k_hi)
+            acc = np.zeros(8, np.float64)
+            for i in range(m):
+                f = flag[i]
+                cval = hi_cents[k_hi[i]] if f else (lo_cents[k_lo[i]] if lo_width else 0.0)
+                acc[i & 7] += cval * np.float64(x[lo + i])
+                hi_codes[n_hi] = k_hi[i]
+                lo_codes[n_lo] = k_lo[i]
+                n_hi += f
+                n_lo += 1 - f
+            dot[b] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+        h0 = hi_before[c]
+        if n_hi != hi_before[c + 1] - h0:
+            bad[c] = 1
+            for j in range(4):
+                edge_pos[4 * c + j] = -1
+            continue
+        if lo_width:
+            pack_at(lo_codes, n_lo, lo_width, lo_out, (start - h0) * lo_width, edge_pos, edge_val, 4 * c)
+        else:
+            edge_pos[4 * c] = -1
+            edge_pos[4 * c + 1] = -1
+        pack_at(hi_codes, n_hi, hi_width, hi_out, h0 * hi_width, edge_pos, edge_val, 4 * c + 2)
+    return bad.sum()
+
+
+def split_streams(lo_out: np.ndarray, hi_out: np.ndarray, edge_pos: np.ndarray, edge_val: np.ndarray) -> None:
+    """Write the bytes that chunks of :func:`split_quantize` share (lo stream, then hi stream)."""
+    slots = np.arange(edge_pos.size) % 4
+    for out, mine in ((lo_out, slots < 2), (hi_out, slots >= 2)):
+        merge_edges(out, np.ascontiguousarray(edge_pos[mine]), np.ascontiguousarray(edge_val[mine]))
+
+
+@parallel_kernel(count_arg=1)
+def split_dequantize(
+    lo_data, numel, d, lo_width, hi_width, lo_cents, hi_cents, scales,
+    key, threshold, r, hi_before, ties_before, hi_data, out,
+):  # fmt: skip
+    """Fractional EDEN decoding into ``out``: ``centroid * scale`` of the stream each coordinate is in
+    (0 where ``lo_width`` is 0). The streams must hold exactly their packed sizes (the caller checks).
+    Returns the number of chunks whose chosen coordinates disagree with ``hi_before`` (0).
+    """
+    nchunks = (numel + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        start = c * CHUNK
+        stop = min(start + CHUNK, numel)
+        h0 = hi_before[c]
+        n_hi = hi_before[c + 1] - h0
+        n_lo = stop - start - n_hi
+        lo_codes = np.zeros(CHUNK + 1, np.uint8)
+        hi_codes = np.zeros(CHUNK + 1, np.uint8)
+        if n_hi < 0 or n_lo < 0:
+            bad[c] = 1
+            continue
+        if lo_width:
+            unpack_at(lo_data, (start - h0) * lo_width, n_lo, lo_width, lo_codes)
+        unpack_at(hi_data, h0 * hi_width, n_hi, hi_width, hi_codes)
+        flag = np.empty(d, np.uint8)
+        tie = ties_before[c]
+        j_lo = 0
+        j_hi = 0
+        for lo in range(start, stop, d):
+            m = min(d, stop - lo)
+            scale = scales[lo // d]
+            tie = _chosen(key, lo, m, threshold, r, tie, flag)
+            dst = out[lo : lo + m]
+            for i in range(m):
+                f = flag[i]
+                v_hi = hi_cents[hi_codes[min(j_hi, CHUNK)]]
+                v_lo = lo_cents[lo_codes[min(j_lo, CHUNK)]] if lo_width else np.float32(0.0)
+                dst[i] = (v_hi if f else v_lo) * scale
+                j_hi += f
+                j_lo += 1 - f
+        bad[c] = j_hi != n_hi
+    return bad.sum()

@@ -4,7 +4,9 @@ All kernels work on a flat float32 array split into buckets of ``d`` elements (t
 may be short). They read the input once per pass and write packed bytes (or float32 output)
 directly, over chunks of ``CHUNK`` elements (in parallel from ``PARALLEL_MIN`` elements on, see
 :func:`~fedquant.codecs.kernels.common.parallel_kernel`); ``CHUNK`` is a multiple of 8, so every
-chunk starts on a byte boundary of the packed stream at any bit width.
+chunk starts on a byte boundary of the packed stream at any bit width. Each kernel
+(``*_into``) writes outputs that its Python wrapper allocated with NumPy (see
+:mod:`fedquant.codecs.kernels.common` for why).
 
 Stochastic rounding draws its uniforms inline from the counter-based stream of
 :mod:`fedquant.rng`: element ``i`` of the flattened tensor uses
@@ -37,12 +39,16 @@ from fedquant.codecs.kernels.common import (
     _ZERO32,
     CHUNK,
     _sum_f64,
+    add_counts,
+    count_table,
+    group_chunks,
     pack_into,
     parallel_kernel,
     uniform24,
     unpack_from,
 )
 from fedquant.rng import uniform
+from fedquant.wire.bitpack import packed_size
 
 
 # ---------------------------------------------------------------- rounding to the grid
@@ -72,93 +78,121 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
         i = hi
 
 
-@parallel_kernel
-def round_pack(x, d, steps, s, key, width):
-    """Stochastically round ``x`` to the grid ``steps[b] * {-s..s}`` and pack the symbols.
+@njit(cache=True)
+def _pack_chunk(x, d, steps, s, key, width, c0, c1, out):
+    """Round elements ``c0 .. c1`` (``c0`` a multiple of 8) and pack them into ``out``."""
+    if width <= 8:  # byte symbols: half the traffic through the chunk buffer
+        small = np.empty(CHUNK, np.uint8)
+        _chunk_codes(x, d, steps, s, key, c0, c1, small)
+        pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+    else:
+        wide = np.empty(CHUNK, np.uint16)
+        _chunk_codes(x, d, steps, s, key, c0, c1, wide)
+        pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
-    Returns
-    -------
-    np.ndarray
-        uint8, ``ceil(n * width / 8)`` bytes: symbol ``q + s`` of element ``i`` at bits
-        ``[i * width, (i + 1) * width)``.
+
+@parallel_kernel
+def round_pack_into(x, d, steps, s, key, width, out):
+    """Stochastically round ``x`` to the grid ``steps[b] * {-s..s}`` and pack the symbols into ``out``.
+
+    ``out``: uint8, ``ceil(n * width / 8)`` bytes; symbol ``q + s`` of element ``i`` lands at bits
+    ``[i * width, (i + 1) * width)``.
     """
     n = x.size
-    out = np.empty((n * width + 7) // 8, np.uint8)
-    nchunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
+    for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        if width <= 8:  # byte symbols: half the traffic through the chunk buffer
-            small = np.empty(CHUNK, np.uint8)
-            _chunk_codes(x, d, steps, s, key, c0, c1, small)
-            pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
-        else:
-            wide = np.empty(CHUNK, np.uint16)
-            _chunk_codes(x, d, steps, s, key, c0, c1, wide)
-            pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+        _pack_chunk(x, d, steps, s, key, width, c0, min(c0 + CHUNK, n), out)
+
+
+def round_pack(x: np.ndarray, d: int, steps: np.ndarray, s: int, key: np.uint64, width: int) -> np.ndarray:
+    """:func:`round_pack_into` a new array: the packed symbols, ``ceil(n * width / 8)`` bytes."""
+    out = np.empty(packed_size(x.size, width), np.uint8)
+    round_pack_into(x, d, steps, s, key, width, out)
     return out
 
 
+@njit(cache=True)
+def _chunk_scales(x, d, s, l2, c0, c1, scales, steps):
+    """Scales (max |x| or L2) and grid steps of the buckets of elements ``c0 .. c1`` (whole buckets)."""
+    n = x.size
+    bits = x.view(np.uint32)
+    for b in range(c0 // d, (c1 + d - 1) // d):
+        lo = b * d
+        hi = min(lo + d, n)
+        if l2:
+            m = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
+        else:
+            mb = np.uint32(0)
+            seg = bits[lo:hi]
+            for i in range(hi - lo):
+                mb = max(mb, seg[i] & _ABS_MASK)
+            m = np.array([mb], np.uint32).view(np.float32)[0]
+        scales[b] = m
+        steps[b] = m / np.float32(s)
+
+
 @parallel_kernel
-def scale_round_pack(x, d, s, key, width, l2):
-    """The bucket scales (max |x| or L2) fused with :func:`round_pack`: one read of ``x``.
+def scale_round_pack_into(x, d, s, key, width, l2, scales, out):
+    """The bucket scales (max |x| or L2) fused with :func:`round_pack_into`: one read of ``x``.
 
     Each chunk computes the scales of its own buckets and rounds them while they are in cache;
-    this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Returns
-    ``(scales, packed)``, identical to the two-pass result.
+    this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Writes
+    ``scales`` (float32, one per bucket) and ``out`` (the packed symbols), identical to the
+    two-pass result.
     """
     n = x.size
-    nb = (n + d - 1) // d
-    scales = np.empty(nb, np.float32)
-    steps = np.empty(nb, np.float32)
-    bits = x.view(np.uint32)
-    out = np.empty((n * width + 7) // 8, np.uint8)
-    nchunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
+    steps = np.empty(scales.size, np.float32)
+    for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        for b in range(c0 // d, (c1 + d - 1) // d):
-            lo = b * d
-            hi = min(lo + d, n)
-            if l2:
-                m = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
-            else:
-                mb = np.uint32(0)
-                seg = bits[lo:hi]
-                for i in range(hi - lo):
-                    mb = max(mb, seg[i] & _ABS_MASK)
-                m = np.array([mb], np.uint32).view(np.float32)[0]
-            scales[b] = m
-            steps[b] = m / np.float32(s)
-        if width <= 8:
-            small = np.empty(CHUNK, np.uint8)
-            _chunk_codes(x, d, steps, s, key, c0, c1, small)
-            pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
-        else:
-            wide = np.empty(CHUNK, np.uint16)
-            _chunk_codes(x, d, steps, s, key, c0, c1, wide)
-            pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+        _chunk_scales(x, d, s, l2, c0, c1, scales, steps)
+        _pack_chunk(x, d, steps, s, key, width, c0, c1, out)
+
+
+def scale_round_pack(
+    x: np.ndarray, d: int, s: int, key: np.uint64, width: int, l2: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`scale_round_pack_into` new arrays: ``(scales, packed)``."""
+    scales = np.empty((x.size + d - 1) // d, np.float32)
+    out = np.empty(packed_size(x.size, width), np.uint8)
+    scale_round_pack_into(x, d, s, key, width, l2, scales, out)
     return scales, out
 
 
 @parallel_kernel
-def round_codes(x, d, steps, s, key):
-    """Like :func:`round_pack` but returns the unpacked symbols ``q + s`` (uint16), for entropy coders."""
+def round_codes_into(x, d, steps, s, key, out, counts):
+    """Like :func:`round_pack_into` but writes the unpacked symbols ``q + s`` (uint16) into ``out``.
+
+    ``counts`` is a ``(groups, K)`` table (:func:`~fedquant.codecs.kernels.common.count_table`)
+    that receives the symbol histogram of each run of chunks, or ``(groups, 0)`` for none.
+    """
     n = x.size
-    out = np.empty(n, np.uint16)
     nchunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        _chunk_codes(x, d, steps, s, key, c0, c1, out[c0:c1])
-    return out
+    groups = counts.shape[0]
+    for g in prange(groups):
+        first, end = group_chunks(g, groups, nchunks)
+        for c in range(first, end):
+            c0 = c * CHUNK
+            c1 = min(c0 + CHUNK, n)
+            _chunk_codes(x, d, steps, s, key, c0, c1, out[c0:c1])
+            if counts.shape[1]:
+                add_counts(out[c0:c1], c1 - c0, counts[g])
+
+
+def round_codes(
+    x: np.ndarray, d: int, steps: np.ndarray, s: int, key: np.uint64, count: bool = False
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The unpacked symbols ``q + s`` (uint16) for the entropy coder; with ``count``, also their histogram."""
+    out = np.empty(x.size, np.uint16)
+    counts = count_table(x.size, (2 * s + 1) if count else 0)
+    round_codes_into(x, d, steps, s, key, out, counts)
+    return (out, counts.sum(axis=0)) if count else out
 
 
 # ---------------------------------------------------------------- decoding
 @parallel_kernel(count_arg=1)
-def unpack_dequant(data, n, d, steps, s, width):
-    """Decode packed symbols into float32 values. Returns ``(values, number of symbols > 2s)``."""
-    out = np.empty(n, np.float32)
+def unpack_dequant_into(data, n, d, steps, s, width, out):
+    """Decode ``n`` packed symbols into ``out`` (float32). Returns the number of symbols > 2s."""
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
@@ -172,7 +206,13 @@ def unpack_dequant(data, n, d, steps, s, width):
             wide = np.empty(CHUNK, np.uint16)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
             bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
-    return out, bad.sum()
+    return bad.sum()
+
+
+def unpack_dequant(data: np.ndarray, n: int, d: int, steps: np.ndarray, s: int, width: int) -> tuple[np.ndarray, int]:
+    """Decode packed symbols into new float32 values. Returns ``(values, number of symbols > 2s)``."""
+    out = np.empty(n, np.float32)
+    return out, unpack_dequant_into(data, n, d, steps, s, width, out)
 
 
 @njit(cache=True)
@@ -196,57 +236,123 @@ def _chunk_dequant(codes, d, steps, s, c0, c1, out):
 
 
 @parallel_kernel
-def codes_dequant(codes, d, steps, s):
-    """Decode unpacked symbols (from an entropy decoder). Returns ``(values, symbols > 2s)``."""
+def codes_dequant_into(codes, d, steps, s, out):
+    """Decode unpacked symbols (from an entropy decoder) into ``out``. Returns the symbols > 2s."""
     n = codes.size
-    out = np.empty(n, np.float32)
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
         bad[c] = _chunk_dequant(codes[c0:c1], d, steps, s, c0, c1, out)
-    return out, bad.sum()
+    return bad.sum()
+
+
+def codes_dequant(codes: np.ndarray, d: int, steps: np.ndarray, s: int) -> tuple[np.ndarray, int]:
+    """Decode unpacked symbols into new float32 values. Returns ``(values, symbols > 2s)``."""
+    out = np.empty(codes.size, np.float32)
+    return out, codes_dequant_into(codes, d, steps, s, out)
 
 
 # ---------------------------------------------------------------- sign bits
 @parallel_kernel
-def sign_pack(x):
-    """One bit per element, LSB first: 1 where ``x < 0`` (so ``sign(0) = +1``)."""
+def sign_pack_into(x, out):
+    """One bit per element into ``out``, LSB first: 1 where ``x < 0`` (so ``sign(0) = +1``)."""
     n = x.size
-    nbytes = (n + 7) // 8
-    out = np.empty(nbytes, np.uint8)
     full = n // 8
     for j in prange(full):
         acc = 0
         for k in range(8):
             acc |= np.int64(x[8 * j + k] < _ZERO32) << k
         out[j] = acc
-    if full < nbytes:
+    if full < out.size:
         acc = 0
         for k in range(n - 8 * full):
             acc |= np.int64(x[8 * full + k] < _ZERO32) << k
         out[full] = acc
+
+
+def sign_pack(x: np.ndarray) -> np.ndarray:
+    """:func:`sign_pack_into` a new array of ``ceil(n / 8)`` bytes."""
+    out = np.empty(packed_size(x.size, 1), np.uint8)
+    sign_pack_into(x, out)
     return out
 
 
-@parallel_kernel(count_arg=1)
-def sign_unpack(data, n, d, scales):
-    """``-scale`` where the bit is 1, ``+scale`` where it is 0, bucket by bucket."""
-    out = np.empty(n, np.float32)
+@parallel_kernel
+def sign_codes_into(x, out):
+    """One symbol per element into ``out`` (uint8): 1 where ``x < 0``. Returns how many are 1."""
+    n = x.size
     nchunks = (n + CHUNK - 1) // CHUNK
+    ones = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        i = c0
-        while i < c1:
-            b = i // d
-            hi = min((b + 1) * d, c1)
-            m = scales[b]
-            for j in range(i, hi):
-                bit = (data[j >> 3] >> (j & 7)) & 1
-                out[j] = -m if bit else m
-            i = hi
+        xs = x[c0:c1]
+        cs = out[c0:c1]
+        count = 0
+        for k in range(c1 - c0):
+            neg = xs[k] < _ZERO32
+            cs[k] = neg
+            count += neg
+        ones[c] = count
+    return ones.sum()
+
+
+def sign_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sign symbols (uint8, 1 where ``x < 0``) for the entropy coder and their histogram."""
+    out = np.empty(x.size, np.uint8)
+    ones = int(sign_codes_into(x, out))
+    return out, np.array([x.size - ones, ones], np.int64)
+
+
+@njit(cache=True)
+def _chunk_signs(codes, d, scales, c0, c1, out):
+    """``-scale`` where ``codes[i - c0]`` is nonzero, ``+scale`` where it is 0, for elements ``c0 .. c1``."""
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        m = scales[b]
+        cs = codes[i - c0 : hi - c0]
+        ys = out[i:hi]
+        for k in range(hi - i):
+            ys[k] = -m if cs[k] else m
+        i = hi
+
+
+@parallel_kernel(count_arg=1)
+def sign_unpack_into(data, n, d, scales, out):
+    """``-scale`` where the bit is 1, ``+scale`` where it is 0, bucket by bucket, into ``out``."""
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        bits = np.empty(CHUNK, np.uint8)
+        unpack_from(data, c0 // 8, c1 - c0, 1, bits)
+        _chunk_signs(bits, d, scales, c0, c1, out)
+
+
+def sign_unpack(data: np.ndarray, n: int, d: int, scales: np.ndarray) -> np.ndarray:
+    """:func:`sign_unpack_into` new float32 values."""
+    out = np.empty(n, np.float32)
+    sign_unpack_into(data, n, d, scales, out)
+    return out
+
+
+@parallel_kernel
+def sign_values_into(codes, d, scales, out):
+    """``-scale`` where the symbol is nonzero, ``+scale`` where it is 0 (unpacked symbols), into ``out``."""
+    n = codes.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        _chunk_signs(codes[c0:c1], d, scales, c0, c1, out)
+
+
+def sign_values(codes: np.ndarray, d: int, scales: np.ndarray) -> np.ndarray:
+    """:func:`sign_values_into` new float32 values."""
+    out = np.empty(codes.size, np.float32)
+    sign_values_into(codes, d, scales, out)
     return out
 
 

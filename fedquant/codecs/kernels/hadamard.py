@@ -52,6 +52,7 @@ MIN_STRIP = 16
 _ZERO32 = np.float32(0.0)
 _S32 = np.uint64(32)
 _SIGN = np.uint32(0x80000000)
+_EXP_MASK = np.uint32(0x7F800000)
 
 
 def block_scale(k: int) -> np.float32:
@@ -152,12 +153,24 @@ def _flip_signs(seg, key, o):
 
 
 @njit(cache=True)
+def _count_nonfinite(seg):
+    """How many of ``seg`` are NaN or Inf (all exponent bits set)."""
+    bits = seg.view(np.uint32)
+    bad = 0
+    for i in range(seg.size):
+        bad += (bits[i] & _EXP_MASK) == _EXP_MASK
+    return bad
+
+
+@njit(cache=True)
 def _low_tile(src, out, tiles, scales, key, inverse, t):
     """Load, scale (and sign, forward) tile ``t`` from ``src`` into ``out``; run its stages.
 
     ``tiles[t] = (offset, length, block)``, ``scales[t]`` its blocks' ``c``: a tile holds
     ``length / block`` whole blocks of ``block`` elements (the inverse then flips the signs here,
     there is no high pass), or, with ``block > length``, a tile-sized part of a larger block.
+    Returns how many of the tile's final values are not finite (0 for a part of a larger block,
+    which the high pass counts).
     """
     o = tiles[t, 0]
     length = tiles[t, 1]
@@ -175,8 +188,11 @@ def _low_tile(src, out, tiles, scales, key, inverse, t):
     step = min(block, length)
     for b in range(0, length, step):
         _tile_stages(seg[b : b + step], step)
-    if inverse and block <= length:
+    if block > length:
+        return 0
+    if inverse:
         _flip_signs(seg, key, o)
+    return _count_nonfinite(seg)
 
 
 @njit(cache=True)
@@ -198,61 +214,86 @@ def _high_strip(out, strips, key, inverse, s, buf):
         if inverse:
             _flip_signs(row, key, col + r * TILE)
         out[col + r * TILE : col + r * TILE + w] = row
+    return _count_nonfinite(buf)
 
 
 @parallel_kernel(count_arg=1)
 def _low_pass(src, out, tiles, scales, key, inverse):
-    for t in prange(tiles.shape[0]):
-        _low_tile(src, out, tiles, scales, key, inverse, t)
+    nt = tiles.shape[0]
+    bad = np.zeros(nt, np.int64)
+    for t in prange(nt):
+        bad[t] = _low_tile(src, out, tiles, scales, key, inverse, t)
+    return bad.sum()
 
 
 @parallel_kernel(count_arg=0)
 def _high_pass(out, strips, key, inverse):
-    for s in prange(strips.shape[0]):
-        _high_strip(out, strips, key, inverse, s, np.empty(strips[s, 1] * strips[s, 3], np.float32))
+    ns = strips.shape[0]
+    bad = np.zeros(ns, np.int64)
+    for s in prange(ns):
+        bad[s] = _high_strip(out, strips, key, inverse, s, np.empty(strips[s, 1] * strips[s, 3], np.float32))
+    return bad.sum()
+
+
+def runs_numel(runs: tuple[tuple[int, int], ...]) -> int:
+    """Elements a layout of runs ``(log2 size, count)`` holds."""
+    return sum(c << k for k, c in runs)
 
 
 @lru_cache(maxsize=256)
-def _work(blocks: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tiles (and their scales) of the low pass, strips of the high pass, for a layout (log2 sizes)."""
+def _work(runs: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tiles (and their scales) of the low pass, strips of the high pass, for a layout of runs.
+
+    Blocks of at most a tile share tiles with their run's neighbours (up to ``TILE`` elements);
+    larger ones are split into tiles for the low pass and strips of columns for the high pass.
+    """
     tiles = []
     scales = []
     strips = []
     o = 0
-    for k in blocks:
+    for k, count in runs:
         size = 1 << k
         if k <= TILE_LOG2:
-            last = tiles[-1] if tiles else None
-            if last is not None and last[2] == size and last[1] + size <= TILE and last[0] + last[1] == o:
-                tiles[-1] = (last[0], last[1] + size, size)  # small blocks share a tile
-            else:
-                tiles.append((o, size, size))
+            per = TILE >> k
+            starts = np.arange(0, count, per, dtype=np.int64)
+            lengths = np.minimum(per, count - starts) * size
+            tiles.append(np.stack([o + starts * size, lengths, np.full_like(starts, size)], axis=1))
         else:
-            tiles += [(o + t, TILE, size) for t in range(0, size, TILE)]
             rows = size >> TILE_LOG2
             width = min(TILE, max(MIN_STRIP, STRIP_FLOATS // rows))
-            strips += [(o, rows, c, width) for c in range(0, TILE, width)]
-        scales += [block_scale(k)] * (len(tiles) - len(scales))
-        o += size
+            blocks = o + size * np.arange(count, dtype=np.int64)
+            parts = np.arange(0, size, TILE, dtype=np.int64)
+            offsets = (blocks[:, None] + parts[None, :]).reshape(-1)
+            tiles.append(np.stack([offsets, np.full_like(offsets, TILE), np.full_like(offsets, size)], axis=1))
+            cols = np.arange(0, TILE, width, dtype=np.int64)
+            starts = np.repeat(blocks, cols.size)
+            strips.append(
+                np.stack(
+                    [starts, np.full_like(starts, rows), np.tile(cols, count), np.full_like(starts, width)], axis=1
+                )
+            )
+        scales.append(np.full(tiles[-1].shape[0], block_scale(k), np.float32))
+        o += count * size
     arrays = (
-        np.array(tiles, np.int64).reshape(-1, 3),
-        np.array(scales, np.float32),
-        np.array(strips, np.int64).reshape(-1, 4),
+        np.concatenate(tiles).astype(np.int64) if tiles else np.zeros((0, 3), np.int64),
+        np.concatenate(scales) if scales else np.zeros(0, np.float32),
+        np.concatenate(strips).astype(np.int64) if strips else np.zeros((0, 4), np.int64),
     )
     for a in arrays:
         a.setflags(write=False)
     return arrays
 
 
-def fwht_numba(src: np.ndarray, blocks: tuple[int, ...], key: int, inverse: bool) -> np.ndarray:
+def fwht_numba(src: np.ndarray, runs: tuple[tuple[int, int], ...], key: int, inverse: bool) -> tuple[np.ndarray, int]:
     """The randomized Hadamard transform of ``src`` (float32, contiguous) on the CPU.
 
     Parameters
     ----------
     src : np.ndarray
         1-D float32 input, at most as long as the layout (the rest is zero padding).
-    blocks : tuple of int
-        log2 of the block sizes, in order.
+    runs : tuple of (int, int)
+        The block layout as runs ``(log2 block size, number of blocks)``, in order
+        (``fedquant.codecs.transforms.rht.block_runs``).
     key : int
         Stream key of the signs (``fedquant.rng.stream_key`` of the sign seed).
     inverse : bool
@@ -260,21 +301,23 @@ def fwht_numba(src: np.ndarray, blocks: tuple[int, ...], key: int, inverse: bool
 
     Returns
     -------
-    np.ndarray
-        float32, ``sum(2**k for k in blocks)`` elements (a new array; ``src`` is not modified).
+    out : np.ndarray
+        float32, ``runs_numel(runs)`` elements (a new array; ``src`` is not modified).
+    nonfinite : int
+        How many of them are NaN or Inf (counted in the same pass).
     """
-    total = sum(1 << k for k in blocks)
+    tiles, scales, strips = _work(runs)
+    total = int(tiles[-1, 0] + tiles[-1, 1]) if tiles.shape[0] else 0
     if src.size > total:
         raise ValueError(f"{src.size} elements do not fit a layout of {total}")
     out = np.empty(total, np.float32)
     if not total:
-        return out
-    tiles, scales, strips = _work(tuple(blocks))
+        return out, 0
     ukey = np.uint64(key)
-    _low_pass(src, out, tiles, scales, ukey, inverse)
+    bad = _low_pass(src, out, tiles, scales, ukey, inverse)
     if strips.shape[0]:
-        _high_pass(out, strips, ukey, inverse)
-    return out
+        bad += _high_pass(out, strips, ukey, inverse)
+    return out, int(bad)
 
 
 # ---------------------------------------------------------------- torch twin (CUDA)
@@ -292,12 +335,13 @@ def _stages_torch(v: torch.Tensor) -> None:
         h *= 2
 
 
-def fwht_torch(src: torch.Tensor, blocks: tuple[int, ...], sign_seed: int, inverse: bool) -> torch.Tensor:
+def fwht_torch(src: torch.Tensor, runs: tuple[tuple[int, int], ...], sign_seed: int, inverse: bool) -> torch.Tensor:
     """:func:`fwht_numba` in torch, on ``src``'s device (same float32 operations, same results).
 
-    ``sign_seed`` is the seed whose stream (:func:`fedquant.rng.uniform`) gives the signs.
+    ``sign_seed`` is the seed whose stream (:func:`fedquant.rng.uniform`) gives the signs; each
+    run of equal blocks goes as one batch.
     """
-    total = sum(1 << k for k in blocks)
+    total = runs_numel(runs)
     if src.numel() > total:
         raise ValueError(f"{src.numel()} elements do not fit a layout of {total}")
     out = torch.zeros(total, dtype=torch.float32, device=src.device)
@@ -306,15 +350,10 @@ def fwht_torch(src: torch.Tensor, blocks: tuple[int, ...], sign_seed: int, inver
     out[: src.numel()] = src
     negative = uniform(sign_seed, total, device=src.device) >= 0.5
     o = 0
-    i = 0
-    while i < len(blocks):  # runs of equal blocks go as one batch
-        k = blocks[i]
-        j = i
-        while j < len(blocks) and blocks[j] == k:
-            j += 1
-        size = (j - i) << k
-        v = out[o : o + size].view(j - i, 1 << k)
-        neg = negative[o : o + size].view(j - i, 1 << k)
+    for k, count in runs:
+        size = count << k
+        v = out[o : o + size].view(count, 1 << k)
+        neg = negative[o : o + size].view(count, 1 << k)
         v.mul_(float(block_scale(k)))
         if not inverse:
             v.copy_(torch.where(neg, -v, v))
@@ -322,5 +361,4 @@ def fwht_torch(src: torch.Tensor, blocks: tuple[int, ...], sign_seed: int, inver
         if inverse:
             v.copy_(torch.where(neg, -v, v))
         o += size
-        i = j
     return out

@@ -1,8 +1,8 @@
 """Numba kernels of the per-bucket levels family (ORQ, Linear, BinGrad): the CPU path.
 
-Level selection (one bucket per parallel iteration, sorted in cache by a radix sort):
-:func:`orq_levels`, :func:`linear_levels`, :func:`two_means_levels`,
-:func:`partially_biased_levels`. Each is the per-bucket loop of the batched torch function of
+Level selection (:func:`select_levels`: runs of buckets in parallel, each bucket sorted in cache
+by a radix sort into scratch allocated once per run): :func:`orq_levels`, :func:`linear_levels`,
+:func:`two_means_levels`, :func:`partially_biased_levels`. Each is the per-bucket loop of the batched torch function of
 the same name in :mod:`fedquant.codecs.kernels.levels_torch` (the CUDA path), with the same
 arithmetic (float64 prefix sums accumulated in order, the same formulas and tie rules), so both
 paths select the same levels; ``tests/test_orq.py`` and ``tests/test_bingrad.py`` check this. On
@@ -12,7 +12,7 @@ hence these kernels.
 Rounding onto the levels and decoding work on chunks of ``CHUNK`` elements (a multiple of 8, so
 every chunk starts on a byte boundary of the packed stream) and pack or unpack them with the
 shared chunk packer of :mod:`fedquant.codecs.kernels.common` (LSB first, the layout of
-:mod:`fedquant.wire.bitpack`): :func:`round_pack` encodes, :func:`unpack_gather` decodes; at
+:mod:`fedquant.wire.bitpack`): :func:`round_pack_into` encodes, :func:`unpack_gather_into` decodes; at
 width 8 they write and read one byte per index, the unpacked symbols of the entropy coder.
 Random numbers are :func:`fedquant.rng.uniform` computed inline
 (:func:`~fedquant.codecs.kernels.common.uniform24`), so the torch twin's ``random_round``
@@ -25,37 +25,57 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
+from fedquant.codecs.kernels.common import (
+    CHUNK,
+    add_counts,
+    count_table,
+    group_chunks,
+    pack_into,
+    parallel_kernel,
+    uniform24,
+    unpack_from,
+)
+from fedquant.wire.bitpack import packed_size
+
+#: Level selection runs over this many runs of buckets (each with its own scratch buffers).
+BUCKET_GROUPS = 64
 
 
-@njit(inline="always")
-def _sorted_bucket(x, start, end):
-    """A sorted copy of ``x[start:end]``: LSD radix sort on order-preserving uint32 keys.
+@njit(cache=True)
+def _sorted_bucket(x, start, end, keys, spare, count):
+    """``x[start:end]`` sorted, in ``keys`` or ``spare`` (scratch of at least ``end - start``): LSD radix sort.
 
-    Four passes of 8 bits; about five times faster than ``np.sort`` on 512 values. ``-0.0``
-    sorts before ``0.0`` (they compare equal, so either order is a valid sort).
+    Order-preserving uint32 keys, four digits of 8 bits whose histograms are counted in one
+    pass; a digit that is the same for the whole bucket needs no pass. About five times faster
+    than ``np.sort`` on 512 values. ``-0.0`` sorts before ``0.0`` (they compare equal, so either
+    order is a valid sort). ``count`` is scratch of 1024 int64.
     """
     m = end - start
-    keys = x[start:end].view(np.uint32).copy()
+    src = keys[:m]
+    dst = spare[:m]
+    raw = x[start:end].view(np.uint32)
     for i in range(m):
-        k = keys[i]
-        keys[i] = ~k if (k >> np.uint32(31)) else (k | np.uint32(0x80000000))
-    spare = np.empty(m, np.uint32)
-    count = np.empty(256, np.int64)
-    src = keys
-    dst = spare
-    for shift in range(0, 32, 8):
-        sh = np.uint32(shift)
-        count[:] = 0
-        for i in range(m):
-            count[(src[i] >> sh) & np.uint32(255)] += 1
+        k = raw[i]
+        src[i] = ~k if (k >> np.uint32(31)) else (k | np.uint32(0x80000000))
+    count[:] = 0
+    for i in range(m):
+        v = src[i]
+        count[v & np.uint32(255)] += 1
+        count[256 + ((v >> np.uint32(8)) & np.uint32(255))] += 1
+        count[512 + ((v >> np.uint32(16)) & np.uint32(255))] += 1
+        count[768 + (v >> np.uint32(24))] += 1
+    for digit_pass in range(4):
+        base = 256 * digit_pass
+        sh = np.uint32(8 * digit_pass)
+        if count[base + ((src[0] >> sh) & np.uint32(255))] == m:
+            continue  # one value of this digit: the pass would not move anything
         total = 0
         for c in range(256):
-            t = count[c]
-            count[c] = total
+            t = count[base + c]
+            count[base + c] = total
             total += t
         for i in range(m):
-            digit = (src[i] >> sh) & np.uint32(255)
+            digit = base + ((src[i] >> sh) & np.uint32(255))
             dst[count[digit]] = src[i]
             count[digit] += 1
         src, dst = dst, src
@@ -66,25 +86,21 @@ def _sorted_bucket(x, start, end):
 
 
 @njit(inline="always")
-def _prefix(w):
+def _prefix(w, p):
+    """``p[: w.size + 1]``: float64 prefix sums of ``w``, accumulated in order; returns that view."""
     m = w.size
-    p = np.empty(m + 1, np.float64)
     acc = 0.0
     p[0] = 0.0
     for i in range(m):
         acc += np.float64(w[i])
         p[i + 1] = acc
-    return p
+    return p[: m + 1]
 
 
 # ---------------------------------------------------------------- per-bucket level selection
 @njit(cache=True)
-def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _orq_bucket(w, p, s, tree_lo, tree_mid, tree_hi, idx, row):
     m = w.size
-    p = _prefix(w)
-    idx = np.empty(s, np.int64)
     idx[0] = 0
     idx[s - 1] = m - 1
     for t in range(tree_mid.size):
@@ -101,28 +117,23 @@ def _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out):
             pos = min(max(il + j - 1, il), ir)
         idx[tree_mid[t]] = pos
     for k in range(s):
-        out[b, k] = w[idx[k]]
+        row[k] = w[idx[k]]
 
 
 @njit(cache=True)
-def _linear_bucket(x, b, d, s, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _linear_bucket(w, s, row):
     m = w.size
     for k in range(s):
-        out[b, k] = w[max((k * m + (s - 2)) // (s - 1) - 1, 0)]
+        row[k] = w[max((k * m + (s - 2)) // (s - 1) - 1, 0)]
 
 
 @njit(cache=True)
-def _two_means_bucket(x, b, d, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _two_means_bucket(w, p, row):
     m = w.size
     if m < 2:
-        out[b, 0] = w[0]
-        out[b, 1] = w[0]
+        row[0] = w[0]
+        row[1] = w[0]
         return
-    p = _prefix(w)
     mean = p[m] / m
     best = 1
     best_score = -1.0
@@ -133,8 +144,8 @@ def _two_means_bucket(x, b, d, out):
         if score > best_score:
             best_score = score
             best = j
-    out[b, 0] = np.float32(p[best] / np.float64(best))
-    out[b, 1] = np.float32((p[m] - p[best]) / np.float64(m - best))
+    row[0] = np.float32(p[best] / np.float64(best))
+    row[1] = np.float32((p[m] - p[best]) / np.float64(m - best))
 
 
 @njit(inline="always")
@@ -182,15 +193,12 @@ def _pb_update_low(w, p, b1_32):
 
 
 @njit(cache=True)
-def _pb_bucket(x, b, d, max_sweeps, out):
-    start = b * d
-    w = _sorted_bucket(x, start, min(start + d, x.size))
+def _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row):
     m = w.size
-    wr = np.empty(m, np.float32)
+    wr = wr_buf[:m]
     for i in range(m):
         wr[i] = -w[m - 1 - i]
-    p = _prefix(w)
-    pr = _prefix(wr)
+    pr = _prefix(wr, pr_buf)
     b0 = w[(m - 1) // 4]
     b1 = w[(3 * (m - 1)) // 4]
     for _ in range(max_sweeps):
@@ -201,48 +209,71 @@ def _pb_bucket(x, b, d, max_sweeps, out):
         b1 = nb1
         if done:
             break
-    out[b, 0] = b0
-    out[b, 1] = b1
+    row[0] = b0
+    row[1] = b1
 
 
 # ---------------------------------------------------------------- level selection
 @parallel_kernel
-def orq_levels(x, d, s, tree_lo, tree_mid, tree_hi):
-    """ORQ-s levels of every bucket of ``x``, ``(buckets, s)`` float32 (see ``levels_torch.orq_levels``).
+def select_levels(x, d, s, family, tree_lo, tree_mid, tree_hi, max_sweeps):
+    """The ``(buckets, s)`` float32 levels of every bucket of ``x`` for one level family.
 
-    ``tree_*`` are the ``(left, middle, right)`` level indices of ``levels_torch.level_schedule``.
+    ``family``: 0 ORQ (``tree_*``: the ``(left, middle, right)`` level indices of
+    ``levels_torch.level_schedule``), 1 Linear, 2 BinGrad-b (two-means), 3 BinGrad-pb (at most
+    ``max_sweeps`` sweeps). Buckets go in ``BUCKET_GROUPS`` runs, each with its scratch (sort
+    buffers, prefix sums) allocated once; each family is the per-bucket loop of the batched torch
+    function of the same name in ``levels_torch``.
     """
-    out = np.empty(((x.size + d - 1) // d, s), np.float32)
-    for b in prange(out.shape[0]):
-        _orq_bucket(x, b, d, s, tree_lo, tree_mid, tree_hi, out)
+    n = x.size
+    nb = (n + d - 1) // d
+    out = np.empty((nb, s), np.float32)
+    groups = min(nb, BUCKET_GROUPS)
+    for g in prange(groups):
+        keys = np.empty(d, np.uint32)
+        spare = np.empty(d, np.uint32)
+        count = np.empty(1024, np.int64)
+        p_buf = np.empty(d + 1, np.float64)
+        wr_buf = np.empty(d if family == 3 else 0, np.float32)
+        pr_buf = np.empty(d + 1 if family == 3 else 0, np.float64)
+        idx = np.empty(s, np.int64)
+        for b in range((g * nb) // groups, ((g + 1) * nb) // groups):
+            start = b * d
+            w = _sorted_bucket(x, start, min(start + d, n), keys, spare, count)
+            row = out[b]
+            if family == 1:
+                _linear_bucket(w, s, row)
+                continue
+            p = _prefix(w, p_buf)
+            if family == 0:
+                _orq_bucket(w, p, s, tree_lo, tree_mid, tree_hi, idx, row)
+            elif family == 2:
+                _two_means_bucket(w, p, row)
+            else:
+                _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row)
     return out
 
 
-@parallel_kernel
+_NO_TREE = np.zeros(0, np.int64)
+
+
+def orq_levels(x, d, s, tree_lo, tree_mid, tree_hi):
+    """ORQ-s levels of every bucket of ``x``, ``(buckets, s)`` float32 (see ``levels_torch.orq_levels``)."""
+    return select_levels(x, d, s, 0, tree_lo, tree_mid, tree_hi, 0)
+
+
 def linear_levels(x, d, s):
     """Linear-s levels, ``(buckets, s)`` float32 (see ``levels_torch.linear_levels``)."""
-    out = np.empty(((x.size + d - 1) // d, s), np.float32)
-    for b in prange(out.shape[0]):
-        _linear_bucket(x, b, d, s, out)
-    return out
+    return select_levels(x, d, s, 1, _NO_TREE, _NO_TREE, _NO_TREE, 0)
 
 
-@parallel_kernel
 def two_means_levels(x, d):
     """BinGrad-b levels, ``(buckets, 2)`` float32 (see ``levels_torch.two_means_levels``)."""
-    out = np.empty(((x.size + d - 1) // d, 2), np.float32)
-    for b in prange(out.shape[0]):
-        _two_means_bucket(x, b, d, out)
-    return out
+    return select_levels(x, d, 2, 2, _NO_TREE, _NO_TREE, _NO_TREE, 0)
 
 
-@parallel_kernel
 def partially_biased_levels(x, d, max_sweeps):
     """BinGrad-pb levels, ``(buckets, 2)`` float32 (see ``levels_torch.partially_biased_levels``)."""
-    out = np.empty(((x.size + d - 1) // d, 2), np.float32)
-    for b in prange(out.shape[0]):
-        _pb_bucket(x, b, d, max_sweeps, out)
-    return out
+    return select_levels(x, d, 2, 3, _NO_TREE, _NO_TREE, _NO_TREE, max_sweeps)
 
 
 # ---------------------------------------------------------------- rounding onto the levels
@@ -285,8 +316,8 @@ def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes):
 
 
 @parallel_kernel
-def round_pack(x, levels, d, key, nearest, width):
-    """Round ``x`` onto its buckets' ``levels`` and pack the indices at ``width`` bits (at most 8).
+def round_pack_into(x, levels, d, key, nearest, width, out, counts):
+    """Round ``x`` onto its buckets' ``levels`` and pack the indices at ``width`` bits (at most 8) into ``out``.
 
     Parameters
     ----------
@@ -302,24 +333,38 @@ def round_pack(x, levels, d, key, nearest, width):
         Deterministic nearest of two levels instead of unbiased random rounding.
     width : int
         Bits per index; 8 gives one byte per index, the unpacked symbols for the entropy coder.
-
-    Returns
-    -------
-    np.ndarray
+    out : np.ndarray
         uint8, ``ceil(n * width / 8)`` bytes (``fedquant.wire.bitpack.pack_bits`` layout).
+    counts : np.ndarray
+        ``(groups, s)`` int64 (:func:`~fedquant.codecs.kernels.common.count_table`): receives the
+        index histogram of each run of chunks (width 8 only), or ``(groups, 0)`` for none.
     """
     n = x.size
-    out = np.empty((n * width + 7) // 8, np.uint8)
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        if width == 8:  # one byte per index: nothing to pack
-            _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
-        else:
-            codes = np.empty(CHUNK, np.uint8)
-            _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
-            pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
-    return out
+    nchunks = (n + CHUNK - 1) // CHUNK
+    groups = counts.shape[0]
+    for g in prange(groups):
+        first, end = group_chunks(g, groups, nchunks)
+        codes = np.empty(CHUNK, np.uint8)
+        for c in range(first, end):
+            c0 = c * CHUNK
+            c1 = min(c0 + CHUNK, n)
+            if width == 8:  # one byte per index: nothing to pack
+                _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
+                if counts.shape[1]:
+                    add_counts(out[c0:c1], c1 - c0, counts[g])
+            else:
+                _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
+                pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
+
+
+def round_pack(
+    x: np.ndarray, levels: np.ndarray, d: int, key: np.uint64, nearest: bool, width: int, count: bool = False
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """:func:`round_pack_into` a new array; with ``count`` (width 8), also the index histogram."""
+    out = np.empty(packed_size(x.size, width), np.uint8)
+    counts = count_table(x.size, levels.shape[1] if count else 0)
+    round_pack_into(x, levels, d, key, nearest, width, out, counts)
+    return (out, counts.sum(axis=0)) if count else out
 
 
 # ---------------------------------------------------------------- decoding
@@ -346,14 +391,13 @@ def _chunk_gather(codes, flat_levels, s, d, c0, c1, out):
 
 
 @parallel_kernel(count_arg=1)
-def unpack_gather(data, n, flat_levels, s, d, width):
-    """Decode ``n`` indices packed at ``width`` bits into their buckets' levels.
+def unpack_gather_into(data, n, flat_levels, s, d, width, out):
+    """Decode ``n`` indices packed at ``width`` bits into their buckets' levels, in ``out``.
 
     ``data`` (uint8) must hold exactly ``ceil(n * width / 8)`` bytes and ``flat_levels`` the
-    ``ceil(n / d) * s`` levels, bucket by bucket (the caller checks). Returns
-    ``(values, number of indices >= s)``; a bad index decodes to 0.
+    ``ceil(n / d) * s`` levels, bucket by bucket (the caller checks). Returns the number of
+    indices ``>= s``; a bad index decodes to 0.
     """
-    out = np.empty(n, np.float32)
     nchunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
@@ -365,4 +409,12 @@ def unpack_gather(data, n, flat_levels, s, d, width):
             codes = np.empty(CHUNK, np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
             bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
-    return out, bad.sum()
+    return bad.sum()
+
+
+def unpack_gather(
+    data: np.ndarray, n: int, flat_levels: np.ndarray, s: int, d: int, width: int
+) -> tuple[np.ndarray, int]:
+    """:func:`unpack_gather_into` new float32 values: ``(values, number of indices >= s)``."""
+    out = np.empty(n, np.float32)
+    return out, unpack_gather_into(data, n, flat_levels, s, d, width, out)

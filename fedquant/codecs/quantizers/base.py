@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedquant.codecs.buckets import check_bucket_scales, effective_bucket_size, num_buckets
+from fedquant.codecs.coders.symbols import coder_takes_counts
 from fedquant.codecs.dispatch import KernelDispatch
 from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
@@ -66,6 +67,10 @@ class Quantized:
     packed : np.ndarray, optional
         The symbols already packed at the fixed width the coder asked for (uint8), instead of
         ``symbols``.
+    counts : np.ndarray, optional
+        The histogram of ``symbols`` (``num_symbols()`` int64 counts), when the quantizer's
+        kernel counted them in its own pass (:meth:`Quantizer.wants_counts`); the entropy coder
+        then skips its own counting pass.
     stream : list of np.ndarray, optional
         The symbol section as the quantizer codes it itself (uint8 parts, in order), for
         quantizers with :attr:`Quantizer.own_stream`.
@@ -74,6 +79,7 @@ class Quantized:
     side: list[np.ndarray]
     symbols: np.ndarray | None = None
     packed: np.ndarray | None = None
+    counts: np.ndarray | None = None
     stream: list[np.ndarray] | None = None
 
 
@@ -148,6 +154,12 @@ class Quantizer(Configurable, KernelDispatch):
         """PayloadError if decoded side data is invalid (e.g. a negative scale). Default: no check."""
         return None
 
+    def wants_counts(self) -> bool:
+        """Whether :meth:`quantize` should return the symbol histogram (:attr:`Quantized.counts`).
+
+        True when the symbols go to an entropy coder that takes a histogram counted elsewhere.
+        """
+        return getattr(self, "coding", None) == "entropy" and coder_takes_counts()
     # ------------------------------------------------------------------ error declarations
     def error_bound(self, numel: int) -> float | None:
         """A bound on the relative error ``E||Q(x) - x||^2 / ||x||^2`` over every ``x`` of ``numel`` elements.

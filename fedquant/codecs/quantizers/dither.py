@@ -96,6 +96,9 @@ class DitherQuantizer(BucketScaledQuantizer):
                 return Quantized(
                     [steps], packed=kernels.encode_packed(x, d, steps, key, packed_width, **self._kernel_args())
                 )
+            if self.wants_counts():
+                symbols, counts = kernels.encode_symbols(x, d, steps, key, count=True, **self._kernel_args())
+                return Quantized([steps], symbols=symbols, counts=counts)
             return Quantized([steps], symbols=kernels.encode_symbols(x, d, steps, key, **self._kernel_args()))
         v = to_buckets(flat, d)
         step = kernels.bucket_steps(flat, d, self.levels)

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from fedquant.codecs.kernels import eden as kernels
-from fedquant.codecs.kernels.common import uniform_stream
+from fedquant.codecs.kernels.common import count_table, uniform_stream
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
@@ -307,23 +307,87 @@ class EdenQuantizer(Quantizer):
 
     # ------------------------------------------------------------------ the two directions
     def _kernel_path(self, flat: torch.Tensor | None = None) -> bool:
-        """Numba kernels: integer bits (fractional bits run the torch code on every device)."""
-        return not self.split and self.uses_kernels(flat) and (flat is None or flat.dtype == torch.float32)
+        """Numba kernels: CPU float32 data (or decoding) without ``force_torch``."""
+        return self.uses_kernels(flat) and (flat is None or flat.dtype == torch.float32)
 
     def _quantize_kernel(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         x = np.ascontiguousarray(flat.numpy())
         n = x.size
         nb = self.num_buckets(n)
-        centroids, boundaries = lloyd_max(1 << self._lo)
         sq = np.empty(nb, np.float64)
         dot = np.empty(nb, np.float64)
+        if self.split:
+            streams = self._split_kernel(x, seed, sq, dot)
+            return Quantized([self._finite(_scales(sq, dot, seed)), *streams])
+        centroids, boundaries = lloyd_max(1 << self._lo)
         pack = packed_width is not None
         if pack and packed_width != self._lo:
             raise RuntimeError(f"eden: packed width {packed_width} for {self._lo}-bit indices")
-        out = np.zeros(packed_size(n, self._lo) if pack else n, np.uint8)
-        kernels.quantize(x, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot)
+        out = np.empty(packed_size(n, self._lo) if pack else n, np.uint8)
+        counts = count_table(n, (1 << self._lo) if not pack and self.wants_counts() else 0)
+        kernels.quantize(x, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot, counts)
         scales = self._finite(_scales(sq, dot, seed))
-        return Quantized([scales], packed=out) if pack else Quantized([scales], symbols=out)
+        if pack:
+            return Quantized([scales], packed=out)
+        return Quantized([scales], symbols=out, counts=counts.sum(axis=0) if counts.shape[1] else None)
+
+    def _split_plan(self, numel: int, seed: int) -> tuple[np.uint64, int, int, np.ndarray, np.ndarray]:
+        """``(key, threshold, r, hi_before, ties_before)`` of the split (:func:`kernels.split_plan`)."""
+        key = np.uint64(stream_key(derive_seed(seed, "eden-split")))
+        k = self.hi_count(numel)
+        threshold, r, hi_before, ties_before = kernels.split_plan(key, numel, k)
+        if int(hi_before[-1]) != k:
+            raise RuntimeError(f"eden: the split chose {int(hi_before[-1])} coordinates, not {k}")
+        return key, threshold, r, hi_before, ties_before
+
+    def _split_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Boundaries and centroids (float64) of both widths; the ``floor(B)`` ones empty for 0 bits."""
+        hi_cents, hi_bounds = lloyd_max(1 << self._hi)
+        if not self._lo:
+            return np.zeros(0), np.zeros(1), hi_bounds, hi_cents
+        lo_cents, lo_bounds = lloyd_max(1 << self._lo)
+        return lo_bounds, lo_cents, hi_bounds, hi_cents
+
+    def _split_kernel(self, x: np.ndarray, seed: int, sq: np.ndarray, dot: np.ndarray) -> list[np.ndarray]:
+        """The two index streams of fractional bits (one when ``floor(B)`` is 0), ``sq`` / ``dot`` written."""
+        n = x.size
+        key, threshold, r, hi_before, ties_before = self._split_plan(n, seed)
+        k = int(hi_before[-1])
+        lo_out = np.empty(packed_size(n - k, self._lo) if self._lo else 0, np.uint8)
+        hi_out = np.empty(packed_size(k, self._hi), np.uint8)
+        edge_pos = np.empty(4 * (hi_before.size - 1), np.int64)  # 4 per chunk: both ends of both streams
+        edge_val = np.empty(edge_pos.size, np.uint8)
+        bad = kernels.split_quantize(
+            x, self.bucket_size, self._lo, self._hi, *self._split_tables(),
+            key, threshold, r, hi_before, ties_before, lo_out, hi_out, sq, dot, edge_pos, edge_val,
+        )  # fmt: skip
+        if bad:
+            raise RuntimeError("eden: the split kernel disagrees with its plan")
+        kernels.split_streams(lo_out, hi_out, edge_pos, edge_val)
+        return [lo_out, hi_out] if self._lo else [hi_out]
+
+    def _dequantize_split_kernel(self, side, numel: int, seed: int) -> torch.Tensor:
+        scales = _from_bfloat16(side[0])
+        require_items(scales, self.num_buckets(numel), "eden scales")
+        key, threshold, r, hi_before, ties_before = self._split_plan(numel, seed)
+        k = int(hi_before[-1])
+        hi_data = np.ascontiguousarray(side[-1], dtype=np.uint8)
+        lo_data = np.ascontiguousarray(side[1], dtype=np.uint8) if self._lo else np.zeros(0, np.uint8)
+        _check_padding(hi_data, self._hi, k)
+        require_items(hi_data, packed_size(k, self._hi), f"{self._hi}-bit indices")
+        if self._lo:
+            _check_padding(lo_data, self._lo, numel - k)
+            require_items(lo_data, packed_size(numel - k, self._lo), f"{self._lo}-bit indices")
+        lo_cents = lloyd_max(1 << self._lo)[0].astype(np.float32) if self._lo else np.zeros(1, np.float32)
+        hi_cents = lloyd_max(1 << self._hi)[0].astype(np.float32)
+        out = np.empty(numel, np.float32)
+        bad = kernels.split_dequantize(
+            lo_data, numel, self.bucket_size, self._lo, self._hi, lo_cents, hi_cents, scales,
+            key, threshold, r, hi_before, ties_before, hi_data, out,
+        )  # fmt: skip
+        if bad:
+            raise RuntimeError("eden: the split kernel disagrees with its plan")
+        return torch.from_numpy(out)
 
     def _dequantize_kernel(self, side, data: np.ndarray, numel: int, packed: bool) -> torch.Tensor:
         scales = _from_bfloat16(side[0])
@@ -369,6 +433,8 @@ class EdenQuantizer(Quantizer):
         return Quantized([self._finite(_scales(sq.cpu().numpy(), dot.cpu().numpy(), seed)), *streams])
 
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+        if self._kernel_path() and self.split:
+            return self._dequantize_split_kernel(side, numel, seed)
         if self._kernel_path():
             if symbols.dtype != np.uint8:
                 check_alphabet(symbols, self.num_symbols(), self.name)
@@ -431,9 +497,14 @@ def _values(indices: np.ndarray, width: int, scale: torch.Tensor) -> torch.Tenso
     return centroids[torch.from_numpy(indices.astype(np.int64))] * scale
 
 
-def _unpack(packed: np.ndarray, width: int, count: int) -> np.ndarray:
-    """``count`` indices of a packed stream; PayloadError unless its padding bits are zero."""
+def _check_padding(packed: np.ndarray, width: int, count: int) -> None:
+    """PayloadError unless the padding bits after ``count`` indices of ``width`` bits are zero."""
     used = (count * width) % 8
     if used and packed.size and int(packed[-1]) >> used:
         raise PayloadError(f"eden payload has nonzero padding bits after the last {width}-bit index")
+
+
+def _unpack(packed: np.ndarray, width: int, count: int) -> np.ndarray:
+    """``count`` indices of a packed stream; PayloadError unless its padding bits are zero."""
+    _check_padding(packed, width, count)
     return unpack_bits(packed, width, count)

@@ -101,6 +101,9 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         steps = grid_steps(scales, s)
         if packed_width is not None:
             return Quantized([scales], packed=kernels.round_pack(x, d, steps, s, key, packed_width))
+        if self.wants_counts():
+            codes, counts = kernels.round_codes(x, d, steps, s, key, count=True)
+            return Quantized([scales], symbols=codes, counts=counts)
         return Quantized([scales], symbols=kernels.round_codes(x, d, steps, s, key))
 
     def _steps(self, side: list[np.ndarray], numel: int) -> tuple[int, np.ndarray]:

@@ -179,6 +179,9 @@ class LevelQuantizer(Quantizer):
             args = (x.numpy(), levels, d, kernel_key(seed), self.rounding == "nearest")
             if packed_width is not None:
                 return Quantized([wire], packed=kernels.round_pack(*args, packed_width))
+            if self.wants_counts():
+                indices, counts = kernels.round_pack(*args, 8, count=True)  # one byte per index
+                return Quantized([wire], symbols=indices, counts=counts)
             return Quantized([wire], symbols=kernels.round_pack(*args, 8))  # one byte per index
         on_device = torch.from_numpy(levels).to(x.device)
         if self.rounding == "nearest":

@@ -55,10 +55,17 @@ class SignSGDQuantizer(BucketScaledQuantizer):
         scales = bucket_stat(flat, d, "l1mean", use_kernels)
         if use_kernels and packed_width is not None:
             return Quantized([scales], packed=kernels.sign_pack(flat.numpy()))
+        if use_kernels:
+            symbols, counts = kernels.sign_codes(flat.numpy())
+            return Quantized([scales], symbols=symbols, counts=counts if self.wants_counts() else None)
         return Quantized([scales], symbols=(flat < 0).to(torch.uint8).cpu().numpy())
 
     def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
         d, scales = self.bucket_scales(side, numel)
+        if self.uses_kernels():
+            codes = np.ascontiguousarray(symbols, dtype=np.uint8)  # checked below 2
+            require_items(codes, numel, "sign symbols")
+            return torch.from_numpy(kernels.sign_values(codes[:numel], d, scales))
         return kernels.torch_sign_values(torch.from_numpy(np.asarray(symbols) != 0), d, scales)
 
     def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:

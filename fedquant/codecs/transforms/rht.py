@@ -68,7 +68,7 @@ from typing import ClassVar
 import torch
 
 from fedquant.codecs.codec import all_finite
-from fedquant.codecs.kernels.hadamard import fwht_numba, fwht_torch
+from fedquant.codecs.kernels.hadamard import fwht_numba, fwht_torch, runs_numel
 from fedquant.codecs.transforms.base import Transform
 from fedquant.rng import derive_seed, stream_key
 
@@ -77,29 +77,54 @@ MAX_BLOCK_LOG2 = 9
 
 
 @lru_cache(maxsize=1024)
-def block_layout(numel: int, max_log2: int = MAX_BLOCK_LOG2, min_log2: int | None = None) -> tuple[int, ...]:
-    """log2 of the block sizes that hold ``numel`` elements, in order.
+def block_runs(numel: int, max_log2: int = MAX_BLOCK_LOG2, min_log2: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The block layout of ``numel`` elements as runs ``(log2 block size, number of blocks)``.
 
     Full blocks of ``2**max_log2``, then the remainder's binary digits down to ``2**min_log2``
-    (default ``max_log2``: none), then what is left padded to the next power of two.
+    (default ``max_log2``: none), then what is left padded to the next power of two; equal
+    neighbours form one run. A few runs for any ``numel``, computed without a loop over blocks.
+
+    >>> block_runs(1000, 8)
+    ((8, 4),)
+    >>> block_runs(1000, 8, 0)
+    ((8, 3), (7, 1), (6, 1), (5, 1), (3, 1))
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    min_log2 = max_log2 if min_log2 is None else min_log2
+    full = numel >> max_log2
+    runs = [[max_log2, full]] if full else []
+    rest = numel - (full << max_log2)
+    tail = []
+    for k in range(max_log2 - 1, min_log2 - 1, -1):
+        if rest >> k:
+            tail.append(k)
+            rest -= 1 << k
+    if rest:
+        tail.append((rest - 1).bit_length())
+    for k in tail:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return tuple((k, c) for k, c in runs)
+
+
+@lru_cache(maxsize=64)
+def block_layout(numel: int, max_log2: int = MAX_BLOCK_LOG2, min_log2: int | None = None) -> tuple[int, ...]:
+    """log2 of the block sizes that hold ``numel`` elements, in order (:func:`block_runs`, one entry per block).
 
     >>> block_layout(1000, 8)
     (8, 8, 8, 8)
     >>> block_layout(1000, 8, 0)
     (8, 8, 8, 7, 6, 5, 3)
     """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    min_log2 = max_log2 if min_log2 is None else min_log2
-    blocks = [max_log2] * (numel >> max_log2)
-    rest = numel - (len(blocks) << max_log2)
-    for k in range(max_log2 - 1, min_log2 - 1, -1):
-        if rest >> k:
-            blocks.append(k)
-            rest -= 1 << k
-    if rest:
-        blocks.append((rest - 1).bit_length())
-    return tuple(blocks)
+    return tuple(k for k, count in block_runs(numel, max_log2, min_log2) for _ in range(count))
+
+
+@lru_cache(maxsize=1024)
+def _runs_numel(runs: tuple[tuple[int, int], ...]) -> int:
+    return runs_numel(runs)
 
 
 class RandomizedHadamard(Transform):
@@ -116,23 +141,32 @@ class RandomizedHadamard(Transform):
     min_log2: ClassVar[int | None] = None
 
     def blocks(self, numel: int) -> tuple[int, ...]:
-        """log2 of the block sizes of a tensor of ``numel`` elements."""
+        """log2 of the block sizes of a tensor of ``numel`` elements (one entry per block)."""
         return block_layout(numel, self.max_log2, self.min_log2)
 
+    def runs(self, numel: int) -> tuple[tuple[int, int], ...]:
+        """The block layout of a tensor of ``numel`` elements as runs ``(log2 size, count)``."""
+        return block_runs(numel, self.max_log2, self.min_log2)
+
     def output_numel(self, numel: int) -> int:
-        return sum(1 << k for k in self.blocks(numel))
+        return _runs_numel(self.runs(numel))
 
     @staticmethod
     def sign_seed(seed: int) -> int:
         """The seed of the sign stream: a sub-stream of ``seed``, independent of the quantizer's."""
         return derive_seed(seed, "rht")
 
-    def _rotate(self, flat: torch.Tensor, blocks: tuple[int, ...], seed: int, inverse: bool) -> torch.Tensor:
+    def _rotate(
+        self, flat: torch.Tensor, runs: tuple[tuple[int, int], ...], seed: int, inverse: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """The rotated tensor and whether every value of it is finite."""
         sign_seed = self.sign_seed(seed)
         flat = flat.to(torch.float32).contiguous()
         if not self.uses_kernels(flat):
-            return fwht_torch(flat, blocks, sign_seed, inverse)
-        return torch.from_numpy(fwht_numba(flat.numpy(), blocks, stream_key(sign_seed), inverse))
+            out = fwht_torch(flat, runs, sign_seed, inverse)
+            return out, all_finite(out)
+        out, nonfinite = fwht_numba(flat.numpy(), runs, stream_key(sign_seed), inverse)
+        return torch.from_numpy(out), nonfinite == 0
 
     def forward(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
         """Rotate ``flat`` (1-D float32): ``output_numel(numel)`` elements on its device.
@@ -143,14 +177,14 @@ class RandomizedHadamard(Transform):
             If the rotation overflows float32 (values within ``sqrt(2**max_log2)`` of the largest
             float32).
         """
-        out = self._rotate(flat, self.blocks(flat.numel()), seed, inverse=False)
-        if not all_finite(out):
+        out, finite = self._rotate(flat, self.runs(flat.numel()), seed, inverse=False)
+        if not finite:
             raise ValueError(f"{self.name}: the rotated tensor overflows float32; scale the update down")
         return out
 
     def inverse(self, flat: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
         """Rotate back: ``flat`` holds ``output_numel(numel)`` elements; returns the first ``numel``."""
-        blocks = self.blocks(numel)
-        if flat.numel() != sum(1 << k for k in blocks):
+        runs = self.runs(numel)
+        if flat.numel() != _runs_numel(runs):
             raise ValueError(f"{self.name}: {flat.numel()} elements are not the rotation of {numel}")
-        return self._rotate(flat, blocks, seed, inverse=True)[:numel]
+        return self._rotate(flat, runs, seed, inverse=True)[0][:numel]
