@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
@@ -126,13 +126,19 @@ def _partition_of(msg: Message) -> tuple[int, int]:
 
 
 def run_server(
-    grid: Grid, run_config: dict[str, Any], *, directory: PartitionDirectory | None = None, **overrides: Any
+    grid: Grid,
+    run_config: dict[str, Any],
+    *,
+    directory: PartitionDirectory | None = None,
+    on_start: Callable[[RunHistory], Any] | None = None,
+    **overrides: Any,
 ) -> RunHistory:
     """Run the whole federation as the run config says; returns the history it wrote.
 
     ``overrides`` (snake_case keys) take precedence over the run config; the sweep uses them.
     ``directory`` keeps what was learned about the nodes' partitions from an earlier run on the
-    same grid (the sweep passes one to all its runs).
+    same grid (the sweep passes one to all its runs). ``on_start`` gets the history as soon as
+    its folder exists (before round 1).
 
     Raises :class:`~simulations.settings.RunConfigError` before anything runs when the config is
     invalid. The history goes to a new folder (``history.folder``), rewritten after every round;
@@ -153,6 +159,8 @@ def run_server(
     folder = reserve_run_dir(settings.out_dir, run_dir_name(settings, num_nodes), settings.overwrite)
     history = RunHistory(settings, folder=folder, num_nodes=num_nodes)
     log(INFO, "fedquant: results of this run go to %s (rewritten after every round)", folder)
+    if on_start is not None:
+        on_start(history)
     for warning in data_warnings(settings, num_nodes):
         log(WARNING, "fedquant: %s", warning)
         history.warnings.append(warning)
@@ -252,14 +260,17 @@ def _round_line(row: dict[str, Any], rounds: int) -> str:
     return text
 
 
-def make_server_app(**overrides: Any) -> ServerApp:
-    """A ServerApp whose run config is overridden by ``overrides`` (for ``run_simulation``)."""
+def make_server_app(on_start: Callable[[RunHistory], Any] | None = None, **overrides: Any) -> ServerApp:
+    """A ServerApp whose run config is overridden by ``overrides`` (for ``run_simulation``).
+
+    ``on_start`` gets the run's history once its folder exists (``simulations.run`` keeps it).
+    """
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         limit_threads()
-        run_server(grid, dict(context.run_config), **overrides)
+        run_server(grid, dict(context.run_config), on_start=on_start, **overrides)
 
     return server_app
 

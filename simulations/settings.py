@@ -136,9 +136,13 @@ class SimSettings:
                 values[name] = _parse(value, type(known[name].default))
             except (TypeError, ValueError) as err:
                 problems.append(f"{key}={value!r}: {err}")
+        try:
+            settings = cls(**values)
+        except RunConfigError as err:
+            problems += err.problems
         if problems:
             raise RunConfigError(problems)
-        return cls(**values)
+        return settings
 
     @classmethod
     def keys(cls) -> list[str]:
