@@ -11,11 +11,17 @@ says what happened:
 * 2: invalid run config or arguments, one line per problem, in a second and before Ray starts;
 * 130: stopped with Ctrl-C (the rounds it finished are in its folder, ``status`` "stopped").
 
+``--flwr`` submits the run with ``flwr run .`` instead (to the SuperLink connection of your Flower
+configuration), streams its log with ``flwr log`` and then reads its status with ``flwr ls``: 0
+for ``finished:completed``, 1 for a failed or stopped run. Ctrl-C there stops only the log
+stream, as in ``flwr run --stream``: the run goes on (``flwr stop <run-id>`` ends it).
+
 Usage::
 
     python -m simulations.run
     python -m simulations.run --run-config 'codec="orq:levels=4" rounds=10' --num-supernodes 20
     python -m simulations.run --check --run-config 'codecs="fp32"'    # validate only
+    python -m simulations.run --flwr --run-config 'rounds=5'           # through flwr run, same exit codes
 
 Scripts call :func:`run_app` (returns the :class:`~simulations.history.RunHistory`, raises
 :class:`~simulations.settings.RunConfigError` or :class:`RunFailed`).
@@ -100,6 +106,48 @@ def run_app(
     return started[-1]
 
 
+def run_with_flwr(run_config_args: Sequence[str], superlink: str | None = None, poll_seconds: float = 2.0) -> int:
+    """Submit with ``flwr run . --format json``, stream ``flwr log``, exit status from ``flwr ls``.
+
+    Returns 0 when ``flwr ls`` reports ``finished:completed``, 1 otherwise (the status is printed).
+    """
+    import json
+    import subprocess
+    import time
+
+    where = [superlink] if superlink else []
+    overrides = [arg for text in run_config_args for arg in ("--run-config", text)]
+    submitted = subprocess.run(["flwr", "run", ".", *where, *overrides, "--format", "json"],
+                               capture_output=True, text=True)  # fmt: skip
+    try:
+        run_id = json.loads(submitted.stdout[submitted.stdout.index("{") :])["run-id"]
+    except (ValueError, KeyError, TypeError):
+        print(f"simulations.run: flwr run did not start a run: {submitted.stdout.strip()} {submitted.stderr.strip()}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"simulations.run: run {run_id} submitted; streaming its log (Ctrl-C stops only the stream)", flush=True)
+    try:
+        subprocess.run(["flwr", "log", str(run_id), *where, "--stream"])
+        while True:
+            listed = subprocess.run(["flwr", "ls", *where, "--run-id", str(run_id), "--format", "json"],
+                                    capture_output=True, text=True)  # fmt: skip
+            run = json.loads(listed.stdout[listed.stdout.index("{") :])["runs"][0]
+            if run["status"].startswith("finished"):
+                break
+            time.sleep(poll_seconds)
+    except KeyboardInterrupt:
+        print(
+            f"\nsimulations.run: stopped streaming; run {run_id} goes on (flwr stop {run_id} ends it)", file=sys.stderr
+        )
+        return 130
+    details = f" ({run['status-details']})" if run.get("status-details") not in (None, "", "N/A") else ""
+    print(
+        f"simulations.run: run {run_id} {run['status']}{details}",
+        file=sys.stderr if run["status"] != "finished:completed" else sys.stdout,
+    )
+    return 0 if run["status"] == "finished:completed" else 1
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m simulations.run", description=__doc__.split("\n")[0])
     parser.add_argument("--run-config", "-c", action="append", default=[], metavar="'KEY=VALUE ...'",
@@ -109,6 +157,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per client, e.g. 0.25 (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="reuse the run folder if it exists")
     parser.add_argument("--check", action="store_true", help="validate the run config and exit (0: valid, 2: not)")
+    parser.add_argument("--flwr", nargs="?", const="", default=None, metavar="SUPERLINK",
+                        help="run through flwr run (optionally to the named SuperLink connection); "
+                        "the federation is then Flower's, not --num-supernodes")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -135,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in err.problems:
             _problem(f"invalid run config: {problem}")
         return 2
+    if args.flwr is not None and not args.check:
+        return run_with_flwr(args.run_config + (["overwrite=true"] if args.overwrite else []), args.flwr or None)
     if args.check:
         changed = " ".join(f"{k}={v!r}" for k, v in settings.changed().items()) or "(all defaults)"
         print(f"run config OK: {changed}")
