@@ -91,17 +91,20 @@ def test_the_codec_tables_bits_are_measured():
 
     update = model_update("cnn")
     big = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+
+    def large_tensor_bits(spec: str) -> float:
+        return 8 * len(get_codec(spec).encode(big, seed=1)) / big.numel()
+
     for row in _codec_rows():
         name = re.match(r"`([a-z0-9-]+)", row[0]).group(1)
         large, cnn = row[3], row[4]
         if name == "eden":  # "B + 0.03", "1.42 (B=1), 2.43 (B=2)"
-            offset = _numbers(large)[0]
             for bits_cnn, b in re.findall(r"(\d+\.\d+) \(B=(\d+)\)", cnn):
                 spec = f"eden:bits={b}"
-                assert 8 * len(get_codec(spec).encode(big, seed=1)) / big.numel() == pytest.approx(int(b) + offset, abs=0.01)
+                assert large_tensor_bits(spec) == pytest.approx(int(b) + _numbers(large)[0], abs=0.01)
                 assert measure(spec, update, SimSettings().min_numel)[0] == pytest.approx(float(bits_cnn), abs=0.006)
             continue
-        assert 8 * len(get_codec(name).encode(big, seed=1)) / big.numel() == pytest.approx(_numbers(large)[0], abs=0.01)
+        assert large_tensor_bits(name) == pytest.approx(_numbers(large)[0], abs=0.01), name
         assert measure(name, update, SimSettings().min_numel)[0] == pytest.approx(_numbers(cnn)[0], abs=0.006), name
 
 
