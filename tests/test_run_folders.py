@@ -140,3 +140,31 @@ def test_a_recorded_end_is_not_overwritten():
     assert (history.status, history.error) == ("stopped", "KeyboardInterrupt")
     with pytest.raises(ValueError):
         history.finish("done")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_python_m_simulations_run_and_keeps_its_rounds(tmp_path):
+    from tests.timeouts import scaled
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    config = 'rounds=100 model="logreg" codec="fp32" local-epochs=1 min-local-steps=2 run-name="ctrl-c"'
+    config += f' out-dir="{tmp_path}"'
+    proc = subprocess.Popen([sys.executable, "-m", "simulations.run", "--num-cpus", "1", "-c", config], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    path = tmp_path / "ctrl-c" / "history.json"
+    deadline = time.monotonic() + scaled(300)
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists() and len(json.loads(path.read_text())["rounds"]) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=scaled(120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    saved = load_history(tmp_path / "ctrl-c")
+    assert saved["status"] == "stopped" and len(saved["rounds"]) >= 3
+    assert "stopped (Ctrl-C)" in err
