@@ -89,15 +89,15 @@ class SimSettings:
         builds("codec", lambda: _build_codec(self.codec), _codec_forms())
         builds("dataset", lambda: check_dataset_name(self.dataset), "see the dataset key in README.md")
         builds("partitioning", lambda: check_partitioning(self.partitioning, 1.0), "iid or dirichlet")
-        check("dirichlet-alpha", _finite(self.dirichlet_alpha) and self.dirichlet_alpha > 0, "a number > 0")
+        check("dirichlet-alpha", math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0, "a number > 0")
         check("model", self.model in MODEL_NAMES, f"unknown model; use one of {', '.join(MODEL_NAMES)}")
         if is_synthetic(self.dataset) and self.model in IMAGE_MODELS:
             found.append(f"model={self.model!r}: dataset {self.dataset!r} gives feature vectors; use logreg or mlp")
         for key in ("rounds", "local-epochs", "batch-size"):
             check(key, getattr(self, key.replace("-", "_")) >= 1, "an int >= 1")
-        check("fraction-train", _finite(self.fraction_train) and 0 < self.fraction_train <= 1, "a number in (0, 1]")
-        check("learning-rate", _finite(self.learning_rate) and self.learning_rate > 0, "a number > 0")
-        check("clip-norm", _finite(self.clip_norm) and self.clip_norm >= 0, "a number >= 0 (0: no clipping)")
+        check("fraction-train", 0 < self.fraction_train <= 1, "a number in (0, 1]")
+        check("learning-rate", math.isfinite(self.learning_rate) and self.learning_rate > 0, "a number > 0")
+        check("clip-norm", math.isfinite(self.clip_norm) and self.clip_norm >= 0, "a number >= 0 (0: no clipping)")
         check("min-local-steps", self.min_local_steps >= 0, "an int >= 0")
         check("seed", self.seed >= 0, "an int >= 0")
         check("min-numel", self.min_numel >= 1, "an int >= 1 (1: encode every float tensor)")
@@ -106,8 +106,8 @@ class SimSettings:
         if not _is_none(self.downlink_codec):
             builds("downlink-codec", lambda: _build_strategy(downlink_codec=self.downlink_codec),
                    f"none, or a codec spec without ef+ or side information ({_codec_forms()})")  # fmt: skip
-        check("upload-deadline-seconds", _finite(self.upload_deadline_seconds) and self.upload_deadline_seconds >= 0,
-              "a number of seconds >= 0 (0: off)")  # fmt: skip
+        deadline = self.upload_deadline_seconds
+        check("upload-deadline-seconds", math.isfinite(deadline) and deadline >= 0, "a number of seconds >= 0 (0: off)")
         check("uplink-bytes-budget", self.uplink_bytes_budget >= 0, "an int >= 0 (0: off)")
         if self.upload_deadline_seconds > 0 and _is_none(self.uplink):
             found.append(
@@ -211,10 +211,6 @@ def _unknown_key(key: str) -> str:
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown run-config key {key!r}{hint}; known keys: {', '.join(keys)}"
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
 
 
 def _is_none(spec: str) -> bool:

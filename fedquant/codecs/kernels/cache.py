@@ -101,7 +101,7 @@ def log_path(folder: Path) -> Path:
 
 def try_lock(folder: Path):
     """The warm-up lock of ``folder`` as an open file, or None if another process holds it."""
-    handle = open(lock_path(folder), "a")  # noqa: SIM115 (held for the warm-up's lifetime)
+    handle = open(lock_path(folder), "a")  # held open for the warm-up's lifetime
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

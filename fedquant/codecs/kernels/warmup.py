@@ -11,6 +11,7 @@ to have the compiled kernels from the first call on (a few minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import signal
 import sys
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.background:
             return 0
         print(f"another warm-up is building {folder}; waiting for it", flush=True)
-        lock = open(cache.lock_path(folder), "a")  # noqa: SIM115
-        cache.fcntl.flock(lock, cache.fcntl.LOCK_EX)
+        lock = open(cache.lock_path(folder), "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
     marker = cache.marker_path(folder)
     if marker.exists():
         print(f"the kernel cache in {folder} is warm already")
