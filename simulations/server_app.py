@@ -187,6 +187,7 @@ def run_server(
         directory=directory,
     )
     monitor = DivergenceMonitor(test.num_classes)
+    history.save()  # the folder says "running" from the start
     t0 = time.perf_counter()
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
