@@ -18,6 +18,7 @@ import torch
 from fedquant.codecs import available_codecs, codec_class, get_codec
 from fedquant.codecs.kernels import cache, common
 from fedquant.codecs.kernels.warmup import warm_specs
+from tests.timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["qsgd", "eden:bits=2", "eden:bits=1.5", "dqsg", "orq", "signsgd", "rht+qsgd:levels=7"]
@@ -60,7 +61,7 @@ def test_a_cold_cache_compiles_nothing_on_the_first_call_and_gives_the_kernels_b
                              capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
         result = json.loads(out.stdout.strip().splitlines()[-1])
         # ... and a warm-up process was started for that cache folder
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not list(tmp_path.glob("*/fedquant-warmup.pid")) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert list(tmp_path.glob("*/fedquant-warmup.pid")), "no background warm-up started"
