@@ -71,24 +71,32 @@ def test_the_server_refuses_a_bad_config_before_loading_anything(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "simulations.run", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+def test_the_runner_exits_2_with_one_line_per_problem_and_starts_nothing(capsys):
+    import ray
 
+    from simulations.run import main
 
-def test_the_runner_exits_2_with_one_line_per_problem_and_starts_nothing():
-    out = _run_cli("--run-config", 'codec="qsgd:levels=-3" upload-deadline-seconds=0.3', "-c", 'codecs="fp32"')
-    assert out.returncode == 2, out
-    lines = out.stderr.strip().splitlines()
+    code = main(["--run-config", 'codec="qsgd:levels=-3" upload-deadline-seconds=0.3', "-c", 'codecs="fp32"'])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("simulations.run: invalid run config: ") for line in lines)
-    assert "Ray" not in out.stderr + out.stdout and "Traceback" not in out.stderr
+    assert not ray.is_initialized()
 
 
-def test_the_runner_checks_a_good_config_and_names_its_folder():
-    out = _run_cli("--check", "--run-config", 'codec="fp32" rounds=3', "--num-supernodes", "5")
-    assert out.returncode == 0, out
-    assert "results folder: results/fp32_digits_iid_seed0_rounds=3_5nodes" in out.stdout
+def test_the_runner_checks_a_good_config_and_names_its_folder(capsys):
+    from simulations.run import main
+
+    assert main(["--check", "--run-config", 'codec="fp32" rounds=3', "--num-supernodes", "5"]) == 0
+    assert "results folder: results/fp32_digits_iid_seed0_rounds=3_5nodes" in capsys.readouterr().out
+
+
+def test_the_runner_is_a_module_that_exits_with_mains_status():
+    # The exit status itself, through the interpreter, as a script sees it.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "simulations.run", "--check", "-c", "rounds=0"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2 and "rounds=0" in out.stderr
 
 
 def test_pyproject_defaults_are_the_settings_defaults():
