@@ -29,7 +29,7 @@ from fedquant.codecs.dispatch import KernelDispatch
 from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import unpack_bits
-from fedquant.wire.body import require_items
+from fedquant.wire.body import BodyReader, require_items
 
 CODINGS = ("fixed", "elias", "entropy")
 
@@ -66,11 +66,15 @@ class Quantized:
     packed : np.ndarray, optional
         The symbols already packed at the fixed width the coder asked for (uint8), instead of
         ``symbols``.
+    stream : list of np.ndarray, optional
+        The symbol section as the quantizer codes it itself (uint8 parts, in order), for
+        quantizers with :attr:`Quantizer.own_stream`.
     """
 
     side: list[np.ndarray]
     symbols: np.ndarray | None = None
     packed: np.ndarray | None = None
+    stream: list[np.ndarray] | None = None
 
 
 class Quantizer(Configurable, KernelDispatch):
@@ -100,6 +104,10 @@ class Quantizer(Configurable, KernelDispatch):
         adds them when a spec does not name them.
     paper, wire : str
         Provenance and what goes on the wire, in words.
+    own_stream : bool
+        Whether the quantizer codes its symbol section itself (:attr:`Quantized.stream` and
+        :meth:`read_stream`) instead of one stream of the shared coders: ECDQ codes each dither
+        context with its own table.
     force_torch : bool
         Run the torch implementation on CPU tensors too (tests of path equality).
     """
@@ -110,6 +118,7 @@ class Quantizer(Configurable, KernelDispatch):
     needs_side_info: ClassVar[bool] = False
     decode_plan: ClassVar[str | None] = None
     implied_transforms: ClassVar[tuple[str, ...]] = ()
+    own_stream: ClassVar[bool] = False
     paper: ClassVar[str] = ""
     wire: ClassVar[str] = ""
 
@@ -174,6 +183,13 @@ class Quantizer(Configurable, KernelDispatch):
         symbols = unpack_bits(packed, width, numel)
         check_alphabet(symbols, self.num_symbols(), self.name)
         return self.dequantize(side, symbols, numel, seed, side_info)
+
+    def read_stream(
+        self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Values from the symbol section this quantizer wrote itself (:attr:`own_stream`): the rest
+        of ``body``, untrusted, read through its bounds checks."""
+        raise NotImplementedError(f"{self.name} does not code its own symbol section")
 
 
 def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:
