@@ -98,9 +98,11 @@ def test_the_codec_tables_bits_are_measured():
     for row in _codec_rows():
         name = re.match(r"`([a-z0-9-]+)", row[0]).group(1)
         large, cnn = row[3], row[4]
-        if name == "eden":  # "B + 0.03", "1.42 (B=1), 2.43 (B=2)"
-            for bits_cnn, b in re.findall(r"(\d+\.\d+) \(B=(\d+)\)", cnn):
-                spec = f"eden:bits={b}"
+        if ":bits=B" in row[0]:  # eden, ecdq: "B + 0.03", "1.42 (B=1), 2.43 (B=2)"
+            rates = re.findall(r"(\d+\.\d+) \(B=(\d+)\)", cnn)
+            assert len(rates) >= 2, name
+            for bits_cnn, b in rates:
+                spec = f"{name}:bits={b}"
                 assert large_tensor_bits(spec) == pytest.approx(int(b) + _numbers(large)[0], abs=0.01)
                 assert measure(spec, update, SimSettings().min_numel)[0] == pytest.approx(float(bits_cnn), abs=0.006)
             continue
@@ -109,15 +111,23 @@ def test_the_codec_tables_bits_are_measured():
 
 
 def test_the_default_runs_accuracy_is_what_the_measured_runs_wrote():
+    from simulations.data import load_test_set
+
     claimed = _numbers(_between(README, "default-accuracy"))
-    finals = []
+    claimed_round_1 = _numbers(_between(README, "round-1-accuracy"))
+    correct, total = _numbers(_between(README, "default-correct"))
+    finals, round_1 = [], []
     for seed in range(len(claimed)):
         saved = json.loads((MEASURED / run_dir_name(SimSettings(seed=seed), 2) / "history.json").read_text())
         assert saved["status"] == "finished" and saved["num-nodes"] == 2
         expected = {**SimSettings.defaults(), "seed": seed, "out-dir": "docs/measured"}
         assert saved["settings"] == expected  # the default run, nothing else changed
         finals.append(saved["rounds"][-1]["accuracy"])
+        round_1.append(next(r["accuracy"] for r in saved["rounds"] if r["round"] == 1))
     assert len(claimed) >= 3 and claimed == pytest.approx(finals, abs=5e-5)
+    assert claimed_round_1 == pytest.approx(round_1, abs=5e-5)
+    assert total == len(load_test_set("digits"))
+    assert [correct / total] * len(finals) == pytest.approx(finals, abs=1e-9)  # "each time"
 
 
 def test_the_test_command_is_what_ci_runs():
