@@ -6,7 +6,8 @@ on a fresh installation: the seconds of ``get_codec(spec)`` plus the first ``enc
 tensor, as ``quantize_mod`` sends it with ``min-numel=1``) and (b) one tensor of 2^20 elements.
 Interpreter start and ``import torch`` are reported apart (``import s``): they are paid before
 any codec. The background warm-up each process starts (``fedquant.codecs.kernels.warmup``) is
-stopped by its process id when the row is measured.
+stopped by the process id the measured process reports (a pid file would not exist yet: the
+warm-up is still importing when the twins' first call is done).
 
 ``--mode numba`` measures what the first call cost before the warm cache (compile on first use);
 ``--warm`` adds a column measured after a full warm-up of one shared cache folder (the compiled
@@ -64,39 +65,41 @@ update = [0.01 * torch.randn(p.shape, generator=gen) for p in model.state_dict()
 spec = sys.argv[1]
 cnn = first(spec, update)
 big = first(spec, [torch.randn(1 << 20, generator=gen)])
-print(json.dumps({"import": t_import, "cnn": cnn, "big": big}))
+from fedquant.codecs.kernels import cache
+warmup = cache._spawned.pid if cache._spawned is not None else None
+print(json.dumps({"import": t_import, "cnn": cnn, "big": big, "warmup": warmup}))
 """
 
 
-def stop_warmup(cache_root: Path) -> None:
-    """Stop the warm-up a measured process started in ``cache_root`` (by its pid file, if it is one)."""
-    for pid_file in cache_root.glob("*/fedquant-warmup.pid"):
-        try:
-            pid = int(pid_file.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if b"fedquant.codecs.kernels.warmup" in cmdline:
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                if not Path(f"/proc/{pid}").exists():
-                    break
-                time.sleep(0.05)
+def stop_warmup(pid: int | None) -> None:
+    """Stop the background warm-up ``pid`` a measured process started (if it still runs)."""
+    if pid is None:
+        return
+    try:
+        if b"fedquant.codecs.kernels.warmup" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            time.sleep(0.05)
+            if not Path(f"/proc/{pid}/cmdline").read_bytes():  # gone (or a zombie of init)
+                return
+        os.kill(pid, signal.SIGKILL)  # its cache folder is thrown away anyway
+    except (OSError, ProcessLookupError):
+        return
 
 
 def measure(spec: str, cache_root: Path, mode: str, threads: int) -> dict[str, float]:
     """Timings of ``spec``'s first calls in a fresh process with numba's cache in ``cache_root``."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_root), "FEDQUANT_KERNELS": mode, "PYTHONPATH": str(ROOT)}
     env["NUMBA_NUM_THREADS"] = str(threads)
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", CHILD, spec, str(threads)], env=env, cwd=ROOT, capture_output=True, text=True
-        )
-    finally:
-        stop_warmup(cache_root)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, spec, str(threads)], env=env, cwd=ROOT, capture_output=True, text=True
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{spec}: {out.stderr.strip().splitlines()[-1:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    stop_warmup(row.pop("warmup"))
+    return row
 
 
 def warm_cache(cache_root: Path, threads: int) -> float:
