@@ -5,9 +5,11 @@ on a fresh installation: the seconds of ``get_codec(spec)`` plus the first ``enc
 ``decode`` of (a) an update of the simulation's default model (the digits CNN, every float
 tensor, as ``quantize_mod`` sends it with ``min-numel=1``) and (b) one tensor of 2^20 elements.
 Interpreter start and ``import torch`` are reported apart (``import s``): they are paid before
-any codec. The background warm-up each process starts (``fedquant.codecs.kernels.warmup``) is
-stopped by the process id the measured process reports (a pid file would not exist yet: the
-warm-up is still importing when the twins' first call is done).
+any codec. ``CPU s`` is the process time of both first calls (all threads): on a machine busy
+with other jobs the wall times grow with the load, the CPU time much less. The background
+warm-up each process starts (``fedquant.codecs.kernels.warmup``) is stopped by the process id the
+measured process reports (a pid file would not exist yet: the warm-up is still importing when
+the twins' first call is done).
 
 ``--mode numba`` measures what the first call cost before the warm cache (compile on first use);
 ``--warm`` adds a column measured after a full warm-up of one shared cache folder (the compiled
@@ -51,12 +53,16 @@ from fedquant.codecs import get_codec
 from simulations.models import build_model
 t_import = time.perf_counter() - t0
 
+cpu = 0.0
+
 def first(spec, tensors):
-    t = time.perf_counter()
+    global cpu
+    t, c = time.perf_counter(), time.process_time()
     codec = get_codec(spec)
     for i, x in enumerate(tensors):
         payload = codec.encode(x, seed=i)
         codec.decode(payload, seed=i, **({"side_info": x} if codec.needs_side_info else {}))
+    cpu += time.process_time() - c
     return time.perf_counter() - t
 
 gen = torch.Generator().manual_seed(0)
@@ -67,7 +73,7 @@ cnn = first(spec, update)
 big = first(spec, [torch.randn(1 << 20, generator=gen)])
 from fedquant.codecs.kernels import cache
 warmup = cache._spawned.pid if cache._spawned is not None else None
-print(json.dumps({"import": t_import, "cnn": cnn, "big": big, "warmup": warmup}))
+print(json.dumps({"import": t_import, "cnn": cnn, "big": big, "cpu": cpu, "warmup": warmup}))
 """
 
 
@@ -127,14 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm:
         warm_root = Path(tempfile.mkdtemp(prefix="fq-warm-"))
         print(f"full warm-up of an empty cache: {warm_cache(warm_root, args.threads):.0f} s")
-    header = "| spec | import s | first call, CNN update s | first call, 2^20 elements s |"
+    header = "| spec | import s | first call, CNN update s | first call, 2^20 elements s | CPU s of both |"
     print(f"\n{header}{' warm cache: CNN / 2^20 s |' if warm_root else ''}")
-    print("|---|---:|---:|---:|" + ("---:|" if warm_root else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if warm_root else ""))
     misses = []
     for spec in specs:
         with tempfile.TemporaryDirectory(prefix="fq-cold-") as cold:
             row = measure(spec, Path(cold), args.mode, args.threads)
-        line = f"| `{spec}` | {row['import']:.2f} | {row['cnn']:.2f} | {row['big']:.2f} |"
+        line = f"| `{spec}` | {row['import']:.2f} | {row['cnn']:.2f} | {row['big']:.2f} | {row['cpu']:.2f} |"
         if warm_root:
             warm = measure(spec, warm_root, "auto", args.threads)
             line += f" {warm['cnn']:.2f} / {warm['big']:.2f} |"
