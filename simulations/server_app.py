@@ -1,7 +1,10 @@
 """The ServerApp: FedAvg wrapped in fedquant's QuantizedStrategy, scored on a held-out test set.
 
-Each round it logs one line (accuracy, uplink bytes, compression), and at the end it writes the
-run's ``history.json``, ``history.csv`` and ``history.png`` into ``<out-dir>/<run-name>/``.
+Before anything runs it checks the whole run config (:class:`~simulations.settings.RunConfigError`,
+one line per problem) and the federation's data (:mod:`simulations.federation_check`). Each round
+it logs one line (accuracy, uplink bytes, compression) and rewrites the run's ``history.json``,
+``history.csv`` and ``history.png`` in its own folder under ``out-dir`` (see
+:mod:`simulations.history`).
 """
 
 from __future__ import annotations
@@ -10,8 +13,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from logging import INFO, WARNING
-from pathlib import Path
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -23,11 +25,12 @@ from fedquant.rng import derive_seed
 from fedquant.strategies import QuantizedStrategy
 from simulations.data import load_test_set
 from simulations.divergence import DIVERGED_COLUMN, DivergenceMonitor
-from simulations.history import RunHistory, run_dir_name
+from simulations.federation_check import data_warnings
+from simulations.history import RunHistory, reserve_run_dir, run_dir_name
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
 from simulations.node_directory import PartitionDirectory
-from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY, SimSettings
+from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY, RunConfigError, SimSettings
 from simulations.task import evaluate, limit_threads
 
 
@@ -128,6 +131,7 @@ def run_server(
     run_config: dict[str, Any],
     *,
     directory: PartitionDirectory | None = None,
+    on_start: Callable[[RunHistory], Any] | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     **overrides: Any,
 ) -> RunHistory:
@@ -135,17 +139,34 @@ def run_server(
 
     ``overrides`` (snake_case keys) take precedence over the run config; the sweep uses them.
     ``directory`` keeps what was learned about the nodes' partitions from an earlier run on the
-    same grid (the sweep passes one to all its runs). ``on_round(row)`` is called with each
-    round's history row (the sweep's progress lines).
+    same grid (the sweep passes one to all its runs). ``on_start`` gets the history as soon as
+    its folder exists (before round 1); ``on_round(row)`` is called with each round's history
+    row (the sweep's progress lines).
+
+    Raises :class:`~simulations.settings.RunConfigError` before anything runs when the config is
+    invalid. The history goes to a new folder (``history.folder``), rewritten after every round;
+    if the run raises, its ``status`` is saved as ``failed`` (``stopped`` for Ctrl-C) first.
     """
-    settings = SimSettings.from_run_config(run_config, **overrides)
+    try:
+        settings = SimSettings.from_run_config(run_config, **overrides)
+    except RunConfigError as err:
+        for problem in err.problems:
+            log(ERROR, "fedquant: invalid run config: %s", problem)
+        raise
     test = load_test_set(settings.dataset)
     model = build_model(settings.model, test.input_shape, test.num_classes, seed=settings.seed)
-    history = RunHistory(settings)
     uplink = parse_uplink(settings.uplink, settings.seed)
     downlink = parse_uplink(settings.downlink, derive_seed(settings.seed, "downlink"))
     directory = directory if directory is not None else PartitionDirectory()
-    directory.wait_for_registration(grid)
+    num_nodes = directory.wait_for_registration(grid)
+    folder = reserve_run_dir(settings.out_dir, run_dir_name(settings, num_nodes), settings.overwrite)
+    history = RunHistory(settings, folder=folder, num_nodes=num_nodes)
+    log(INFO, "fedquant: results of this run go to %s (rewritten after every round)", folder)
+    if on_start is not None:
+        on_start(history)
+    for warning in data_warnings(settings, num_nodes):
+        log(WARNING, "fedquant: %s", warning)
+        history.warnings.append(warning)
     for profile in (uplink, downlink):
         if profile is not None:  # speeds keyed by partition id, as the directory places the nodes
             profile.client_keys = directory.partition_of
@@ -169,6 +190,7 @@ def run_server(
         directory=directory,
     )
     monitor = DivergenceMonitor(test.num_classes)
+    history.save()  # the folder says "running" from the start
     t0 = time.perf_counter()
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -182,25 +204,32 @@ def run_server(
             row[DIVERGED_COLUMN] = int(why is not None)
             if why is not None and not already:
                 log(WARNING, "fedquant: the run DIVERGED at round %d: %s. %s", server_round, why, DIVERGENCE_ADVICE)
-        row["elapsed-seconds"] = time.perf_counter() - t0
+        row["elapsed-seconds"] = history.wall_seconds = time.perf_counter() - t0
         history.add_round(row)
+        history.divergence = {"round": monitor.first_round, "reason": monitor.reason} if monitor.diverged else None
+        history.save()
         log(INFO, "%s", _round_line(row, settings.rounds))
         if on_round is not None:
             on_round(row)
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=settings.rounds,
-        train_config=ConfigRecord({**settings.as_config(), FEDERATION_KEY: uuid.uuid4().hex}),
-        evaluate_config=ConfigRecord(settings.as_config()),
-        evaluate_fn=evaluate_fn,
-    )
+    try:
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=settings.rounds,
+            train_config=ConfigRecord({**settings.as_config(), FEDERATION_KEY: uuid.uuid4().hex}),
+            evaluate_config=ConfigRecord(settings.as_config()),
+            evaluate_fn=evaluate_fn,
+        )
+    except BaseException as err:
+        history.wall_seconds = time.perf_counter() - t0
+        history.finish("stopped" if isinstance(err, KeyboardInterrupt) else "failed", f"{type(err).__name__}: {err}")
+        log(ERROR, "fedquant: the run %s after %d rounds (%s); the finished rounds are in %s",
+            history.status, max(0, len(history.rounds) - 1), history.error, folder)  # fmt: skip
+        raise
     history.wall_seconds = time.perf_counter() - t0
-    history.divergence = {"round": monitor.first_round, "reason": monitor.reason} if monitor.diverged else None
-    folder = Path(settings.out_dir).expanduser().resolve() / run_dir_name(settings)
-    history.write(folder)
+    history.finish("finished")
     final = history.final
     log(
         INFO,
@@ -241,14 +270,17 @@ def _round_line(row: dict[str, Any], rounds: int) -> str:
     return text
 
 
-def make_server_app(**overrides: Any) -> ServerApp:
-    """A ServerApp whose run config is overridden by ``overrides`` (for ``run_simulation``)."""
+def make_server_app(on_start: Callable[[RunHistory], Any] | None = None, **overrides: Any) -> ServerApp:
+    """A ServerApp whose run config is overridden by ``overrides`` (for ``run_simulation``).
+
+    ``on_start`` gets the run's history once its folder exists (``simulations.run`` keeps it).
+    """
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         limit_threads()
-        run_server(grid, dict(context.run_config), **overrides)
+        run_server(grid, dict(context.run_config), on_start=on_start, **overrides)
 
     return server_app
 

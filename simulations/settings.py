@@ -3,18 +3,36 @@
 Keys are those of ``[tool.flwr.app.config]`` in ``pyproject.toml`` (``flwr run . --run-config
 'codec="orq:levels=4" rounds=10'``); the server sends what the clients need in each round's
 config, so clients never read the run config themselves.
+
+:meth:`SimSettings.from_run_config` checks the whole config before anything runs: every key
+known (a typo gets the closest key), every value of its type, codec specs and link profiles
+built, and the rules between keys (a deadline needs an uplink profile, the synthetic dataset
+needs a model for feature vectors). Each problem is one line naming the key, the value and what
+is allowed; all of them come together in one :class:`RunConfigError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from simulations.data import check_dataset_name, check_partitioning
-from simulations.models import MODEL_NAMES
+from simulations.models import IMAGE_MODELS, MODEL_NAMES
+from simulations.synthetic import is_synthetic
 
 CLIENT_INFO_KEY = "client-info"  # ConfigRecord each client adds to its train reply
+LINK_FORMS = "none, fixed:mbps=M, uniform:low=L,high=H, lognormal:median=M,sigma=S (Mbit/s)"
+
+
+class RunConfigError(ValueError):
+    """A run config that cannot run; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 # Train-config key naming one federation (one run_server call): a node that sees a new one drops the
 # transform state (error-feedback residuals) it kept from another, even when first sampled after round 1.
 FEDERATION_KEY = "federation-id"
@@ -22,7 +40,10 @@ FEDERATION_KEY = "federation-id"
 
 @dataclass(frozen=True)
 class SimSettings:
-    """One simulation's settings (run-config key = field name with ``-`` for ``_``)."""
+    """One simulation's settings (run-config key = field name with ``-`` for ``_``).
+
+    Constructing one validates it (:class:`RunConfigError` lists every problem).
+    """
 
     codec: str = "eden:bits=2"
     dataset: str = "digits"
@@ -45,52 +66,100 @@ class SimSettings:
     uplink_bytes_budget: int = 0
     out_dir: str = "results"
     run_name: str = ""
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
-        check_dataset_name(self.dataset)
-        check_partitioning(self.partitioning, self.dirichlet_alpha)
-        if self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {self.model!r}; use one of {', '.join(MODEL_NAMES)}")
-        for name in ("rounds", "local_epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.fraction_train <= 1:
-            raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
-        if not self.clip_norm >= 0:
-            raise ValueError(f"clip-norm must be >= 0 (0: no clipping), got {self.clip_norm}")
-        if self.min_local_steps < 0:
-            raise ValueError(f"min-local-steps must be >= 0, got {self.min_local_steps}")
-        if self.min_numel < 1:
-            raise ValueError(f"min-numel must be >= 1, got {self.min_numel}")
-        if not self.upload_deadline_seconds >= 0 or self.uplink_bytes_budget < 0:
-            raise ValueError("upload-deadline-seconds and uplink-bytes-budget must be >= 0 (0: off)")
-        if self.upload_deadline_seconds > 0 and self.uplink.strip().lower() in ("", "none"):
-            raise ValueError(
-                'upload-deadline-seconds needs an uplink profile (e.g. uplink="lognormal:median=2,sigma=1")'
+        problems = self.problems()
+        if problems:
+            raise RunConfigError(problems)
+
+    def problems(self) -> list[str]:
+        """Every value check and cross-key rule this config breaks, one line each."""
+        found: list[str] = []
+
+        def check(key: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                found.append(f"{key}={getattr(self, key.replace('-', '_'))!r}: {allowed}")
+
+        def builds(key: str, build, allowed: str) -> None:
+            try:
+                build()
+            except ValueError as err:
+                listed = "available:" in str(err) or "use one of" in str(err)  # the message names them already
+                value = getattr(self, key.replace("-", "_"))
+                found.append(f"{key}={value!r}: {err}" + ("" if listed else f"; allowed: {allowed}"))
+
+        builds("codec", lambda: _build_codec(self.codec), _codec_forms())
+        builds("dataset", lambda: check_dataset_name(self.dataset), "see the dataset key in README.md")
+        builds("partitioning", lambda: check_partitioning(self.partitioning, 1.0), "iid or dirichlet")
+        check("dirichlet-alpha", math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0, "a number > 0")
+        check("model", self.model in MODEL_NAMES, f"unknown model; use one of {', '.join(MODEL_NAMES)}")
+        if is_synthetic(self.dataset) and self.model in IMAGE_MODELS:
+            found.append(f"model={self.model!r}: dataset {self.dataset!r} gives feature vectors; use logreg or mlp")
+        for key in ("rounds", "local-epochs", "batch-size"):
+            check(key, getattr(self, key.replace("-", "_")) >= 1, "an int >= 1")
+        check("fraction-train", 0 < self.fraction_train <= 1, "a number in (0, 1]")
+        check("learning-rate", math.isfinite(self.learning_rate) and self.learning_rate > 0, "a number > 0")
+        check("clip-norm", math.isfinite(self.clip_norm) and self.clip_norm >= 0, "a number >= 0 (0: no clipping)")
+        check("min-local-steps", self.min_local_steps >= 0, "an int >= 0")
+        check("seed", self.seed >= 0, "an int >= 0")
+        check("min-numel", self.min_numel >= 1, "an int >= 1 (1: encode every float tensor)")
+        builds("uplink", lambda: _build_link(self.uplink), LINK_FORMS)
+        builds("downlink", lambda: _build_link(self.downlink), LINK_FORMS)
+        if not _is_none(self.downlink_codec):
+            builds("downlink-codec", lambda: _build_strategy(downlink_codec=self.downlink_codec),
+                   f"none, or a codec spec without ef+ or side information ({_codec_forms()})")  # fmt: skip
+        deadline = self.upload_deadline_seconds
+        check("upload-deadline-seconds", math.isfinite(deadline) and deadline >= 0, "a number of seconds >= 0 (0: off)")
+        check("uplink-bytes-budget", self.uplink_bytes_budget >= 0, "an int >= 0 (0: off)")
+        if self.upload_deadline_seconds > 0 and _is_none(self.uplink):
+            found.append(
+                f"upload-deadline-seconds={self.upload_deadline_seconds!r}: needs an uplink profile, "
+                'e.g. uplink="lognormal:median=2,sigma=1" (the deadline is set against each client\'s speed)'
             )
+        check("out-dir", bool(self.out_dir.strip()), "a folder path (relative to where the server runs)")
+        return found
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any], **overrides: Any) -> SimSettings:
-        """Build from a Flower run config (kebab-case keys); unknown keys raise ``ValueError``."""
+        """Build from a Flower run config (kebab-case keys) and ``overrides`` (snake_case, win).
+
+        Raises :class:`RunConfigError` with every problem: unknown keys (with the closest known
+        one), values that are not of the key's type, and what :meth:`problems` finds.
+        """
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}
+        problems: list[str] = []
         for key, value in {**run_config, **{k.replace("_", "-"): v for k, v in overrides.items()}}.items():
             name = key.replace("-", "_")
             if name not in known:
-                raise ValueError(f"unknown run-config key {key!r}; known: {', '.join(cls.keys())}")
-            kind = type(known[name].default)
+                problems.append(_unknown_key(key))
+                continue
             try:
-                values[name] = kind(value) if kind is not float else float(value)
+                values[name] = _parse(value, type(known[name].default))
             except (TypeError, ValueError) as err:
-                raise ValueError(f"run-config {key}={value!r} is not a {kind.__name__}") from err
-        return cls(**values)
+                problems.append(f"{key}={value!r}: {err}")
+        try:
+            settings = cls(**values)
+        except RunConfigError as err:
+            problems += err.problems
+        if problems:
+            raise RunConfigError(problems)
+        return settings
 
     @classmethod
     def keys(cls) -> list[str]:
         """Run-config keys."""
         return [f.name.replace("_", "-") for f in fields(cls)]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every run-config key with its default value."""
+        return {f.name.replace("_", "-"): f.default for f in fields(cls)}
+
+    def changed(self) -> dict[str, Any]:
+        """The run-config keys whose values differ from the defaults (kebab-case)."""
+        return {k: v for k, v in self.as_config().items() if v != self.defaults()[k]}
 
     def as_config(self) -> dict[str, Any]:
         """Kebab-case dict (for the history file and the clients' round config)."""
@@ -98,3 +167,85 @@ class SimSettings:
 
     def replace(self, **changes: Any) -> SimSettings:
         return dataclasses.replace(self, **changes)
+
+
+def check_run_config(run_config: dict[str, Any] | None = None, **overrides: Any) -> SimSettings:
+    """Validate a run config (and snake_case ``overrides``) without running anything.
+
+    Returns the settings; raises :class:`RunConfigError` (one line per problem). A sweep calls it
+    for each of its runs before starting the simulation.
+    """
+    return SimSettings.from_run_config(dict(run_config or {}), **overrides)
+
+
+def _parse(value: Any, kind: type) -> Any:
+    """``value`` as ``kind``: strings of numbers and booleans are read (command lines give strings)."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise ValueError("not a boolean (true or false)")
+    if isinstance(value, bool):
+        raise ValueError(f"not {'an int' if kind is int else 'a number'} (a boolean)")
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError('not a string (quote it: key="value")')
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            raise ValueError(f"not {'an int' if kind is int else 'a number'}") from None
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int):
+            raise ValueError("not an int")
+        return value
+    if not isinstance(value, int | float) or not math.isfinite(float(value)):
+        raise ValueError("not a finite number")
+    return float(value)
+
+
+def _unknown_key(key: str) -> str:
+    keys = SimSettings.keys()
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown run-config key {key!r}{hint}; known keys: {', '.join(keys)}"
+
+
+def _is_none(spec: str) -> bool:
+    return spec.strip().lower() in ("", "none")
+
+
+def _build_codec(spec: str) -> None:
+    from fedquant.codecs import get_codec
+
+    get_codec(spec)
+
+
+def _codec_forms() -> str:
+    from fedquant.codecs import available_codecs, available_transforms
+
+    prefixes = "".join(f"{t}+" for t in available_transforms())
+    return f"a codec spec [{prefixes}]<name>[:key=value,...] with name one of {', '.join(available_codecs())}"
+
+
+def _build_link(spec: str) -> None:
+    from simulations.links import parse_uplink
+
+    parse_uplink(spec)
+
+
+def _build_strategy(**options: Any) -> None:
+    """Construct the wrapper with ``options`` (the library's own checks of them)."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedquant.strategies import QuantizedStrategy
+
+    QuantizedStrategy(FedAvg(), codec="fp32", **options)
+
+
+__all__ = ["CLIENT_INFO_KEY", "RunConfigError", "SimSettings", "check_run_config"]

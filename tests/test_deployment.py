@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.local_processes import free_port, port_open, stop, wait_for
+from benchmarks.local_processes import free_port, port_open, stop
+from tests.timeouts import scaled, wait_while_progressing
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,7 @@ APP_DIR = REPO / "tests" / "deployment_app"
 BIN = Path(sys.executable).parent
 NUM_NODES = 2
 ROUNDS = 2
+# Idle-machine limits; every wait scales them with the load (tests/timeouts.py).
 START_TIMEOUT_S = 60
 RUN_TIMEOUT_S = 300
 
@@ -98,7 +100,7 @@ def test_two_rounds_over_a_real_superlink(tmp_path):
         start(
             "superlink", [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link_port)]
         )
-        wait_for(lambda: port_open(link_port), START_TIMEOUT_S, "the SuperLink port", logs)
+        wait_while_progressing(lambda: port_open(link_port), START_TIMEOUT_S, "the SuperLink port", logs)
         for i in range(NUM_NODES):
             start(
                 f"supernode-{i}",
@@ -113,7 +115,7 @@ def test_two_rounds_over_a_real_superlink(tmp_path):
                     f"partition-id={i} num-partitions={NUM_NODES}",
                 ],
             )
-        wait_for(
+        wait_while_progressing(
             lambda: logs["superlink"].read_text().count("Activated node_id") >= NUM_NODES,
             START_TIMEOUT_S,
             "both SuperNodes to connect",
@@ -125,11 +127,11 @@ def test_two_rounds_over_a_real_superlink(tmp_path):
             cwd=tmp_path,
             capture_output=True,
             text=True,
-            timeout=START_TIMEOUT_S,
+            timeout=scaled(START_TIMEOUT_S),
         )
         assert submit.returncode == 0, f"flwr run failed:\n{submit.stdout}\n{submit.stderr}"
         summary_path = out_dir / "summary.json"
-        wait_for(summary_path.exists, RUN_TIMEOUT_S, "the run to finish", logs)
+        wait_while_progressing(summary_path.exists, RUN_TIMEOUT_S, "the run to finish", logs)
 
         summary = json.loads(summary_path.read_text())
         rows = json.loads((out_dir / "history.json").read_text())
@@ -155,7 +157,7 @@ def test_two_rounds_over_a_real_superlink(tmp_path):
             cwd=tmp_path,
             capture_output=True,
             text=True,
-            timeout=START_TIMEOUT_S,
+            timeout=scaled(START_TIMEOUT_S),
         )
         assert listing.returncode == 0, f"flwr ls failed:\n{listing.stdout}\n{listing.stderr}"
         traffic = json.loads(listing.stdout)["runs"][0]["network-traffic"]

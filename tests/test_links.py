@@ -68,7 +68,7 @@ def test_pyproject_run_config_matches_the_settings_defaults():
         ({"fraction-train": 1.5}, "fraction-train"),
         ({"model": "vgg"}, "unknown model"),
         ({"dataset": "imagenet"}, "unknown dataset"),
-        ({"rounds": "many"}, "not a int"),
+        ({"rounds": "many"}, "not an int"),
         ({"clip-norm": -1.0}, "clip-norm"),
         ({"min-local-steps": -1}, "min-local-steps"),
     ],

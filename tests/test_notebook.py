@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timeouts import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
     nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb, timeout=int(scaled(600)), kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
     text = "\n".join(
         out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])

@@ -71,6 +71,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from fedquant.codecs.kernels import cache
 from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE, stream_key
 
 CHUNK = 1 << 14
@@ -97,7 +98,7 @@ def _serial_twin(fn: Callable) -> Callable:
     return twin
 
 
-def parallel_kernel(fn: Callable | None = None, *, count_arg: int = 0) -> Callable:
+def parallel_kernel(fn: Callable | None = None, *, count_arg: int = 0, twin: Callable | None = None) -> Callable:
     """Compile a kernel with ``prange`` loops as a parallel and a serial version; calls pick by size.
 
     Parameters
@@ -108,12 +109,19 @@ def parallel_kernel(fn: Callable | None = None, *, count_arg: int = 0) -> Callab
     count_arg : int
         Position of the argument that gives the element count: an array (its ``size``) or an
         int. Calls with at least ``PARALLEL_MIN`` elements run the parallel version.
+    twin : callable, optional
+        A plain NumPy function with the same arguments and results, run instead while the
+        compiled kernels are not ready (:func:`~fedquant.codecs.kernels.cache.kernels_ready`:
+        numba's cache still cold). Give one to a kernel that stages call outside
+        :class:`~fedquant.codecs.dispatch.KernelDispatch`, whose torch twins cover the others.
 
     Returns
     -------
     callable
         ``kernel(*args)``, with the two numba dispatchers as ``kernel.parallel`` and
-        ``kernel.serial``.
+        ``kernel.serial`` (and ``kernel.twin``).
+
+    Nothing compiles here: numba compiles each version on its first call with new argument types.
     """
 
     def build(fn: Callable) -> Callable:
@@ -122,11 +130,14 @@ def parallel_kernel(fn: Callable | None = None, *, count_arg: int = 0) -> Callab
 
         @functools.wraps(fn)
         def kernel(*args):
+            if twin is not None and not (cache.READY or cache.kernels_ready()):
+                return twin(*args)
             work = args[count_arg]
             return (par if getattr(work, "size", work) >= PARALLEL_MIN else seq)(*args)
 
         kernel.parallel = par
         kernel.serial = seq
+        kernel.twin = twin
         return kernel
 
     return build if fn is None else build(fn)
@@ -165,7 +176,16 @@ def uniform24(key: np.uint64, i: np.int64) -> np.float32:
     return np.float32(hash24(key, i)) * _U_SCALE
 
 
-@parallel_kernel(count_arg=1)
+def _uniform_stream_numpy(key: np.uint64, n: int, offset: int) -> np.ndarray:
+    """The twin of :func:`uniform_stream` (wrapping uint64 arithmetic in NumPy)."""
+    z = np.uint64(key) + np.arange(offset + 1, offset + n + 1, dtype=np.uint64) * _GAMMA
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    z = z ^ (z >> _S31)
+    return (z >> _SHIFT_U).astype(np.float32) * _U_SCALE
+
+
+@parallel_kernel(count_arg=1, twin=_uniform_stream_numpy)
 def uniform_stream(key: np.uint64, n: int, offset: int) -> np.ndarray:
     """``n`` uniforms of the stream starting at ``offset`` (for tests of the inline generator)."""
     out = np.empty(n, np.float32)

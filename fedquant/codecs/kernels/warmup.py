@@ -1,0 +1,127 @@
+"""Build numba's on-disk cache of every codec's kernels: ``python -m fedquant.codecs.kernels.warmup``.
+
+Encodes and decodes a small (serial kernels) and a large (parallel kernels) tensor with every
+registered codec, each of its codings, with ``rht+`` in front and with buckets that do not tile
+the kernels' chunks (an unfused path), so the argument types the codecs use are all compiled once; then marks
+the cache warm (see :mod:`fedquant.codecs.kernels.cache`). The codecs start it by themselves in
+the background on their first call with a cold cache; run it in the foreground after installing
+to have the compiled kernels from the first call on (a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import signal
+import sys
+import time
+
+from fedquant.codecs.kernels import cache
+
+#: Settings that reach kernels the generated specs do not (fractional EDEN rates).
+EXTRA_SPECS = ("eden:bits=1.5", "eden:bits=0.5")
+#: A bucket size that does not divide the kernels' chunk (the grid codecs' unfused path).
+ODD_BUCKET = 1000
+
+
+def warm_specs() -> list[str]:
+    """Every registered codec: defaults, each other coding, ``rht+`` in front, an odd bucket size (those accepted)."""
+    from fedquant.codecs import available_codecs, codec_class, get_codec
+
+    specs = []
+    for name in available_codecs():
+        quantizer = codec_class(name)
+        specs += [name, *(f"{name}:coding={coding}" for coding in quantizer.codings[1:]), f"rht+{name}"]
+        if "bucket_size" in quantizer.params:
+            specs.append(f"{name}:bucket_size={ODD_BUCKET}")
+    specs += [s for s in EXTRA_SPECS if s not in specs]
+    return [spec for spec in specs if _accepted(get_codec, spec)]
+
+
+def _accepted(get_codec, spec: str) -> bool:
+    try:
+        get_codec(spec)
+    except ValueError:
+        return False
+    return True
+
+
+def exercise(spec: str, sizes: tuple[int, ...]) -> None:
+    """Encode and decode a seeded Gaussian tensor of each size with ``spec`` (compiled kernels)."""
+    import torch
+
+    from fedquant.codecs import get_codec
+
+    codec = get_codec(spec)
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        side = {"side_info": x} if codec.needs_side_info else {}
+        codec.decode(codec.encode(x, seed=n), seed=n, **side)
+
+
+def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
+    """Compile every spec of :func:`warm_specs`; returns the ``(spec, error)`` of those that failed."""
+    from fedquant.codecs.kernels.common import PARALLEL_MIN
+
+    os.environ[cache.MODE_ENV] = "numba"
+    cache.READY = True
+    sizes = (3000, PARALLEL_MIN + 1001)
+    failed = []
+    for spec in warm_specs():
+        t0 = time.perf_counter()
+        try:
+            exercise(spec, sizes)
+        except Exception as err:  # a setting a codec refuses (e.g. rht+ twice) is not a warm-up failure
+            failed.append((spec, f"{type(err).__name__}: {err}"))
+        if verbose:
+            print(f"{spec:32s} {time.perf_counter() - t0:6.1f} s", flush=True)
+    return failed
+
+
+def _exit_on_term(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--background", action="store_true", help="exit at once if another warm-up runs; niced")
+    args = parser.parse_args(argv)
+    folder = cache.cache_dir()
+    if folder is None:
+        print("numba offers no cache folder for fedquant's kernels; nothing to warm", file=sys.stderr)
+        return 1
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = cache.try_lock(folder)
+    if lock is None:
+        if args.background:
+            return 0
+        print(f"another warm-up is building {folder}; waiting for it", flush=True)
+        lock = open(cache.lock_path(folder), "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    marker = cache.marker_path(folder)
+    if marker.exists():
+        print(f"the kernel cache in {folder} is warm already")
+        return 0
+    if args.background:
+        os.nice(10)
+    signal.signal(signal.SIGTERM, _exit_on_term)  # so ``finally`` removes the pid file
+    cache.pid_path(folder).write_text(str(os.getpid()))
+    t0 = time.perf_counter()
+    try:
+        failed = warm(verbose=True)
+    except Exception as err:  # an interrupted warm-up (Ctrl-C, kill) is not marked failed
+        cache.failed_path(folder).write_text(f"{type(err).__name__}: {err}\n")
+        raise
+    finally:
+        cache.pid_path(folder).unlink(missing_ok=True)
+    for spec, why in failed:
+        print(f"not warmed: {spec}: {why}")
+    marker.write_text(f"warmed in {time.perf_counter() - t0:.0f} s by process {os.getpid()}\n")
+    print(f"kernel cache in {folder} is warm ({time.perf_counter() - t0:.0f} s)", flush=True)
+    lock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

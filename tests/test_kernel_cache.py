@@ -1,0 +1,142 @@
+"""A cold numba cache costs no first call: the twins run while one background process builds it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedquant.codecs import available_codecs, codec_class, get_codec
+from fedquant.codecs.kernels import cache, common
+from fedquant.codecs.kernels.warmup import warm_specs
+from tests.timeouts import scaled
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ["qsgd", "eden:bits=2", "eden:bits=1.5", "dqsg", "orq", "signsgd", "rht+qsgd:levels=7"]
+N = common.PARALLEL_MIN + 1001  # the parallel kernels, the slowest to compile
+
+FRESH_PROCESS = """
+import hashlib, json, sys
+import torch
+from numba.core import event
+from fedquant.codecs import get_codec
+
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev): compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev): pass
+
+digests = {}
+with event.install_listener("numba:compile", Count()):
+    for spec in sys.argv[2:]:
+        codec = get_codec(spec)
+        x = torch.randn(int(sys.argv[1]), generator=torch.Generator().manual_seed(7))
+        payload = codec.encode(x, seed=11)
+        y = codec.decode(payload, seed=11)
+        digests[spec] = [hashlib.sha256(payload).hexdigest(), hashlib.sha256(y.numpy().tobytes()).hexdigest()]
+print(json.dumps({"digests": digests, "compiled": compiled}))
+"""
+
+
+def _stop_warmup(folder: Path) -> None:
+    for pid_file in folder.glob("*/fedquant-warmup.pid"):
+        pid = int(pid_file.read_text())
+        if b"fedquant.codecs.kernels.warmup" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGTERM)
+
+
+def test_a_cold_cache_compiles_nothing_on_the_first_call_and_gives_the_kernels_bytes(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path), "FEDQUANT_KERNELS": "auto"}
+    try:
+        out = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(N), *SPECS], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        # ... and a warm-up process was started for that cache folder
+        deadline = time.monotonic() + scaled(60)
+        while not list(tmp_path.glob("*/fedquant-warmup.pid")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(tmp_path.glob("*/fedquant-warmup.pid")), "no background warm-up started"
+    finally:
+        _stop_warmup(tmp_path)
+    assert result["compiled"] == []
+    for spec in SPECS:  # here FEDQUANT_KERNELS=numba (conftest): the compiled kernels
+        codec = get_codec(spec)
+        x = torch.randn(N, generator=torch.Generator().manual_seed(7))
+        payload = codec.encode(x, seed=11)
+        y = codec.decode(payload, seed=11)
+        expected = [hashlib.sha256(payload).hexdigest(), hashlib.sha256(y.numpy().tobytes()).hexdigest()]
+        assert result["digests"][spec] == expected, spec
+
+
+@pytest.fixture
+def cold(monkeypatch, tmp_path):
+    """This process as if its cache (in ``tmp_path``) were cold, in ``auto`` mode."""
+    monkeypatch.setenv(cache.MODE_ENV, "auto")
+    monkeypatch.setattr(cache, "READY", False)
+    monkeypatch.setattr(cache, "_last_check", 0.0)
+    monkeypatch.setattr(cache, "_spawned", None)
+    monkeypatch.setattr(cache, "cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def test_the_marker_switches_to_the_compiled_kernels(cold, monkeypatch):
+    lock = cache.try_lock(cold)  # "another process's warm-up is running": nothing is started here
+    try:
+        assert not cache.kernels_ready() and cache._spawned is None
+        cache.marker_path(cold).write_text("warm")
+        monkeypatch.setattr(cache, "_last_check", 0.0)
+        assert cache.kernels_ready() and cache.READY
+    finally:
+        lock.close()
+
+
+def test_an_ended_warm_up_without_a_marker_falls_back_to_compiling(cold, monkeypatch):
+    class Ended:
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(cache, "_spawned", Ended())
+    assert cache.kernels_ready()
+
+
+def test_the_modes(cold, monkeypatch):
+    monkeypatch.setenv(cache.MODE_ENV, "twin")
+    cache.marker_path(cold).write_text("warm")
+    assert not cache.kernels_ready()
+    monkeypatch.setenv(cache.MODE_ENV, "numba")
+    assert cache.kernels_ready()
+    monkeypatch.setenv(cache.MODE_ENV, "fast")
+    monkeypatch.setattr(cache, "READY", False)
+    with pytest.raises(ValueError, match="FEDQUANT_KERNELS"):
+        cache.kernels_ready()
+
+
+def test_the_marker_depends_on_the_kernel_sources(monkeypatch, tmp_path):
+    source = tmp_path / "kernel.py"
+    source.write_text("x = 1\n")
+    monkeypatch.setattr(cache, "KERNEL_SOURCES", (tmp_path,))
+    before = cache.warm_key()
+    source.write_text("x = 22\n")
+    assert cache.warm_key() != before
+
+
+@pytest.mark.parametrize(("n", "offset"), [(1, 0), (1000, 7), (common.PARALLEL_MIN + 3, 12345)])
+def test_the_uniform_stream_twin_is_the_kernel(n, offset):
+    key = common.kernel_key(99)
+    assert np.array_equal(common.uniform_stream.twin(key, n, offset), common.uniform_stream.serial(key, n, offset))
+
+
+def test_the_warm_up_covers_every_codec_and_coding():
+    specs = set(warm_specs())
+    for name in available_codecs():
+        assert name in specs and f"rht+{name}" in specs
+        assert all(f"{name}:coding={c}" in specs for c in codec_class(name).codings[1:])
