@@ -44,7 +44,7 @@ from fedquant.codecs import available_codecs
 from simulations.node_directory import PartitionDirectory
 from simulations.plots import plot_sweep, plot_uplink_bars
 from simulations.server_app import run_server
-from simulations.settings import SimSettings
+from simulations.settings import RunConfigError, SimSettings
 from simulations.sweep_stats import (
     CodecRow,
     RunSummary,
@@ -371,6 +371,23 @@ class SweepPlan:
         """The runs' settings (before codec and seed), writing histories under ``out/runs``."""
         return SimSettings.from_run_config(dict(run_config or {}), out_dir=str(self.out / "runs"), **self.overrides)
 
+    def checked_settings(self, run_config: dict[str, Any] | None = None) -> SimSettings:
+        """:meth:`settings`, after checking every codec of the plan with them (before any run).
+
+        Raises :class:`~simulations.settings.RunConfigError` naming every codec that cannot run:
+        a typo in the 17th codec is found before the first 16 have run for an hour.
+        """
+        base = self.settings(run_config)
+        problems = []
+        for codec in dict.fromkeys(self.codecs):
+            try:
+                base.replace(codec=codec)
+            except RunConfigError as err:
+                problems.extend(err.problems)
+        if problems:
+            raise RunConfigError(problems)
+        return base
+
     def runs(self) -> list[tuple[int, str]]:
         """``(seed, codec)`` in the order they run: seed by seed, so a stopped sweep has whole seeds."""
         return [(seed, codec) for seed in self.seeds for codec in self.codecs]
@@ -378,7 +395,7 @@ class SweepPlan:
 
 def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepResult:
     """Run every codec x seed of ``plan`` not stored yet on ``grid``; write and return the results."""
-    base = plan.settings(run_config)
+    base = plan.checked_settings(run_config)
     store = RunStore(plan.out)
     order = plan.runs()
     stored = {(s, c): store.load(c, s, base.replace(seed=s, codec=c), plan.federation) for s, c in order}
@@ -538,7 +555,7 @@ def run_sweep(
         {"num-supernodes": num_supernodes, "num-cpus": num_cpus, "num-gpus": num_gpus},
         dict(overrides),
     )
-    plan.settings()  # fail on a bad setting before Ray starts
+    plan.checked_settings()  # fail on a bad setting or codec before Ray starts
     if last_k < 1:
         raise ValueError(f"last-k must be >= 1 (a run shorter than k averages all its rounds), got {last_k}")
     if restart:
@@ -628,20 +645,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(str(err)) from None
     codecs = split_codecs(args.codecs)
     command = ("python -m simulations.sweep " + shlex.join(sys.argv[1:] if argv is None else list(argv))).strip()
-    result = run_sweep(
-        codecs,
-        out=args.out,
-        seeds=seeds,
-        num_supernodes=args.num_supernodes or preset.num_supernodes,
-        num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus,
-        last_k=args.last_k,
-        target=args.target,
-        command=command,
-        table=args.table,
-        restart=args.restart,
-        **overrides,
-    )
+    try:
+        result = run_sweep(
+            codecs,
+            out=args.out,
+            seeds=seeds,
+            num_supernodes=args.num_supernodes or preset.num_supernodes,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            last_k=args.last_k,
+            target=args.target,
+            command=command,
+            table=args.table,
+            restart=args.restart,
+            **overrides,
+        )
+    except RunConfigError as err:  # before any run, like python -m simulations.run (exit 2)
+        for problem in err.problems:
+            print(f"sweep: invalid: {problem}", file=sys.stderr)
+        return 2
     return 1 if result.errors else 0
 
 

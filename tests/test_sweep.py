@@ -15,6 +15,7 @@ import math
 import pytest
 
 from simulations.plots import pareto_frontier, sweep_figure
+from simulations.settings import RunConfigError
 from simulations.sweep import RunStore, SweepPlan, load_sweep, parse_seeds, run_plan, run_sweep, split_codecs
 from simulations.sweep_stats import Interval, RunSummary, codec_rows, markdown_table, summarize_run, t_quantile
 from tests.flower_fakes import InProcessGrid
@@ -155,13 +156,23 @@ def test_the_figure_holds_every_codec_with_band_and_frontier(tmp_path):
     assert paths["png"].read_bytes()[:4] == b"\x89PNG" and paths["pdf"].read_bytes()[:4] == b"%PDF"
 
 
+def test_a_sweep_with_a_codec_that_cannot_run_fails_before_any_run(tmp_path):
+    plan = SweepPlan(("fp32", "qsgd:levels=4", "nope", "ef+ndqsg"), (0, 1), tmp_path, last_k=2, overrides=SMALL)
+    grid = _grid()
+    with pytest.raises(RunConfigError) as err:
+        run_plan(grid, {}, plan)
+    assert len(err.value.problems) == 2 and "unknown codec 'nope'" in str(err.value) and "ef+ndqsg" in str(err.value)
+    assert not grid.sent and not list(tmp_path.rglob("*.json"))  # nothing ran, nothing stored
+    with pytest.raises(RunConfigError):
+        run_sweep(["fp32", "nope"], out=tmp_path, seeds=(0,), **SMALL)  # before Ray starts
+
+
 def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log):
-    plan = SweepPlan(("fp32", "qsgd:levels=4", "nope"), (0, 1), tmp_path, last_k=2, table=tmp_path / "table.md",
+    plan = SweepPlan(("fp32", "qsgd:levels=4"), (0, 1), tmp_path, last_k=2, table=tmp_path / "table.md",
                      overrides=SMALL)  # fmt: skip
     result = run_plan(_grid(), {}, plan)
-    assert [r.codec for r in result.rows] == ["fp32", "qsgd:levels=4", "nope"]
-    fp32, qsgd, bad = result.rows
-    assert "unknown codec" in " ".join(bad.errors) and len(bad.errors) == 2  # reported, the sweep goes on
+    assert [r.codec for r in result.rows] == ["fp32", "qsgd:levels=4"]
+    fp32, qsgd = result.rows
     assert fp32.seeds == [0, 1] and fp32.last_k.n == 2 and 31 < fp32.bits_per_param.mean < 36
     assert qsgd.bits_per_param.mean < 6 and qsgd.uplink_mb.mean < fp32.uplink_mb.mean / 5
     for name in ("sweep.md", "sweep.csv", "sweep.png", "sweep.pdf", "sweep-uplink.png", "table.md", "table.png",
