@@ -161,7 +161,9 @@ def round_cases() -> dict[str, str]:
         final = [(k, _digest(a.data)) for k, a in result.arrays.items()]
         out[f"round {label} model"] = _digest(*final)
         for r, metrics in result.train_metrics_clientapp.items():
-            out[f"round {label} train metrics {r}"] = _digest(sorted((k, v) for k, v in metrics.items() if k not in TIMINGS))
+            out[f"round {label} train metrics {r}"] = _digest(
+                sorted((k, v) for k, v in metrics.items() if k not in TIMINGS)
+            )
     return out
 
 
@@ -191,9 +193,11 @@ def main() -> int:
     missing = sorted(set(base) ^ set(here))
     differ = sorted(k for k in set(base) & set(here) if base[k] != here[k])
     payloads = sum(1 for k in here if k.startswith(("payload", "stateful")) and not here[k].startswith("raises"))
-    print(f"cases: {len(here)} here, {len(base)} in {args.base}; {payloads} payloads, "
-          f"{sum(1 for k in here if ' reply ' in k)} client replies, {sum(1 for k in here if ' sent ' in k)} train messages")
-    print(f"identical: {len(set(base) & set(here)) - len(differ)}, different: {len(differ)}, only on one side: {len(missing)}")
+    replies = sum(1 for k in here if " reply " in k)
+    sent = sum(1 for k in here if " sent " in k)
+    same = len(set(base) & set(here)) - len(differ)
+    print(f"cases: {len(here)} here, {len(base)} in {args.base}; {payloads} payloads, {replies} replies, {sent} sent")
+    print(f"identical: {same}, different: {len(differ)}, only on one side: {len(missing)}")
     for key in differ[:40]:  # the first; --dump both sides for the rest
         print(f"  DIFFERENT {key}: {base[key]} -> {here[key]}")
     for key in missing[:20]:
