@@ -17,7 +17,7 @@ import torch
 from fedquant import PayloadError
 from fedquant.codecs import get_codec
 from fedquant.codecs.kernels.dither import dither, nested_quantize, nested_reconstruct
-from fedquant.codecs.quantizers.nested_rules import choose_rho
+from fedquant.strategies.nested_rules import choose_rho
 from fedquant.wire import packed_size, read_payload, write_payload
 from fedquant.wire.bitpack import pack_bits
 from tests.helpers import cuda, reseal, sample_tensor

@@ -317,16 +317,16 @@ def test_kernel_decode_refuses_symbols_beyond_the_centroids(bits):
     side = [np.full(2, bfloat16(1.0), np.uint16)]
     good = np.arange(n, dtype=np.uint8) % (1 << bits)
     centroids = lloyd_max(1 << bits)[0].astype(np.float32)
-    np.testing.assert_array_equal(q.dequantize(side, good, n, 0, None).numpy(), centroids[good])
+    np.testing.assert_array_equal(q.dequantize(side, good, n, 0).numpy(), centroids[good])
     for dtype in (np.uint8, np.uint16):
         bad = good.astype(dtype)
         bad[n - 1] = 1 << bits
         with pytest.raises(PayloadError, match="beyond|outside"):
-            q.dequantize(side, bad, n, 0, None)
+            q.dequantize(side, bad, n, 0)
     with pytest.raises(PayloadError):
-        q.dequantize(side, good[:-1], n, 0, None)  # too few symbols for the kernel
+        q.dequantize(side, good[:-1], n, 0)  # too few symbols for the kernel
     with pytest.raises(PayloadError):
-        q.dequantize_packed(side, np.zeros(packed_size(n, bits) - 1, np.uint8), bits, n, 0, None)
+        q.dequantize_packed(side, np.zeros(packed_size(n, bits) - 1, np.uint8), bits, n, 0)
 
 
 _CACHE_PROBE = """

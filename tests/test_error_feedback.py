@@ -13,6 +13,7 @@ import torch
 
 from fedquant.codecs import Codec, available_codecs, get_codec
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.codecs.transforms.error_feedback import ErrorFeedback
 from tests import test_codecs_common as common
 from tests.helpers import cuda, sample_tensor
@@ -37,18 +38,17 @@ class ScaledSign(Quantizer):
         means = torch.stack([b.mean() for b in buckets]) if buckets else torch.zeros(0)
         return Quantized([means.numpy()], symbols=(flat >= 0).to(torch.uint8).numpy())
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         means = torch.from_numpy(side[0].astype(np.float32)).repeat_interleave(self.bucket)[:numel]
         return means * (2 * torch.from_numpy(symbols.astype(np.float32)) - 1)
 
 
-class Coset(Quantizer):
+class Coset(SideInfoQuantizer):
     """Wyner-Ziv in miniature: sends ``round(x / STEP) mod 4``; decoding picks the point of that
     class nearest to the side information (exact within ``2 STEP`` of it)."""
 
     name = "coset"
     codings = ("fixed",)
-    needs_side_info = True
     step = 0.25
 
     def num_symbols(self) -> int:
@@ -61,9 +61,9 @@ class Coset(Quantizer):
         k = torch.round(flat.cpu().double() / self.step).to(torch.int64)
         return Quantized([], symbols=torch.remainder(k, 4).to(torch.uint8).numpy())
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         s = torch.from_numpy(symbols.astype(np.float64))
-        k = s + 4 * torch.round((side_info.cpu().double() / self.step - s) / 4)
+        k = s + 4 * torch.round((self.side_info.cpu().double() / self.step - s) / 4)
         return (k * self.step).to(torch.float32)
 
 

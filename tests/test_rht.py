@@ -10,6 +10,7 @@ from fedquant import PayloadError
 from fedquant.codecs import Codec, available_codecs, codec_class, get_codec
 from fedquant.codecs.kernels import hadamard
 from fedquant.codecs.quantizers.base import Quantized, Quantizer
+from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.codecs.transforms.rht import MAX_BLOCK_LOG2, RandomizedHadamard, block_layout
 from fedquant.rng import derive_seed, stream_key, uniform
 from fedquant.wire import read_payload, write_payload
@@ -23,10 +24,7 @@ PORTED = [name for name in available_codecs() if issubclass(codec_class(name), Q
 
 def _rht(max_log2: int | None = None) -> RandomizedHadamard:
     """The transform, with another largest block (one beyond a cache tile runs the high pass)."""
-    rht = RandomizedHadamard()
-    if max_log2 is not None:
-        rht.max_log2 = max_log2
-    return rht
+    return RandomizedHadamard() if max_log2 is None else RandomizedHadamard(max_log2=max_log2)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -187,13 +185,12 @@ def test_error_feedback_in_front_of_rht():
     assert payload == codec.without_state().encode(x, seed=4)
 
 
-class ModuloQuantizer(Quantizer):
+class ModuloQuantizer(SideInfoQuantizer):
     """A toy Wyner–Ziv quantizer: sends ``round(x / step) mod 16``; the decoder picks the level
     congruent to it nearest to its side information (within 8 steps of ``x``)."""
 
     name = "modulo"
     codings = ("fixed",)
-    needs_side_info = True
     step = 0.01
 
     def num_symbols(self):
@@ -205,8 +202,8 @@ class ModuloQuantizer(Quantizer):
     def quantize(self, flat, seed, packed_width):
         return Quantized([], symbols=torch.remainder(torch.round(flat / self.step), 16).to(torch.uint8).numpy())
 
-    def dequantize(self, side, symbols, numel, seed, side_info):
-        guess = torch.round(side_info / self.step)
+    def dequantize(self, side, symbols, numel, seed):
+        guess = torch.round(self.side_info / self.step)
         k = torch.from_numpy(symbols.astype(np.int64)).to(torch.float32)
         return (guess + torch.remainder(k - guess + 8, 16) - 8) * self.step
 

@@ -70,6 +70,8 @@ from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import require_items
 
 MAX_BITS = 8
+#: The rates below its own that a rate controller may fall back to.
+BITS_LADDER = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.25)
 #: Bucket sizes that divide every block of ``rht`` (512, or a smaller power of two for a tail).
 BUCKET_SIZES = (64, 128, 256, 512)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -236,6 +238,16 @@ class EdenQuantizer(Quantizer):
             )
 
     # ------------------------------------------------------------------ declarations
+    def rate_ladder(self) -> tuple[EdenQuantizer, ...]:
+        """``bits`` down the :data:`BITS_LADDER`; fractional rates only with fixed-width coding."""
+        integer_only = self.coding != "fixed"
+        below = [b for b in BITS_LADDER if b < self.bits and not (integer_only and b != int(b))]
+        return (self, *(self.with_params(bits=b) for b in below))
+
+    @property
+    def rate(self) -> float:
+        return float(self.bits)
+
     @property
     def split(self) -> bool:
         """Whether the coordinates are split between two widths (fractional bits)."""
@@ -360,7 +372,7 @@ class EdenQuantizer(Quantizer):
             streams.append(pack_bits(idx.to(torch.uint8).cpu().numpy(), width))
         return Quantized([self._finite(_scales(sq.cpu().numpy(), dot.cpu().numpy(), seed)), *streams])
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         if self._kernel_path():
             if symbols.dtype != np.uint8:
                 check_alphabet(symbols, self.num_symbols(), self.name)
@@ -379,9 +391,9 @@ class EdenQuantizer(Quantizer):
         out[hi] = _values(_unpack(side[-1], self._hi, n_hi), self._hi, scale if ids is None else scale[hi])
         return out
 
-    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+    def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
         if not self._kernel_path() or width != self._lo:
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
         return self._dequantize_kernel(side, np.ascontiguousarray(packed, dtype=np.uint8), numel, True)
 
 

@@ -22,7 +22,7 @@ class FloatQuantizer(Quantizer):
     def side_fields(self, numel: int) -> list[SideField]:
         return [SideField(f"{self.name} values", self.dtype, numel)]
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         return torch.from_numpy(side[0].astype(np.float32))
 
 
@@ -34,6 +34,10 @@ class Float32Quantizer(FloatQuantizer):
     unbiased = True
     paper = "baseline"
     wire = "32-bit floats"
+    rate = 32.0
+
+    def rate_ladder(self) -> tuple[Quantizer, ...]:
+        return (self, Float16Quantizer())
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         return Quantized([flat.cpu().numpy()])
@@ -46,6 +50,7 @@ class Float16Quantizer(FloatQuantizer):
     dtype = "<f2"
     paper = "baseline"
     wire = "16-bit floats"
+    rate = 16.0
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         return Quantized([flat.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).cpu().numpy()])

@@ -53,13 +53,13 @@ class SignSGDQuantizer(BucketScaledQuantizer):
             return Quantized([scales], packed=kernels.sign_pack(flat.numpy()))
         return Quantized([scales], symbols=(flat < 0).to(torch.uint8).cpu().numpy())
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         d, scales = self.bucket_scales(side, numel)
         return kernels.torch_sign_values(torch.from_numpy(np.asarray(symbols) != 0), d, scales)
 
-    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+    def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
         if not self.uses_kernels():
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
         d, scales = self.bucket_scales(side, numel)
         require_items(packed, packed_size(numel, 1), "sign bits")  # the kernel does not check
         return torch.from_numpy(kernels.sign_unpack(packed, numel, d, scales))

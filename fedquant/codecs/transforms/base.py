@@ -23,7 +23,12 @@ from fedquant.codecs.params import Configurable
 
 
 class Transform(Configurable, KernelDispatch):
-    """An invertible transform that the decoder undoes (on the wire)."""
+    """An invertible transform that the decoder undoes (on the wire).
+
+    Its spec names only parameters away from their defaults (``rht``, ``rht:max_log2=16``).
+    """
+
+    spec_lists_defaults = False
 
     def output_numel(self, numel: int) -> int:
         """Elements after :meth:`forward` of ``numel`` elements (padding transforms grow it)."""
@@ -46,6 +51,7 @@ class StatefulTransform(Configurable):
     """
 
     biased: bool = True
+    spec_lists_defaults = False
 
     @abstractmethod
     def apply(self, flat: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
