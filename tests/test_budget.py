@@ -9,8 +9,9 @@ from flwr.serverapp.strategy import FedAvg
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
 from fedquant.protocol import KEY_CODEC
+from fedquant.records import RecordCodec
 from fedquant.strategies import QuantizedStrategy
-from fedquant.strategies.budget import UploadBudget, probe_reply_bytes, rate_ladder, setting_value
+from fedquant.strategies.budget import UploadBudget
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, global_loss, initial_arrays, make_client_app
 
 NUM_NODES = 4
@@ -18,7 +19,15 @@ DEADLINE = 2.0
 
 
 def _levels(ladder) -> list[float]:
-    return [setting_value(c) for c in ladder]
+    return [c.rate for c in ladder]
+
+
+def rate_ladder(codec):
+    return codec.rate_ladder()
+
+
+def predicted_reply_bytes(codec, model, min_numel):
+    return RecordCodec(codec, min_numel).predict_bytes(model)
 
 
 def test_rate_ladders():
@@ -58,11 +67,11 @@ def _grid(log: CodecLog) -> InProcessGrid:
 
 
 @pytest.mark.parametrize("spec", [c.spec for c in rate_ladder(get_codec("qsgd:levels=16"))] + ["fp32", "fp16"])
-def test_probe_predicts_the_reply_bytes_of_fixed_width_codecs(spec):
+def test_size_model_predicts_the_reply_bytes_of_fixed_width_codecs(spec):
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
     strategy = QuantizedStrategy(FedAvg(min_available_nodes=NUM_NODES), spec, seed=1, min_numel=MIN_NUMEL)
     strategy.start(grid, initial_arrays(), num_rounds=1)
-    assert grid.train_reply_bytes[0] == NUM_NODES * probe_reply_bytes(get_codec(spec), initial_arrays(), MIN_NUMEL)
+    assert grid.train_reply_bytes[0] == NUM_NODES * predicted_reply_bytes(get_codec(spec), initial_arrays(), MIN_NUMEL)
 
 
 def _deadline_strategy(bandwidth: dict[int, float]) -> QuantizedStrategy:
@@ -78,7 +87,7 @@ def _deadline_strategy(bandwidth: dict[int, float]) -> QuantizedStrategy:
 
 def test_deadline_gives_each_client_the_finest_setting_its_link_allows():
     ladder = rate_ladder(get_codec("qsgd:levels=16"))
-    size = {setting_value(c): probe_reply_bytes(c, initial_arrays(), MIN_NUMEL) for c in ladder}
+    size = {c.rate: predicted_reply_bytes(c, initial_arrays(), MIN_NUMEL) for c in ladder}
     # Node 101 can send 16 levels in time, 102 only 8, 103 only 2; 104 not even 1 level.
     bandwidth = {
         101: size[16] / DEADLINE * 1.01,
@@ -106,7 +115,7 @@ def test_deadline_gives_each_client_the_finest_setting_its_link_allows():
 
 def test_byte_budget_caps_the_round_total():
     ladder = rate_ladder(get_codec("qsgd:levels=16"))
-    size = {setting_value(c): probe_reply_bytes(c, initial_arrays(), MIN_NUMEL) for c in ladder}
+    size = {c.rate: predicted_reply_bytes(c, initial_arrays(), MIN_NUMEL) for c in ladder}
     budget = 2 * size[8] + 2 * size[7] + 10  # room for two clients at 8 levels and two at 7
     log = CodecLog()
     strategy = QuantizedStrategy(

@@ -14,18 +14,17 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from fedquant.clients import quantize_mod
-from fedquant.clients.downlink import decode_train_message
+from fedquant.clients.downlink import DownlinkError, decode_train_message
 from fedquant.codecs import get_codec
-from fedquant.downlink_wire import (
+from fedquant.protocol import (
     KEY_DOWNLINK_BASE,
     KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_REFERENCE,
     METRIC_DOWNLINK_REFERENCE,
     NO_REFERENCE,
-    DownlinkError,
-    rebuild_model,
+    PAYLOAD_STYPE,
 )
-from fedquant.protocol import PAYLOAD_STYPE
+from fedquant.records import RecordCodec
 from fedquant.strategies import QuantizedStrategy
 from fedquant.strategies.downlink import DownlinkCompressor
 from tests.flower_fakes import (
@@ -245,11 +244,10 @@ def test_same_reference_same_bytes_and_the_rebuild_is_the_clients():
         second.base == first[0].reference
         and second.config[KEY_DOWNLINK_CODEC] == "qsgd:bucket_size=512,coding=fixed,levels=8,norm=max"
     )
-    rebuilt = rebuild_model(
-        second.wire,
-        first[0].model,
-        get_codec(second.config[KEY_DOWNLINK_CODEC]),
-        second.config["fedquant.downlink-seed"],
+    rebuilt = (
+        RecordCodec(get_codec(second.config[KEY_DOWNLINK_CODEC]))
+        .decode(second.wire, second.config["fedquant.downlink-seed"], first[0].model)
+        .arrays
     )
     for name in model.keys():
         np.testing.assert_array_equal(rebuilt[name].numpy(), second.model[name].numpy())

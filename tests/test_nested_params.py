@@ -8,7 +8,7 @@ import torch
 
 from fedquant.codecs import get_codec
 from fedquant.codecs.kernels.dither import dither, nested_quantize, nested_reconstruct
-from fedquant.codecs.quantizers.nested_rules import (
+from fedquant.strategies.nested_rules import (
     AUTHORS_LEVELS,
     AUTHORS_RHO,
     SPREAD_MARGIN,
@@ -32,7 +32,7 @@ from fedquant.codecs.quantizers.nested_rules import (
     wrap_excess,
     wrap_probability,
 )
-from fedquant.strategies.decode_plan import SideInformation
+from fedquant.strategies.side_info import SideInformation
 
 
 def _monte_carlo(alpha, sigma_z, rho, n=1 << 18, seed=0):

@@ -17,15 +17,6 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
-from fedquant.codecs.quantizers.nested_rules import (
-    SPREAD_MARGIN,
-    SpreadEstimate,
-    choose_parameters,
-    choose_rho_for_variance,
-    empirical_rho,
-    estimate_spread,
-    spread_in_steps,
-)
 from fedquant.protocol import (
     KEY_CODEC,
     KEY_ROLE,
@@ -54,6 +45,16 @@ from fedquant.strategies.nested import (
     RULE_FIXED,
     RULE_INITIAL,
 )
+from fedquant.strategies.nested_rules import (
+    SPREAD_MARGIN,
+    SpreadEstimate,
+    choose_parameters,
+    choose_rho_for_variance,
+    empirical_rho,
+    estimate_spread,
+    spread_in_steps,
+)
+from fedquant.strategies.side_info import needs_side_info
 from fedquant.wire import read_payload
 from tests.flower_fakes import InProcessGrid
 
@@ -277,7 +278,7 @@ def test_rho_per_tensor_from_its_own_spread_and_tiny_tensors_never_decide(sigma)
     assert round2[METRIC_RHO_RULE] == RULE_ESTIMATED and round2[METRIC_RHO] == 7
     nested = sum(r < 7 for r in rhos.values())
     assert round2[METRIC_NESTED_TENSORS] == nested and round2["ndqsg-p2-nested"] == int(nested > 0)
-    assert p2.needs_side_info == (nested > 0)
+    assert needs_side_info(p2.record_codec(1)) == (nested > 0)
 
 
 def _student_t3(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -20,7 +20,8 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 import fedquant.codecs as codecs_module
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.codecs.quantizers.base import Quantized, SideField
+from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.metrics import HistoryRecorder, dense_float32_bytes, result_rows
 from fedquant.protocol import (
     KEY_CLIENT_MSE,
@@ -32,8 +33,17 @@ from fedquant.protocol import (
     payload_array,
     tensor_seed,
 )
+from fedquant.records import RecordCodec
 from fedquant.rng import derive_seed
-from fedquant.strategies import ClientAssignment, DecodePlan, QuantizedStrategy, SideInformation
+from fedquant.strategies import (
+    ClientAssignment,
+    DecodePlan,
+    QuantizedStrategy,
+    SideInfoPlan,
+    SideInformation,
+    default_plan_for,
+)
+from fedquant.strategies import decode_plan as decode_plan_module
 from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
 from fedquant.wire.payload import write_payload
 from tests.flower_fakes import (
@@ -332,7 +342,7 @@ def test_update_that_overflows_the_model_dtype_is_rejected():
         {"arrays": ArrayRecord({"w": payload_array(get_codec("fp32").encode(update, tensor_seed(5, "w")))})}
     )
     with pytest.raises(RejectedReply, match="overflows float16"):
-        decode_reply(content, received, get_codec("fp32"), 5, 1, SideInformation())
+        decode_reply(content, received, RecordCodec(get_codec("fp32"), min_numel=1), 5)
 
 
 def test_unexpected_decoder_error_rejects_the_reply_not_the_round(monkeypatch):
@@ -400,12 +410,11 @@ def test_no_surviving_reply_keeps_the_current_model():
 
 
 # ---------------------------------------------------------------------------- decode hook
-class FakeSideQuantizer(Quantizer):
+class FakeSideQuantizer(SideInfoQuantizer):
     """Sends x as float32; decodes to the values + side_info and logs the side information it got."""
 
     name = "fakeside"
     codings = ()
-    needs_side_info = True
     seen: list[torch.Tensor] = []
 
     def num_symbols(self) -> int:
@@ -417,12 +426,12 @@ class FakeSideQuantizer(Quantizer):
     def quantize(self, flat, seed, packed_width) -> Quantized:
         return Quantized([flat.cpu().numpy()])
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
-        FakeSideQuantizer.seen.append(side_info.clone())
-        return torch.from_numpy(side[0].astype(np.float32)) + side_info
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
+        FakeSideQuantizer.seen.append(self.side_info.clone())
+        return torch.from_numpy(side[0].astype(np.float32)) + self.side_info
 
 
-class TwoGroups(DecodePlan):
+class TwoGroups(SideInfoPlan):
     """Like NDQSG's Algorithm 2: the first half gets a plain codec (role p1, decoded first)."""
 
     def assign(self, server_round, node_ids, codec):
@@ -447,26 +456,26 @@ class SpecPlan(DecodePlan):
 
 
 class PlannedQuantizer(FakeSideQuantizer):
-    """A codec that names its own default decode plan."""
+    """A quantizer with a default decode plan of its own."""
 
     name = "planned"
-    decode_plan = "tests.test_quantized_strategy:SpecPlan"
 
 
-def test_the_codec_names_its_default_plan(monkeypatch):
+def test_a_plan_declares_the_codecs_it_is_the_default_of(monkeypatch):
+    monkeypatch.setattr(decode_plan_module, "_DEFAULT_PLANS", dict(decode_plan_module._DEFAULT_PLANS))
     monkeypatch.setitem(codecs_module._QUANTIZERS, "planned", "tests.test_quantized_strategy:PlannedQuantizer")
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", "tests.test_quantized_strategy:FakeSideQuantizer")
+    default_plan_for(PlannedQuantizer)(SpecPlan)
     assert _wrap(codec=" planned ").decode_plan.built_from == (" planned ", 11)  # the spec as given, the seed
     codec = get_codec("planned")
     assert _wrap(codec=codec).decode_plan.built_from == (codec.spec, 11)
-    assert type(_wrap(codec="fp16").decode_plan) is DecodePlan  # fp16 names none
+    assert type(_wrap(codec="fp16").decode_plan) is DecodePlan  # fp16's quantizer has none
+    # A side-information quantizer without a plan of its own gets its kind's (the nearest base's).
+    assert type(_wrap(codec="fakeside").decode_plan) is SideInfoPlan
     own = TwoGroups()
     assert _wrap(codec="planned", decode_plan=own).decode_plan is own  # an explicit plan wins
-    monkeypatch.setattr(PlannedQuantizer, "decode_plan", "tests.test_quantized_strategy:FakeSideQuantizer")
-    with pytest.raises(ValueError, match="not a DecodePlan"):
-        _wrap(codec="planned")
-    monkeypatch.setattr(PlannedQuantizer, "decode_plan", "tests.no_such_module:Plan")
-    with pytest.raises(ValueError, match="cannot be loaded"):
-        _wrap(codec="planned")
+    with pytest.raises(TypeError, match="not a DecodePlan"):
+        default_plan_for(PlannedQuantizer)(FakeSideQuantizer)
 
 
 def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):

@@ -25,9 +25,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
-from fedquant.downlink_wire import KEY_DOWNLINK_BASE, NO_REFERENCE
+from fedquant.protocol import KEY_DOWNLINK_BASE, NO_REFERENCE
+from fedquant.records import RecordCodec
 from fedquant.strategies import QuantizedStrategy
-from fedquant.strategies.budget import probe_reply_bytes
 from simulations import client_app as sim_client
 from simulations.data import load_test_set
 from simulations.links import parse_uplink
@@ -207,7 +207,7 @@ def test_compressed_downlink_converges_like_dense(results):
 def test_every_round_meets_the_upload_deadline(results):
     history = results["deadline"]
     profile = parse_uplink(UPLINK, seed=0)
-    coarsest = probe_reply_bytes(get_codec(COARSEST), results["model"], min_numel=1)
+    coarsest = RecordCodec(get_codec(COARSEST), min_numel=1).predict_bytes(results["model"])
     slowest = min(profile.mbps(p) for p in range(NUM_NODES)) * 1e6 / 8
     assert coarsest / slowest <= DEADLINE, "the coarsest setting cannot meet this deadline: change the test"
     chosen_spread = []
