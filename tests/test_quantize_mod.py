@@ -278,18 +278,21 @@ def snapshot():
     strategies = sorted(m for m in sys.modules if m.startswith("fedquant.strategies"))
     return {"strategies": strategies, "server_imports": sorted(server_imports)}
 
+import fedquant.records
+records = snapshot()
 import fedquant.clients
 client = snapshot()
 import fedquant.strategies
-print(json.dumps({"client": client, "server": snapshot()}))
+print(json.dumps({"records": records, "client": client, "server": snapshot()}))
 """
 
 
-def test_importing_the_client_loads_no_server_code():
+def test_importing_the_client_or_the_record_codec_loads_no_server_code():
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _IMPORT_SPY], capture_output=True, check=True, env=env, cwd=root)
     seen = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    assert seen["records"] == {"strategies": [], "server_imports": []}  # both halves use the record codec
     assert seen["client"] == {"strategies": [], "server_imports": []}
     # The spy sees the server's imports once it is loaded (so the empty lists above mean something).
     assert "fedquant.strategies.quantized" in seen["server"]["strategies"]

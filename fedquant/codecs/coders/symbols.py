@@ -15,7 +15,7 @@ quantizer's fused decoder, padding checked).
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 
@@ -46,17 +46,38 @@ def omega_bits(value: int) -> int:
     return bits
 
 
+def omega_bits_bound(value: np.ndarray | float) -> np.ndarray:
+    """``log2 v + 3 log2(log2 v + 1) + 1``: a concave upper bound of :func:`omega_bits` for ``v >= 1``.
+
+    Concave, so by Jensen ``k`` codewords whose values sum to ``S`` take at most
+    ``k * omega_bits_bound(S / k)`` bits.
+    """
+    lg = np.log2(value)
+    return lg + 3 * np.log2(lg + 1) + 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _entropy_stream_bound(count: int, num_symbols: int) -> int:
+    most = min(num_symbols, count)
+    k = np.arange(1, most + 1, dtype=np.float64)  # symbols present; the bound is the worst of them
+    # The table: omega(k), then per present symbol its gap (they sum to at most num_symbols) and its count (sum: count).
+    table_bits = omega_bits(most) + k * (omega_bits_bound(num_symbols / k) + omega_bits_bound(count / k))
+    rans_bits = np.where(k >= 2, count * (np.log2(k) + RANS_EXCESS_BITS) + 64, 0.0)
+    return int((np.ceil(table_bits / 8) + 4 * np.ceil(rans_bits / 32)).max())
+
+
 def stream_bytes(count: int, num_symbols: int, coding: str) -> int:
     """Bytes of a stream of ``count`` symbols below ``num_symbols``: exact for ``"fixed"``, else an upper bound.
 
     * ``fixed``: ``packed_size(count, width)``, whatever the symbols.
     * ``elias``: the variant byte and the dense code with every level at ``+-h`` (the encoder
-      sends the shorter of the two variants, and longer levels never code shorter).
-    * ``entropy``: the count table with every symbol present at its widest gap and count, and
-      rANS at ``log2(present symbols) + RANS_EXCESS_BITS`` bits per symbol plus its 64-bit final
-      state. Symbols far from uniform code well below it. An estimate rather than a bound for
-      more than ``2**24`` symbols with some of them rarer than ``2**-24`` (the frequency
-      quantization may then cost more).
+      sends the shorter of the two variants, and larger levels never code shorter).
+    * ``entropy``: over the number ``k`` of symbols present, the worst of the count table (gaps
+      and counts bounded by Jensen's inequality on :func:`omega_bits_bound`) plus rANS at
+      ``log2 k + RANS_EXCESS_BITS`` bits per symbol and its 64-bit final state. Symbols far from
+      uniform code well below it. An estimate rather than a bound for more than ``2**24``
+      symbols with some of them rarer than ``2**-24`` (the frequency quantization may then cost
+      more).
     """
     if coding == "fixed":
         return packed_size(count, fixed_width(num_symbols))
@@ -64,14 +85,7 @@ def stream_bytes(count: int, num_symbols: int, coding: str) -> int:
         half = num_symbols // 2
         return 1 + -(-count * (omega_bits(half + 1) + 1) // 8)
     if coding == "entropy":
-        if count == 0:
-            return 0
-        present = min(num_symbols, count)
-        table_bits = omega_bits(present) + present * (omega_bits(num_symbols) + omega_bits(count))
-        if present == 1:
-            return -(-table_bits // 8)
-        rans_bits = count * (math.log2(present) + RANS_EXCESS_BITS) + 64
-        return -(-table_bits // 8) + 4 * math.ceil(rans_bits / 32)
+        return _entropy_stream_bound(count, num_symbols) if count else 0
     raise ValueError(f"unknown coding {coding!r}")
 
 
