@@ -1,7 +1,7 @@
 """Fuzzing every codec's decoder with mutated payloads, in worker subprocesses (a crash fails the test).
 
-The mutator (:mod:`benchmarks.fuzz_mutations`) and the harness (:mod:`benchmarks.fuzzing`) are shared with ``python -m
-benchmarks.fuzz`` (100,000 cases and more); here a fixed-seed sample of every family runs in
+The mutator (:mod:`fedquant.testing.fuzz_mutations`) and the harness (:mod:`fedquant.testing.fuzzing`)
+are shared with ``python -m benchmarks.fuzz`` (100,000 cases and more); here a fixed-seed sample of every family runs in
 two workers, and a self-test shows that the harness does report a crash, a hang and an Inf.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from benchmarks.fuzz_mutations import KINDS, bases, families, mutate
-from benchmarks.fuzzing import FAILURES, canonical_specs, run_fuzz
 from fedquant.errors import PayloadError
+from fedquant.testing.fuzz_mutations import KINDS, bases, families, mutate
+from fedquant.testing.fuzzing import FAILURES, canonical_specs, run_fuzz
 
 CASES_PER_FAMILY = 60
 

@@ -19,8 +19,10 @@ from fedquant.strategies.side_info import SideInformation
 
 PACKAGE = Path(fedquant.__file__).resolve().parent
 #: The seam: the codec kind and its quantizer (with kernels), the server's plans; codec.py keeps
-#: ``Codec.decode(payload, seed, side_info=None)`` (public API).
+#: ``Codec.decode(payload, seed, side_info=None)`` (public API), which the fuzzer calls.
 SEAM = {
+    "testing/fuzz_mutations.py",
+    "testing/fuzzing.py",
     "codecs/side_info.py",
     "codecs/quantizers/dither.py",
     "codecs/kernels/dither.py",

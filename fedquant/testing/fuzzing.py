@@ -1,9 +1,9 @@
 """The fuzz harness shared by ``tests/test_fuzz.py`` and ``python -m benchmarks.fuzz``.
 
-The cases come from :mod:`benchmarks.fuzz_mutations`; case ``i`` of a family is a pure
+The cases come from :mod:`fedquant.testing.fuzz_mutations`; case ``i`` of a family is a pure
 function of ``(seed, family, i)``, so a failing case can be replayed alone (:func:`replay`).
 
-Cases run in worker subprocesses (``python -m benchmarks.fuzzing``, jobs as JSON on stdin, one
+Cases run in worker subprocesses (``python -m fedquant.testing.fuzzing``, jobs as JSON on stdin, one
 result line per case on stdout), so a crash of the decoder kills a worker, not the caller: the
 parent reports the case in flight as ``crash``, or as ``hang`` when no result comes within the
 timeout, and starts a new worker after it. A worker measures each decode's peak allocation
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.fuzz_mutations import Base, bases, families, mutate
+from fedquant.testing.fuzz_mutations import Base, bases, families, mutate
 
 OUTCOMES = ("ok-finite", "payload-error", "other-exception", "crash", "hang", "memory", "nonfinite", "bad-output")
 FAILURES = OUTCOMES[2:]
@@ -42,7 +42,8 @@ MEMORY_FACTOR = 4
 TRACED_SLACK = 1 << 20  # bytes of Python/NumPy bookkeeping any decode may allocate
 RSS_SLACK = 32 << 20  # resident-memory noise: allocator arenas, numba code loaded on first use
 STARTUP_TIMEOUT = 300.0  # seconds for a worker's imports and kernel loading, before its first result
-REPO = Path(__file__).resolve().parent.parent
+#: The directory that holds this ``fedquant`` package: workers import the same code from it.
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------- one case
@@ -227,7 +228,7 @@ def _plan(specs: list[str], cases: int, workers: int) -> list[list[list]]:
 def _start_worker(jobs: list[list], seed: int, inject: dict | None, env: dict) -> tuple:
     """A worker process, a queue of its stdout lines (``None`` at EOF) and a list that gets its stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fuzzing"],
+        [sys.executable, "-m", "fedquant.testing.fuzzing"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

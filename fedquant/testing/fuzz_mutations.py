@@ -6,7 +6,7 @@ into one case: bit flips, truncation, extension, splices of two payloads, byte o
 the body, header rewrites (dtype, shape, spec, body length, version) and forged Elias / rANS
 sections behind the real bucket scales. Most mutations rebuild the envelope with a valid CRC,
 which otherwise stops almost everything before the body parsers. The harness that runs the
-cases is :mod:`benchmarks.fuzzing`.
+cases is :mod:`fedquant.testing.fuzzing`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def families() -> list[str]:
     specs += ["qsgd:bucket_size=0,coding=elias,levels=1", "qsgd:coding=elias,levels=1000", "signsgd:bucket_size=0"]
     # Behind a rotation: the decoder rotates back (and rotates NDQSG's side information).
     specs += ["rht+qsgd:coding=entropy", "rht+dqsg:coding=fixed", "rht+ndqsg:coding=fixed"]
+    # A rotation with parameters of its own (larger blocks, binary-digit tail): another wire spec.
+    specs += ["rht:max_log2=12,min_log2=4+qsgd:coding=fixed"]
     # EDEN's fractional rates carry two index streams, and below 1 bit a subsampled one.
     specs += ["eden:bits=1.5", "eden:bits=0.5"]
     return specs
