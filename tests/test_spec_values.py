@@ -111,3 +111,15 @@ def test_every_rate_ladder_starts_at_the_codec_and_keeps_its_kind(name):
     assert all(type(c) is type(codec) and c.spec.startswith("ef+") for c in ladder)
     rates = [c.rate for c in ladder]
     assert rates == sorted(rates, reverse=True) and len(set(rates)) == len(rates)
+
+
+@pytest.mark.parametrize("spec", ["ef+rht:max_log2=12+qsgd", "ndqsg:rho=5", "eden:bits=2"])
+def test_codecs_survive_pickling_and_copies(spec):
+    import copy
+    import pickle
+
+    codec = get_codec(spec)
+    x = sample_tensor((700,), seed=2)
+    for twin in (pickle.loads(pickle.dumps(codec)), copy.deepcopy(codec)):
+        assert twin == codec and type(twin) is type(codec)
+        assert twin.encode(x, 5) == codec.encode(x, 5)

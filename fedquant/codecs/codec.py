@@ -58,8 +58,10 @@ class Codec:
         Outermost first; stateful ones (client state) must come before those on the wire.
     """
 
-    def __new__(cls, quantizer: Quantizer, transforms: Sequence[Transform | StatefulTransform] = ()) -> Codec:
-        # A quantizer of another kind (side information) brings its own codec class.
+    def __new__(
+        cls, quantizer: Quantizer | None = None, transforms: Sequence[Transform | StatefulTransform] = ()
+    ) -> Codec:
+        # A quantizer of another kind (side information) brings its own codec class (no quantizer: unpickling).
         kind = getattr(quantizer, "codec_kind", None)
         return super().__new__(kind if cls is Codec and kind is not None else cls)
 

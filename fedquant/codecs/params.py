@@ -147,11 +147,16 @@ class Configurable:
             value = param.convert(self.name, key, params.get(key, param.default))
             config[key] = value
             object.__setattr__(self, key, value)
-        object.__setattr__(self, "config", MappingProxyType(config))
+        object.__setattr__(self, "_config", config)
         self._validate()
 
+    @property
+    def config(self) -> MappingProxyType[str, Any]:
+        """The parameters, read-only (every declared one, defaults included)."""
+        return MappingProxyType(self._config)
+
     def __setattr__(self, key: str, value: Any) -> None:
-        if key in type(self).params or key == "config":
+        if key in type(self).params or key in ("config", "_config"):
             raise AttributeError(
                 f"{type(self).__name__}.{key} is part of the spec; derive a variant with with_params()"
             )
