@@ -104,13 +104,12 @@ class QuantizedStrategy(Strategy):
         ``simulated-upload-seconds``: the largest reply bytes / bandwidth among the replies
         that arrived (the slowest sampled client).
     decode_plan : DecodePlan, optional
-        Per-client codec assignment, decode order and side information (see
-        :mod:`fedquant.strategies.decode_plan`). Default: the plan the codec names
-        (``codec.decode_plan``, built from the spec as given), e.g. NDQSG's two-group scheme
+        Per-client codec assignment, decode order and the record codec of each reply (see
+        :mod:`fedquant.strategies.decode_plan`). Default: the plan registered for the codec's
+        quantizer (built from the spec as given), e.g. NDQSG's two-group scheme
         :class:`~fedquant.strategies.nested.NestedDecodePlan` for ``ndqsg`` (``rho`` adapted each
-        round unless the spec string names it; a Codec instance fixes its own ``rho``); for a
-        codec that names none, :class:`~fedquant.strategies.decode_plan.DecodePlan` (every client
-        gets ``codec``).
+        round unless the spec string names it; a Codec instance fixes its own ``rho``); else
+        :class:`~fedquant.strategies.decode_plan.DecodePlan` (every client gets ``codec``).
     recorder : HistoryRecorder, optional
         Receives every round's train (``train/``) and evaluate (``evaluate/``) metrics.
     client_mse : bool
