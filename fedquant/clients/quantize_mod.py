@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from functools import lru_cache
+from functools import lru_cache, partial
 from logging import ERROR
 
 import torch
@@ -144,7 +144,7 @@ def _encode_reply(
                 trained,
                 seed,
                 received,
-                state=lambda name, shape, transforms: load_state(ctxt.state, name, shape, transforms),
+                state=partial(load_state, ctxt.state),
                 measure=measure,
                 device=encode_device(),
             )
