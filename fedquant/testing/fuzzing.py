@@ -1,4 +1,4 @@
-"""The fuzz harness shared by ``tests/test_fuzz.py`` and ``python -m benchmarks.fuzz``.
+"""The fuzz harness shared by ``tests/testing/test_fuzz.py`` and ``python -m benchmarks.fuzz``.
 
 The cases come from :mod:`fedquant.testing.fuzz_mutations`; case ``i`` of a family is a pure
 function of ``(seed, family, i)``, so a failing case can be replayed alone (:func:`replay`).

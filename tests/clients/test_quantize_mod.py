@@ -288,7 +288,7 @@ print(json.dumps({"records": records, "client": client, "server": snapshot()}))
 
 
 def test_importing_the_client_or_the_record_codec_loads_no_server_code():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _IMPORT_SPY], capture_output=True, check=True, env=env, cwd=root)
     seen = json.loads(out.stdout.decode().strip().splitlines()[-1])

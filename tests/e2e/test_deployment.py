@@ -28,7 +28,7 @@ from benchmarks.local_processes import free_port, port_open, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APP_DIR = REPO / "tests" / "deployment_app"
 BIN = Path(sys.executable).parent
 NUM_NODES = 2

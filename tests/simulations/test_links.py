@@ -55,7 +55,7 @@ def test_bad_profiles(spec):
 
 
 def test_pyproject_run_config_matches_the_settings_defaults():
-    config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    config = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert SimSettings.from_run_config(config) == SimSettings()
     assert sorted(config) == sorted(SimSettings.keys())
 

@@ -345,7 +345,7 @@ print(len(used), sum(sum(fn.stats.cache_misses.values()) for fn in used))
 
 def test_kernels_load_from_cache_in_a_fresh_process():
     """Both versions of each switched kernel run, and a second process loads all of them from numba's cache."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     runs = [
         subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=False)
         for _ in "ab"

@@ -174,7 +174,7 @@ print(sum(kernel.serial.stats.cache_hits.values()), sum(kernel.parallel.stats.ca
 def test_switch_picks_by_size_and_both_versions_load_from_their_own_cache():
     # Jitting one function twice with cache=True shares one cache entry and crashes the next
     # process; the switch's two versions must each load from cache in a fresh process.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     probe = [sys.executable, "-c", _SWITCH_PROBE]
     runs = [subprocess.run(probe, env=env, capture_output=True, text=True, check=False) for _ in "ab"]
     for run in runs:

@@ -14,7 +14,7 @@ from fedquant.codecs.kernels.common import CHUNK, PARALLEL_MIN, kernel_key
 from fedquant.codecs.kernels.levels_torch import gather_levels, nearest_of_two, random_round
 from fedquant.wire import read_payload, write_payload
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size
-from tests import test_codecs_common as common
+from tests.codecs import test_codecs_common as common
 from tests.helpers import cuda, sample_tensor
 
 

@@ -15,7 +15,7 @@ from fedquant.codecs import Codec, available_codecs, get_codec
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.codecs.transforms.error_feedback import ErrorFeedback
-from tests import test_codecs_common as common
+from tests.codecs import test_codecs_common as common
 from tests.helpers import cuda, sample_tensor
 
 

@@ -463,8 +463,8 @@ class PlannedQuantizer(FakeSideQuantizer):
 
 def test_a_plan_declares_the_codecs_it_is_the_default_of(monkeypatch):
     monkeypatch.setattr(decode_plan_module, "_DEFAULT_PLANS", dict(decode_plan_module._DEFAULT_PLANS))
-    monkeypatch.setitem(codecs_module._QUANTIZERS, "planned", "tests.test_quantized_strategy:PlannedQuantizer")
-    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", "tests.test_quantized_strategy:FakeSideQuantizer")
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "planned", f"{__name__}:PlannedQuantizer")
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", f"{__name__}:FakeSideQuantizer")
     default_plan_for(PlannedQuantizer)(SpecPlan)
     assert _wrap(codec=" planned ").decode_plan.built_from == (" planned ", 11)  # the spec as given, the seed
     codec = get_codec("planned")
@@ -479,7 +479,7 @@ def test_a_plan_declares_the_codecs_it_is_the_default_of(monkeypatch):
 
 
 def test_side_information_is_the_running_mean_in_plan_order(monkeypatch):
-    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", "tests.test_quantized_strategy:FakeSideQuantizer")
+    monkeypatch.setitem(codecs_module._QUANTIZERS, "fakeside", f"{__name__}:FakeSideQuantizer")
     FakeSideQuantizer.seen = []
     strategy = _wrap(codec="fakeside", decode_plan=TwoGroups())
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)

@@ -19,7 +19,7 @@ from tests.fault_app import DONE_MARK, NUM_NODES, ROUND_TIMEOUT, ROUNDS
 from tests.flower_fakes import initial_arrays
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIMIT_SECONDS = 300  # Ray start-up on a busy 2-core machine plus two rounds of at most ROUND_TIMEOUT
 
 
