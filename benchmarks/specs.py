@@ -33,6 +33,7 @@ REPRESENTATIVE: dict[str, list[str]] = {
     "linear": ["linear"],
     "dqsg": ["dqsg", "dqsg:coding=entropy", "dqsg:coding=elias", "dqsg:levels=2,coding=entropy"],
     "ndqsg": ["ndqsg", "ndqsg:coding=entropy"],
+    "ecdq": ["ecdq", "ecdq:coding=fixed", "ecdq:bits=2", "ecdq:bits=2,lattice=z", "ecdq:bits=4"],
 }
 
 #: Settings that the throughput target (>= 1/15 of an in-place copy) applies to.

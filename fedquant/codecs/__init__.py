@@ -35,6 +35,7 @@ _QUANTIZERS: dict[str, str] = {
     "dqsg": "fedquant.codecs.quantizers.dither:DQSGQuantizer",
     "ndqsg": "fedquant.codecs.quantizers.dither:NDQSGQuantizer",
     "eden": "fedquant.codecs.quantizers.eden:EdenQuantizer",
+    "ecdq": "fedquant.codecs.quantizers.ecdq:ECDQQuantizer",
 }
 _TRANSFORMS: dict[str, str] = {
     "ef": "fedquant.codecs.transforms.error_feedback:ErrorFeedback",

@@ -54,6 +54,8 @@ def families() -> list[str]:
     specs += ["rht:max_log2=12,min_log2=4+qsgd:coding=fixed"]
     # EDEN's fractional rates carry two index streams, and below 1 bit a subsampled one.
     specs += ["eden:bits=1.5", "eden:bits=0.5"]
+    # ECDQ's E8 lattice (lattice=auto takes the scalar one for tensors this small), also at a wide alphabet.
+    specs += ["ecdq:coding=entropy,lattice=e8", "ecdq:coding=fixed,lattice=e8", "ecdq:bits=6,coding=entropy,lattice=e8"]
     return specs
 
 
@@ -221,10 +223,26 @@ def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
     return head.tobytes() + words.tobytes()
 
 
+def forged_stages(rng: np.random.Generator, count: int) -> bytes:
+    """ECDQ's entropy-coded section: one to three stages of uint32 table lengths (mostly matching the
+    forged tables that follow) and count tables with random rANS words."""
+    out = []
+    for _ in range(int(rng.integers(1, 4))):
+        tables = int(rng.choice([0, 1, 1, 2, 3, int(rng.integers(1, 40))]))
+        sections = [forged_entropy(rng, max(1, count // max(tables, 1))) for _ in range(tables)]
+        lengths = np.array([len(x) for x in sections], np.int64)
+        if rng.random() < 0.3 and tables:
+            lengths[int(rng.integers(tables))] += int(rng.choice([-1, 1, 4, 2**31]))
+        out.append(np.clip(lengths, 0, 2**32 - 1).astype("<u4").tobytes() + b"".join(sections))
+    return b"".join(out)
+
+
 def _forge_body(rng: np.random.Generator, spec: str, base: Base, body: bytes) -> bytes:
     numel = math.prod(base.shape)
     prefix = body[: base.offset]
     r = rng.random()
+    if spec.startswith("ecdq") and "coding=fixed" not in spec:
+        return prefix + (forged_stages(rng, numel) if r < 0.8 else forged_entropy(rng, numel))
     if "coding=elias" in spec:
         variant = bytes([int(rng.choice([0, 1, 0, 1, int(rng.integers(0, 256))]))])
         return prefix + variant + forged_elias(rng)

@@ -11,7 +11,7 @@ import numpy as np
 
 from fedquant.errors import PayloadError
 
-MAX_WIDTH = 16
+MAX_WIDTH = 32  # the summable integer codec of secure aggregation packs Z_{2^b} values up to b = 32
 
 
 def packed_size(count: int, width: int) -> int:
@@ -39,7 +39,7 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
     values : np.ndarray
         1-D array of unsigned (or non-negative) integers, each ``< 2**width``.
     width : int
-        Bits per value, 1 to 16.
+        Bits per value, 1 to 32.
 
     Returns
     -------
@@ -53,6 +53,8 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
         return v.astype(np.uint8)
     if width == 16:
         return v.astype("<u2").view(np.uint8)
+    if width == 32:
+        return v.astype("<u4").view(np.uint8)
     if 8 % width == 0:
         per = 8 // width
         pad = (-n) % per
@@ -86,6 +88,8 @@ def unpack_bits(data: np.ndarray | memoryview | bytes, width: int, count: int) -
         return buf.copy()
     if width == 16:
         return buf.view("<u2").astype(np.uint16)
+    if width == 32:
+        return buf.view("<u4").astype(np.uint32)
     if 8 % width == 0:
         per = 8 // width
         mask = np.uint8((1 << width) - 1)
@@ -95,4 +99,5 @@ def unpack_bits(data: np.ndarray | memoryview | bytes, width: int, count: int) -
         return out.reshape(-1)[:count]
     bits = np.unpackbits(buf, count=count * width, bitorder="little").reshape(count, width)
     weights = (1 << np.arange(width, dtype=np.uint32)).astype(np.uint32)
-    return (bits.astype(np.uint32) @ weights).astype(np.uint16 if width > 8 else np.uint8)
+    out_dtype = np.uint8 if width <= 8 else np.uint16 if width <= 16 else np.uint32
+    return (bits.astype(np.uint32) @ weights).astype(out_dtype)

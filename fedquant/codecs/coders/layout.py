@@ -6,7 +6,8 @@
     ...
     side field k
     symbols        the stream of the ``coding`` parameter (:mod:`fedquant.codecs.coders.symbols`),
-                   absent for a quantizer without symbols
+                   absent for a quantizer without symbols, or the quantizer's own symbol section
+                   (``Quantizer.own_stream``)
 
 Reading checks every size before it allocates, and the side data with the quantizer's own
 :meth:`~fedquant.codecs.quantizers.base.Quantizer.check_side`.
@@ -31,6 +32,10 @@ def encode_body(quantizer: Quantizer, flat: torch.Tensor, seed: int) -> BodyWrit
     out = BodyWriter()
     for field, array in zip(quantizer.side_fields(flat.numel()), q.side, strict=True):
         out.add_array(array, field.dtype)
+    if q.stream is not None:
+        for part in q.stream:
+            out.add(part)
+        return out
     if not k:
         return out
     if q.packed is not None:
@@ -52,6 +57,8 @@ def read_side(quantizer: Quantizer, body: BodyReader, numel: int) -> list[np.nda
 def decode_body(quantizer: Quantizer, body: BodyReader, numel: int, seed: int) -> torch.Tensor:
     """Values (1-D float32) of a body laid out by :func:`encode_body`."""
     side = read_side(quantizer, body, numel)
+    if quantizer.own_stream:
+        return quantizer.read_stream(side, body, numel, seed)
     k = quantizer.num_symbols()
     if not k:
         return quantizer.dequantize(side, np.empty(0, np.uint8), numel, seed)

@@ -30,7 +30,7 @@ from fedquant.codecs.dispatch import KernelDispatch
 from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import unpack_bits
-from fedquant.wire.body import require_items
+from fedquant.wire.body import BodyReader, require_items
 
 CODINGS = ("fixed", "elias", "entropy")
 
@@ -67,11 +67,15 @@ class Quantized:
     packed : np.ndarray, optional
         The symbols already packed at the fixed width the coder asked for (uint8), instead of
         ``symbols``.
+    stream : list of np.ndarray, optional
+        The symbol section as the quantizer codes it itself (uint8 parts, in order), for
+        quantizers with :attr:`Quantizer.own_stream`.
     """
 
     side: list[np.ndarray]
     symbols: np.ndarray | None = None
     packed: np.ndarray | None = None
+    stream: list[np.ndarray] | None = None
 
 
 class Quantizer(Configurable, KernelDispatch):
@@ -96,6 +100,10 @@ class Quantizer(Configurable, KernelDispatch):
         adds them when a spec does not name them.
     paper, wire : str
         Provenance and what goes on the wire, in words.
+    own_stream : bool
+        Whether the quantizer codes its symbol section itself (:attr:`Quantized.stream` and
+        :meth:`read_stream`) instead of one stream of the shared coders: ECDQ codes each dither
+        context with its own table.
     force_torch : bool
         Run the torch implementation on CPU tensors too (tests of path equality).
     """
@@ -104,6 +112,7 @@ class Quantizer(Configurable, KernelDispatch):
     symmetric: ClassVar[bool] = False
     unbiased: ClassVar[bool] = False
     implied_transforms: ClassVar[tuple[str, ...]] = ()
+    own_stream: ClassVar[bool] = False
     paper: ClassVar[str] = ""
     wire: ClassVar[str] = ""
 
@@ -184,6 +193,11 @@ class Quantizer(Configurable, KernelDispatch):
         symbols = unpack_bits(packed, width, numel)
         check_alphabet(symbols, self.num_symbols(), self.name)
         return self.dequantize(side, symbols, numel, seed)
+
+    def read_stream(self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int) -> torch.Tensor:
+        """Values from the symbol section this quantizer wrote itself (:attr:`own_stream`): the rest
+        of ``body``, untrusted, read through its bounds checks."""
+        raise NotImplementedError(f"{self.name} does not code its own symbol section")
 
 
 def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:
