@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -30,19 +32,42 @@ def _data(kind: str, shape, seed: int) -> torch.Tensor:
     return x
 
 
+#: How far an estimating size model (ECDQ's entropy coding) may be off: on Gaussian data, and on
+#: any data (a heavy tail that the rotation leaves widens the index range).
+ESTIMATE_GAUSSIAN = (0.8, 1.25)
+ESTIMATE_ANY = (0.5, 2.0)
+
+
+def _estimate_holds(codec, shape, kind: str, actual: int, predicted: int) -> bool:
+    """ECDQ's estimate: at fixed width, Gaussian data land within one bit per coordinate (the median
+    index range sits at the edge of a power of two at some sizes); otherwise within the ratios above."""
+    if codec.quantizer.coding == "fixed" and kind == "gauss":
+        n = math.prod(shape)
+        for t in codec.wire_transforms:
+            n = t.output_numel(n)
+        return abs(actual - predicted) <= -(-(n + 7) // 8)  # a bit per coordinate (E8: per padded one)
+    low, high = ESTIMATE_GAUSSIAN if kind == "gauss" else ESTIMATE_ANY
+    return low <= actual / predicted <= high
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_prediction_is_exact_for_fixed_width_and_an_upper_bound_otherwise(spec):
     codec = get_codec(spec)
-    fixed = getattr(codec.quantizer, "coding", "fixed") == "fixed"
+    model = codec.quantizer.size_model
+    assert model == ("exact" if getattr(codec.quantizer, "coding", "fixed") == "fixed" else "bound") or (
+        codec.quantizer.name == "ecdq" and model == "estimate"
+    )
     for shape in SHAPES:
         predicted = codec.predict_bytes(shape)
         for seed, kind in enumerate(("gauss", "heavy", "sparse")):
             x = _data(kind, shape, seed)
             actual = len(codec.encode(x, seed))
-            if fixed:
+            if model == "exact":
                 assert predicted == actual, (shape, kind)
-            else:
+            elif model == "bound":
                 assert actual <= predicted, (shape, kind, actual, predicted)
+            else:
+                assert _estimate_holds(codec, shape, kind, actual, predicted), (shape, kind, actual, predicted)
     assert codec.predict_bytes(1000) == codec.predict_bytes((1000,))
     assert codec.predict_bytes((4, 250), torch.float16) == codec.predict_bytes((4, 250))  # the dtype is one byte
 

@@ -42,6 +42,10 @@ def test_rate_ladders():
     assert _levels(rate_ladder(get_codec("eden:bits=3,coding=entropy"))) == [3, 2, 1]
     assert all(c.spec.startswith("rht+eden:") for c in rate_ladder(get_codec("eden:bits=2")))
     assert [c.spec for c in rate_ladder(get_codec("ndqsg"))] == [get_codec("ndqsg").spec]  # its plan tunes it
+    # ECDQ's bits are real at either coding; its E8 lattice stops at its least rate (0.41 bits).
+    assert _levels(rate_ladder(get_codec("ecdq:bits=2"))) == [2, 1.5, 1, 0.5, 0.25]
+    assert _levels(rate_ladder(get_codec("ecdq:bits=1,lattice=e8"))) == [1, 0.5]
+    assert all(c.spec.startswith("rht+ecdq:") for c in rate_ladder(get_codec("ecdq:bits=2")))
     ef = rate_ladder(get_codec("ef+qsgd:levels=4"))
     assert [c.spec for c in ef] == [f"ef+{get_codec('qsgd', levels=v).spec}" for v in (4, 3, 2, 1)]
     # The rest of the spec is kept.

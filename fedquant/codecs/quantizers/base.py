@@ -148,11 +148,21 @@ class Quantizer(Configurable, KernelDispatch):
 
         The side fields' declared sizes plus the symbol stream's
         (:func:`~fedquant.codecs.coders.symbols.stream_bytes`): exact for ``coding="fixed"``,
-        an upper bound for ``"elias"`` and ``"entropy"``, whose sizes depend on the values.
+        an upper bound for ``"elias"`` and ``"entropy"``, whose sizes depend on the values
+        (:attr:`size_model` says which).
         """
         side = sum(f.count * np.dtype(f.dtype).itemsize for f in self.side_fields(numel))
         k = self.num_symbols()
         return side + (stream_bytes(numel, k, getattr(self, "coding", "fixed")) if k else 0)
+
+    @property
+    def size_model(self) -> str:
+        """What :meth:`body_bytes` promises: ``"exact"``, ``"bound"`` (never exceeded) or ``"estimate"``.
+
+        ``"estimate"``: the size on Gaussian (rotated) data, for a quantizer whose alphabet itself
+        follows the values (ECDQ); a rate controller corrects it with the sizes it sees.
+        """
+        return "exact" if getattr(self, "coding", "fixed") == "fixed" else "bound"
 
     def rate_ladder(self) -> tuple[Quantizer, ...]:
         """The settings of this quantizer's family a rate controller may choose, finest (``self``) first.
@@ -223,6 +233,33 @@ class LevelsLadder:
     @property
     def rate(self) -> float:
         return float(self.levels)
+
+
+#: The rates below its own that a rate controller may take a ``bits`` quantizer down to.
+BITS_LADDER = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.25)
+
+
+class BitsLadder:
+    """Mixin of the quantizers whose rate is their real ``bits`` parameter (EDEN, ECDQ).
+
+    The ladder steps down :data:`BITS_LADDER` below ``bits``, keeping the rates the quantizer
+    accepts with its other parameters (EDEN: fractional rates only at fixed width; ECDQ's E8
+    lattice: not below its least rate).
+    """
+
+    def rate_ladder(self) -> tuple[Quantizer, ...]:
+        below = []
+        for b in BITS_LADDER:
+            if b < self.bits:
+                try:
+                    below.append(self.with_params(bits=b))
+                except ValueError:
+                    continue
+        return (self, *below)
+
+    @property
+    def rate(self) -> float:
+        return float(self.bits)
 
 
 class BucketScaledQuantizer(Quantizer):

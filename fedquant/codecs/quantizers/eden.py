@@ -63,15 +63,13 @@ import torch
 from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import uniform_stream
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
+from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
 from fedquant.rng import derive_seed, stream_key
 from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import require_items
 
 MAX_BITS = 8
-#: The rates below its own that a rate controller may fall back to.
-BITS_LADDER = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.25)
 #: Bucket sizes that divide every block of ``rht`` (512, or a smaller power of two for a tail).
 BUCKET_SIZES = (64, 128, 256, 512)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -198,7 +196,7 @@ def _split_rates(bits: float) -> tuple[int, int, float]:
 
 
 # ---------------------------------------------------------------- the quantizer
-class EdenQuantizer(Quantizer):
+class EdenQuantizer(BitsLadder, Quantizer):
     """EDEN: Lloyd–Max centroids on rotated, normalized coordinates and an unbiasing scale per bucket.
 
     Parameters
@@ -238,16 +236,6 @@ class EdenQuantizer(Quantizer):
             )
 
     # ------------------------------------------------------------------ declarations
-    def rate_ladder(self) -> tuple[EdenQuantizer, ...]:
-        """``bits`` down the :data:`BITS_LADDER`; fractional rates only with fixed-width coding."""
-        integer_only = self.coding != "fixed"
-        below = [b for b in BITS_LADDER if b < self.bits and not (integer_only and b != int(b))]
-        return (self, *(self.with_params(bits=b) for b in below))
-
-    @property
-    def rate(self) -> float:
-        return float(self.bits)
-
     @property
     def split(self) -> bool:
         """Whether the coordinates are split between two widths (fractional bits)."""
