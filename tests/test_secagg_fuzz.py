@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.secagg_fuzz import FAILURES, run_fuzz
+from fedquant.testing.secagg_fuzz import FAILURES, run_fuzz
 from tests.flower_fakes import set_task_identity
 
 CASES = 240
