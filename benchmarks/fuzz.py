@@ -1,7 +1,7 @@
 """Fuzz every codec's decoder with mutated payloads; a table of outcomes per family.
 
 Each case mutates a valid payload of one family (codec and coding; see
-:mod:`benchmarks.fuzzing`) and decodes it in a worker subprocess with the expected shape and
+:mod:`fedquant.testing.fuzzing`) and decodes it in a worker subprocess with the expected shape and
 dtype, as the server does (a quarter of the cases without the shape, half without the dtype).
 The table counts, per family, the outcomes ``ok-finite`` and ``payload-error`` (both fine) and
 the failures: ``other-exception``, ``crash`` (the worker died), ``hang`` (no result within
@@ -29,9 +29,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fuzz_mutations import families
-from benchmarks.fuzzing import FAILURES, Report, replay, run_fuzz
 from benchmarks.specs import parse_codec_list
+from fedquant.testing.fuzz_mutations import families
+from fedquant.testing.fuzzing import FAILURES, Report, replay, run_fuzz
 
 
 def _parse_families(text: str | None) -> list[str] | None:

@@ -60,7 +60,7 @@ import torch
 
 from fedquant.codecs import get_codec
 from fedquant.codecs.buckets import num_buckets
-from fedquant.codecs.quantizers.nested_rules import (
+from fedquant.strategies.nested_rules import (
     choose_rho,
     choose_rho_for_variance,
     optimal_alpha,

@@ -54,11 +54,11 @@ import torch
 from torch import nn
 
 from fedquant.codecs import get_codec
-from fedquant.codecs.quantizers.nested_rules import AUTHORS_LEVELS, AUTHORS_RHO, cheapest_bits_at, spread_in_steps
 from fedquant.protocol import KEY_ROLE
 from fedquant.rng import derive_seed
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient
 from fedquant.strategies.nested import ROLE_P1, ROLE_P2, NestedDecodePlan
+from fedquant.strategies.nested_rules import AUTHORS_LEVELS, AUTHORS_RHO, cheapest_bits_at, spread_in_steps
 from simulations.models import build_model
 
 Pair = tuple[torch.Tensor, torch.Tensor]

@@ -19,9 +19,10 @@ Data: ``gauss`` (iid N(0, 1), which a rotation leaves iid Gaussian: only the pad
 
 Usage::
 
-    python -m benchmarks.rht_layout                                   # the table of rht.py
+    python -m benchmarks.rht_layout                                   # the table of docs/rht_layout.md
     python -m benchmarks.rht_layout --sizes 10,1000 --codecs "qsgd:levels=7"
     python -m benchmarks.rht_layout --real
+    python -m benchmarks.rht_layout --markdown /tmp/rht_layout.md     # the table also as a file
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ def sample(kind: str, n: int, seed: int) -> torch.Tensor:
 def measure(spec: str, layout: tuple[int, int | None] | None, tensors: list[torch.Tensor]) -> tuple[float, float]:
     """(mean vNMSE, mean bits per coordinate) of ``spec`` behind the layout over ``tensors``."""
     codec = get_codec(spec)
-    rot = RandomizedHadamard()
-    if layout is not None:
-        rot.max_log2, rot.min_log2 = layout
+    rot = RandomizedHadamard() if layout is None else RandomizedHadamard(max_log2=layout[0], min_log2=layout[1])
     err = 0.0
     bits = 0.0
     for d, x in enumerate(tensors):
@@ -96,10 +95,16 @@ def real_updates() -> list[torch.Tensor]:
     return [x for round_pairs in pairs for x, _ in round_pairs]
 
 
-def print_row(label: str, specs: list[str], layouts: dict, tensors: list[torch.Tensor]) -> None:
+def print_row(label: str, specs: list[str], layouts: dict, tensors: list[torch.Tensor], lines: list[str]) -> None:
     for spec in specs:
         cells = [f"{v:.4g} @ {b:.3f}" for v, b in (measure(spec, lay, tensors) for lay in layouts.values())]
-        print(f"| {label} | {spec} | " + " | ".join(cells) + " |", flush=True)
+        emit(lines, f"| {label} | {spec} | " + " | ".join(cells) + " |")
+
+
+def emit(lines: list[str], line: str) -> None:
+    """Print a line of the table and keep it for ``--markdown``."""
+    print(line, flush=True)
+    lines.append(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,21 +114,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default="gauss,t2")
     ap.add_argument("--layouts", help="comma-separated layout names (default: all)")
     ap.add_argument("--real", action="store_true", help="real digits-MLP updates instead of --sizes/--data")
+    ap.add_argument("--markdown", type=Path, help="also write the table to this markdown file")
     args = ap.parse_args(argv)
+    lines: list[str] = []
+    status = run(args, lines)
+    if args.markdown:
+        command = "python -m benchmarks.rht_layout " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.markdown.write_text(f"Written by `{command.strip()}`.\n\n" + "\n".join(lines) + "\n")
+    return status
+
+
+def run(args: argparse.Namespace, lines: list[str]) -> int:
     layouts = LAYOUTS if not args.layouts else {k: LAYOUTS[k] for k in args.layouts.split(",")}
     specs = parse_codec_list(args.codecs)
-    print("| n, data | codec | " + " | ".join(layouts) + " |")
-    print("|---|---|" + "---|" * len(layouts))
+    emit(lines, "| n, data | codec | " + " | ".join(layouts) + " |")
+    emit(lines, "|---|---|" + "---|" * len(layouts))
     if args.real:
         tensors = real_updates()
-        print_row(f"{tensors[0].numel():,}, real ({len(tensors)} updates)", specs, layouts, tensors)
+        print_row(f"{tensors[0].numel():,}, real ({len(tensors)} updates)", specs, layouts, tensors, lines)
         return 0
     for n in [parse_size(s) for s in args.sizes.split(",")]:
         draws = max(1, min(200, (1 << 21) // n))
         for kind in args.data.split(","):
             tensors = [sample(kind, n, 1000 + d) for d in range(draws)]
-            print_row(f"{n:,}, {kind}", specs, layouts, tensors)
-    print("\ncells: vNMSE @ bits/coordinate (payload bytes), mean of max(1, min(200, 2^21 / n)) draws")
+            print_row(f"{n:,}, {kind}", specs, layouts, tensors, lines)
+    emit(lines, "\ncells: vNMSE @ bits/coordinate (payload bytes), mean of max(1, min(200, 2^21 / n)) draws")
     return 0
 
 

@@ -1,8 +1,8 @@
-"""What the server and the clients agree on: config keys, the payload marker, the encoding rule.
+"""What the server and the clients agree on: config keys, the payload marker, per-tensor seeds.
 
-Everything fedquant puts into a train message or a reply is named here, in one place (the
-entries of downlink compression in :mod:`fedquant.downlink_wire`). Both halves import this
-module and it imports neither: ``import fedquant.clients`` loads no server code.
+Everything fedquant puts into a train message or a reply is named here, in one place; what is
+encoded and how is :class:`fedquant.records.RecordCodec`'s. Both halves import this module and it
+imports neither: ``import fedquant.clients`` loads no server code.
 
 Server -> client (entries added to the train message's ConfigRecord by ``QuantizedStrategy``):
 
@@ -24,26 +24,42 @@ key                          type   meaning
                                     The server decodes each tensor with the codec it named.
 ===========================  =====  ==========================================================
 
-A decode plan may add further ``fedquant.*`` entries per client.
+A decode plan may add further ``fedquant.*`` entries per client. With downlink compression
+(``QuantizedStrategy(downlink_codec=...)``) the message also carries:
+
+================================  =====  =====================================================
+key                               type   meaning
+================================  =====  =====================================================
+``fedquant.downlink-codec``       str    codec spec of this message's payloads
+``fedquant.downlink-seed``        int    seed of the payloads (per tensor: ``tensor_seed``)
+``fedquant.downlink-base``        int    id of the reference model the payloads are a difference
+                                         to; ``NO_REFERENCE`` (-1): they hold the model itself
+``fedquant.downlink-reference``   int    id of the model the client rebuilds (it reports it back)
+================================  =====  =====================================================
+
+and its ArrayRecord keeps the model's keys: payload entries for the encoded tensors, the
+model's values for the others.
 
 Client -> server (the reply):
 
 * The reply's single ArrayRecord keeps the keys of the ArrayRecord the client received. Every
-  entry the rule :func:`is_encoded` selects holds an :class:`flwr.app.Array` with
+  entry the record codec's policy selects (by the arrays the server sent, which the server
+  knows, so a client cannot choose) holds an :class:`flwr.app.Array` with
   ``stype == PAYLOAD_STYPE``, ``dtype == "uint8"``, ``shape == (len(payload),)`` and the codec
   payload as ``data`` (no NumPy header, so ``ArrayRecord.count_bytes()`` counts exactly the
   payload plus the key). It is the payload of the *update* ``trained - received`` (float32).
 * Every other entry (float tensors under ``min-numel`` elements, non-float tensors) is the
   client's trained value, unchanged, as a normal NumPy Array. The server uses it as the trained
   value, not as an update.
-* No marker travels: which entries are encoded follows from the rule applied to the arrays the
-  server sent, which the server knows, so a client cannot choose it.
 * The reply's MetricRecord gains ``fedquant.quantization-mse`` (mean squared error of the
   decoded update over all encoded elements, as the client measures it; absent for codecs that
   need decoder side information) and ``fedquant.encode-seconds``; ``fedquant.state-resets``
   (tensors whose error-feedback residual was not finite and was reset) when there were any. The
   server removes them before the inner strategy sees the reply and reports bounded means as
-  ``quantization-mse`` and ``encode-seconds``, and ``client-state-resets``.
+  ``quantization-mse`` and ``encode-seconds``, and ``client-state-resets``. With downlink
+  compression it also gains ``fedquant.downlink-reference``, the id of the model the client now
+  holds; the server believes it only when it equals the id it sent that node this round, and
+  sends the full model otherwise.
 
 Per tensor the codec's seed is ``derive_seed(client_seed, tensor_name)``.
 """
@@ -53,7 +69,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-import numpy as np
 from flwr.app import Array
 
 from fedquant.rng import derive_seed
@@ -65,6 +80,15 @@ KEY_MIN_NUMEL = "fedquant.min-numel"
 KEY_ROLE = "fedquant.role"
 KEY_CLIENT_MSE = "fedquant.client-mse"
 KEY_TENSOR_CODECS = "fedquant.tensor-codecs"
+
+KEY_DOWNLINK_CODEC = "fedquant.downlink-codec"
+KEY_DOWNLINK_SEED = "fedquant.downlink-seed"
+KEY_DOWNLINK_BASE = "fedquant.downlink-base"
+KEY_DOWNLINK_REFERENCE = "fedquant.downlink-reference"
+METRIC_DOWNLINK_REFERENCE = "fedquant.downlink-reference"
+NO_REFERENCE = -1
+# Reference ids stay below 2**52 so that they survive any float conversion of a metric.
+REFERENCE_ID_BITS = 52
 
 METRIC_CLIENT_MSE = "fedquant.quantization-mse"
 METRIC_CLIENT_ENCODE_SECONDS = "fedquant.encode-seconds"
@@ -79,6 +103,9 @@ PAYLOAD_DTYPE = "uint8"
 # The state of a codec's client-side transforms (error-feedback residuals) lives in
 # ``context.state`` under this key: one ArrayRecord, see :mod:`fedquant.clients.state`.
 STATE_TRANSFORMS_KEY = "fedquant.transform-state"
+# The model a client holds (downlink compression), kept in its ``context.state`` between rounds.
+STATE_MODEL_KEY = "fedquant.downlink-model"
+STATE_HELD_KEY = "fedquant.downlink-held"
 
 # QSGD's authors left tensors under 10K elements unquantized (ImageNet-size models). fedquant's
 # default is lower so that the hidden layers of small models (a 64x32 MLP layer has 2048
@@ -86,21 +113,6 @@ STATE_TRANSFORMS_KEY = "fedquant.transform-state"
 DEFAULT_MIN_NUMEL = 1024
 
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
-
-
-def is_encoded(dtype: str | np.dtype, numel: int, min_numel: int) -> bool:
-    """Whether a tensor of this dtype and size travels encoded (the rule both sides apply).
-
-    Parameters
-    ----------
-    dtype : str or numpy.dtype
-        The dtype of the array the server sent.
-    numel : int
-        Its number of elements.
-    min_numel : int
-        The round's ``fedquant.min-numel``.
-    """
-    return str(np.dtype(dtype)) in FLOAT_DTYPES and numel >= min_numel and numel > 0
 
 
 def tensor_seed(client_seed: int, tensor_name: str) -> int:
@@ -111,6 +123,11 @@ def tensor_seed(client_seed: int, tensor_name: str) -> int:
 def payload_array(payload: bytes) -> Array:
     """A codec payload as an Array entry (no NumPy header, so ``count_bytes`` counts the payload)."""
     return Array(dtype=PAYLOAD_DTYPE, shape=(len(payload),), stype=PAYLOAD_STYPE, data=bytes(payload))
+
+
+def is_payload(array: Array) -> bool:
+    """Whether an entry is marked as a codec payload (its ``stype``)."""
+    return array.stype == PAYLOAD_STYPE
 
 
 def tensor_codecs_entry(specs: Mapping[str, str]) -> str:

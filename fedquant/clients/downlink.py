@@ -2,15 +2,17 @@
 
 ``quantize_mod`` calls :func:`decode_train_message` before the ClientApp runs, so the ClientApp
 sees float arrays as usual. The rebuilt model and its id are kept in ``context.state``: the next
-train message may be a difference to it (see :mod:`fedquant.downlink_wire`).
+train message may be a difference to it (keys in :mod:`fedquant.protocol`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedquant.codecs import get_codec
-from fedquant.downlink_wire import (
+from fedquant.codecs import Codec, get_codec
+from fedquant.protocol import (
     KEY_DOWNLINK_BASE,
     KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_REFERENCE,
@@ -18,9 +20,12 @@ from fedquant.downlink_wire import (
     NO_REFERENCE,
     STATE_HELD_KEY,
     STATE_MODEL_KEY,
-    DownlinkError,
-    rebuild_model,
 )
+from fedquant.records import RecordCodec, RecordError
+
+
+class DownlinkError(ValueError):
+    """A compressed train message that cannot be rebuilt (e.g. a difference to a model not held)."""
 
 
 def held_reference(state: RecordDict) -> int:
@@ -29,7 +34,9 @@ def held_reference(state: RecordDict) -> int:
     return int(held["reference"]) if held is not None and "reference" in held else NO_REFERENCE
 
 
-def decode_train_message(msg: Message, config: ConfigRecord, state: RecordDict) -> int | None:
+def decode_train_message(
+    msg: Message, config: ConfigRecord, state: RecordDict, get: Callable[[str], Codec] = get_codec
+) -> int | None:
     """Replace a compressed train message's ArrayRecord by the dense model it encodes, in place.
 
     Parameters
@@ -40,6 +47,8 @@ def decode_train_message(msg: Message, config: ConfigRecord, state: RecordDict) 
         Its fedquant ConfigRecord.
     state : RecordDict
         The client's ``context.state`` (holds the reference model between rounds).
+    get : callable
+        Builds a codec from its spec (a caching ``get_codec``).
 
     Returns
     -------
@@ -55,7 +64,7 @@ def decode_train_message(msg: Message, config: ConfigRecord, state: RecordDict) 
     if KEY_DOWNLINK_CODEC not in config:
         return None
     try:
-        codec = get_codec(str(config[KEY_DOWNLINK_CODEC]))
+        codec = RecordCodec(get(str(config[KEY_DOWNLINK_CODEC])))
         seed = int(config[KEY_DOWNLINK_SEED])
         base_id = int(config[KEY_DOWNLINK_BASE])
         new_id = int(config[KEY_DOWNLINK_REFERENCE])
@@ -67,7 +76,10 @@ def decode_train_message(msg: Message, config: ConfigRecord, state: RecordDict) 
             raise DownlinkError(f"the message is a difference to model {base_id}, which this client does not hold")
         base = state.array_records[STATE_MODEL_KEY]
     record_name, wire = next(iter(msg.content.array_records.items()))
-    model = rebuild_model(wire, base, codec, seed)
+    try:
+        model = codec.decode(wire, seed, base).arrays
+    except RecordError as err:
+        raise DownlinkError(f"downlink tensor {err}") from err
     msg.content[record_name] = model
     state[STATE_MODEL_KEY] = ArrayRecord(dict(model.items()))
     state[STATE_HELD_KEY] = ConfigRecord({"reference": new_id})

@@ -54,3 +54,22 @@ def store_state(state: RecordDict, tensor_states: Mapping[str, Mapping[str, torc
         for transform, value in per_transform.items():
             value = value.detach().cpu().to(torch.float32).numpy()
             record[state_entry(transform, tensor_name)] = Array(np.require(value, requirements="C"))  # keeps 0-d
+
+
+class FiniteState:
+    """:func:`load_state` over ``state`` that drops a tensor's stored state holding NaN or Inf.
+
+    A non-finite error-feedback residual never recovers (every later update would carry it), so
+    that tensor starts afresh; :attr:`resets` counts the tensors dropped (``fedquant.state-resets``).
+    """
+
+    def __init__(self, state: RecordDict) -> None:
+        self.state = state
+        self.resets = 0
+
+    def __call__(self, tensor_name: str, shape: tuple[int, ...], transforms: Iterable[str]) -> dict[str, torch.Tensor]:
+        stored = load_state(self.state, tensor_name, shape, transforms)
+        if all(bool(torch.isfinite(v).all()) for v in stored.values()):
+            return stored
+        self.resets += 1
+        return {}

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 from fedquant.codecs.codec import Codec
-from fedquant.codecs.params import Param, parse_spec, split_transforms
+from fedquant.codecs.params import Param, parse_pipeline
 from fedquant.codecs.quantizers.base import Quantizer
 from fedquant.codecs.transforms.base import StatefulTransform, Transform
 
@@ -91,8 +91,9 @@ def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
     ----------
     name_or_spec : str or Codec
         ``"qsgd"``, ``"qsgd:levels=16,bucket_size=512"``, ``"ef+signsgd"``,
-        ``"ef+rht+qsgd:levels=7,coding=entropy"``, or a codec (returned as is when no
-        parameters are given).
+        ``"ef+rht+qsgd:levels=7,coding=entropy"``, ``"rht:max_log2=12+qsgd"`` (transforms take
+        parameters too), or a codec (returned as is when no parameters are given, else
+        ``codec.with_params(**params)``).
     **params
         Quantizer parameters; they override those in the spec string.
 
@@ -102,16 +103,14 @@ def get_codec(name_or_spec: str | Codec, **params: Any) -> Codec:
         For an unknown codec, transform or parameter, or a value out of range, naming the bad part.
     """
     if isinstance(name_or_spec, Codec):
-        if not params:
-            return name_or_spec
-        name_or_spec = name_or_spec.spec
-    transforms, quantizer_spec = split_transforms(name_or_spec)
-    name, spec_params = parse_spec(quantizer_spec)
+        return name_or_spec.with_params(**params)
+    *transforms, (name, spec_params) = parse_pipeline(name_or_spec)
     cls = codec_class(name)
     quantizer = cls(**{**spec_params, **params})
     # A quantizer that only works on rotated coordinates (EDEN) brings its transforms: "eden" is "rht+eden".
-    transforms += [t for t in cls.implied_transforms if t not in transforms]
-    return Codec(quantizer, [transform_class(t)() for t in transforms])
+    named = {t for t, _ in transforms}
+    transforms += [(t, {}) for t in cls.implied_transforms if t not in named]
+    return Codec(quantizer, [transform_class(t)(**p) for t, p in transforms])
 
 
 __all__ = [

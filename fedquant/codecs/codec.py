@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from fedquant.codecs.quantizers.base import Quantizer
 from fedquant.codecs.transforms.base import StatefulTransform, Transform
 from fedquant.errors import PayloadError
 from fedquant.wire.body import BodyReader
-from fedquant.wire.payload import DTYPE_CODES, Payload, read_payload, write_payload
+from fedquant.wire.payload import DTYPE_CODES, Payload, header_size, read_payload, write_payload
 
 DEFAULT_MAX_NUMEL = 1 << 31
 #: Without an expected shape, a payload may declare this many elements whatever its size ...
@@ -56,6 +57,13 @@ class Codec:
     transforms : sequence of Transform or StatefulTransform
         Outermost first; stateful ones (client state) must come before those on the wire.
     """
+
+    def __new__(
+        cls, quantizer: Quantizer | None = None, transforms: Sequence[Transform | StatefulTransform] = ()
+    ) -> Codec:
+        # A quantizer of another kind (side information) brings its own codec class (no quantizer: unpickling).
+        kind = getattr(quantizer, "codec_kind", None)
+        return super().__new__(kind if cls is Codec and kind is not None else cls)
 
     def __init__(self, quantizer: Quantizer, transforms: Sequence[Transform | StatefulTransform] = ()) -> None:
         if not isinstance(quantizer, Quantizer):
@@ -109,14 +117,8 @@ class Codec:
     def unbiased(self) -> bool:
         return self.quantizer.unbiased and not any(t.biased for t in self.stateful_transforms)
 
-    @property
-    def needs_side_info(self) -> bool:
-        return self.quantizer.needs_side_info
-
-    @property
-    def decode_plan(self) -> str | None:
-        """``"module:Class"`` of the server's default decode plan for this codec, or None."""
-        return self.quantizer.decode_plan
+    #: Whether decoding needs side information (the codec kind :class:`~fedquant.codecs.side_info.SideInfoCodec`).
+    needs_side_info: bool = False
 
     @property
     def force_torch(self) -> bool:
@@ -131,6 +133,39 @@ class Codec:
     def without_state(self) -> Codec:
         """The same pipeline without its client-state transforms (what the server decodes with)."""
         return Codec(self.quantizer, self.wire_transforms) if self.stateful else self
+
+    # ------------------------------------------------------------------ variants (a codec is a value)
+    def with_params(self, **params: Any) -> Codec:
+        """The same pipeline with some quantizer parameters changed (``codec.with_params(levels=4)``)."""
+        return self.with_quantizer(self.quantizer.with_params(**params)) if params else self
+
+    def with_quantizer(self, quantizer: Quantizer) -> Codec:
+        """The same transforms in front of another quantizer (``ef+rht+`` kept)."""
+        return Codec(quantizer, (*self.stateful_transforms, *self.wire_transforms))
+
+    def rate_ladder(self) -> list[Codec]:
+        """The settings a rate controller may choose, finest (``self``) first: the quantizer's ladder."""
+        return [self if q is self.quantizer else self.with_quantizer(q) for q in self.quantizer.rate_ladder()]
+
+    @property
+    def rate(self) -> float:
+        """The number that names this setting on its ladder (``levels``, ``bits``, ...; see ``Quantizer.rate``)."""
+        return self.quantizer.rate
+
+    # ------------------------------------------------------------------ size model
+    def predict_bytes(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the payload of a tensor of ``shape`` (an int: a flat tensor), without encoding one.
+
+        Exact for fixed-width coding (the sizes of every stage are declared); an upper bound for
+        Elias and entropy coding (see :func:`~fedquant.codecs.coders.symbols.stream_bytes`).
+        """
+        shape = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"{self.name}.predict_bytes: dtype {dtype} is not supported")
+        numel = math.prod(shape)
+        for t in self.wire_transforms:
+            numel = t.output_numel(numel)
+        return header_size(len(shape), self.wire_spec) + self.quantizer.body_bytes(numel)
 
     def __getattr__(self, key: str) -> Any:
         # Quantizer parameters read as codec attributes (codec.levels, codec.coding).
@@ -189,22 +224,57 @@ class Codec:
         new_state : dict of str to Tensor
             Float32 tensors of ``x``'s shape, on its device, per stateful transform.
         """
+        encoded = self.encode_measured(x, seed, state, measure=False)
+        return encoded.payload, encoded.state
+
+    def encode_measured(
+        self,
+        x: torch.Tensor,
+        seed: int,
+        state: Mapping[str, torch.Tensor | None] | None = None,
+        *,
+        measure: bool = True,
+    ) -> Encoded:
+        """Encode (with the client-state transforms and ``state``), and measure the error if asked.
+
+        The error is the wire stages' on what they were given: the update itself, or
+        ``update + residual`` behind error feedback (then exactly the new residual). Measuring
+        costs one decode, which a stateful pipeline runs anyway; a codec whose decoder needs
+        information the encoder lacks (:attr:`measurable` False) reports none when stateless.
+
+        Returns
+        -------
+        Encoded
+            The payload, the new state (empty for a stateless pipeline) and the summed squared
+            error (None when not measured).
+        """
         flat = self._flat_input(x, seed)
+        if not self.stateful_transforms:
+            payload = self._encode_flat(flat, seed, x.dtype, tuple(x.shape))
+            if not (measure and self.measurable):
+                return Encoded(payload, {}, None)
+            decoded = self._decoded_by_encoder(payload, seed, flat, x.shape)
+            return Encoded(payload, {}, _squared_error(flat, decoded))
         state = state or {}
         kept = []
         for t in self.stateful_transforms:
             flat, keep = t.apply(flat, state.get(t.name), lambda v: self.expected_error(v, seed))
             kept.append(keep)
         payload = self._encode_flat(flat.contiguous(), seed, x.dtype, tuple(x.shape))
-        if not self.stateful_transforms:
-            return payload, {}
-        side = {"side_info": flat} if self.needs_side_info else {}  # the client knows the exact value
-        decoded = self.decode(payload, seed, shape=x.shape, device=flat.device, **side).to(torch.float32).reshape(-1)
+        decoded = self._decoded_by_encoder(payload, seed, flat, x.shape)
+        error = _squared_error(flat, decoded) if measure else None
         new_state = {}
         for t, keep in zip(reversed(self.stateful_transforms), reversed(kept)):
             new_state[t.name] = t.next_state(keep, decoded).reshape(x.shape)
             decoded = keep  # an outer transform sees what the inner one was given
-        return payload, new_state
+        return Encoded(payload, new_state, error)
+
+    #: Whether a stateless encoder can measure its own error (it can decode its own payload).
+    measurable: bool = True
+
+    def _decoded_by_encoder(self, payload: bytes, seed: int, flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """What the decoder will get back, flat float32 on ``flat``'s device (``flat``: the wire stages' input)."""
+        return self.decode(payload, seed, shape=shape, device=flat.device).to(torch.float32).reshape(-1)
 
     def expected_error(self, flat: torch.Tensor, seed: int = 0) -> float | None:
         """The wire pipeline's ``E||decode(encode(x)) - x||^2 / ||x||^2`` for this flat tensor, as declared.
@@ -263,7 +333,8 @@ class Codec:
         seed : int
             The seed given to ``encode`` (dither and rotation are regenerated from it).
         side_info : torch.Tensor, optional
-            Decoder side information (same number of elements), for codecs that use it.
+            Decoder side information (same number of elements): only for codecs of the
+            side-information kind (:class:`~fedquant.codecs.side_info.SideInfoCodec`), which require it.
         shape, dtype : optional
             What the caller expects; a payload that declares otherwise is rejected.
         device : torch.device or str
@@ -315,21 +386,12 @@ class Codec:
                 )
 
         p = read_payload(payload, check_header)
-        numel = p.numel
-        side = None
-        if side_info is not None:
-            side = side_info.detach().reshape(-1).to(torch.float32)
-            if side.numel() != numel:
-                raise PayloadError(f"{self.name} payload declares {numel} elements, its side_info has {side.numel()}")
-            for t in self.wire_transforms:  # side information lives where the quantizer works
-                side = t.forward(side.contiguous(), seed)
-        elif self.needs_side_info:
-            raise ValueError(f"{self.name}: decoding needs side_info (the decoder's estimate of the update)")
-        sizes = [numel]
+        quantizer = self._body_quantizer(p.numel, seed, side_info)
+        sizes = [p.numel]
         for t in self.wire_transforms:
             sizes.append(t.output_numel(sizes[-1]))
         body = BodyReader(p.body, self.name)
-        flat = decode_body(self.quantizer, body, sizes[-1], seed, side)
+        flat = decode_body(quantizer, body, sizes[-1], seed)
         body.expect_end()
         if flat.numel() != sizes[-1]:
             raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
@@ -341,6 +403,26 @@ class Codec:
         if not all_finite(out):
             raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
         return out.to(device=device)
+
+    def _body_quantizer(self, numel: int, seed: int, side_info: torch.Tensor | None) -> Quantizer:
+        """The quantizer that decodes the body (the side-information kind binds its side information)."""
+        if side_info is not None:
+            raise ValueError(f"{self.name} takes no side_info; only side-information codecs do")
+        return self.quantizer
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor encoded by :meth:`Codec.encode_measured`."""
+
+    payload: bytes
+    state: dict[str, torch.Tensor]
+    squared_error: float | None
+
+
+def _squared_error(sent: torch.Tensor, decoded: torch.Tensor) -> float:
+    """Sum of squared differences, in float64, of two flat float32 tensors."""
+    return float(torch.sum((sent - decoded).double() ** 2))
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -1,10 +1,17 @@
-"""Declared codec parameters and spec strings (``"qsgd:levels=16,bucket_size=512"``)."""
+"""Declared codec parameters and spec strings (``"rht:max_log2=12+qsgd:levels=16,bucket_size=512"``).
+
+A spec names the stages of a pipeline, outermost first, joined by ``+``; each stage is a name
+with optional ``key=value`` parameters after a ``:``. The last stage is the quantizer.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
+
+from fedquant.wire.payload import split_stages
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_+\-]*")
 _KEY = re.compile(r"[a-z][a-z0-9_]*")
@@ -19,7 +26,7 @@ class Param:
     kind : type
         ``int``, ``float``, ``str`` or ``bool``.
     default : Any
-        Value when the user gives none. ``None`` only for optional float parameters.
+        Value when the user gives none. ``None`` for an optional parameter (left out of specs).
     doc : str
         One line for error messages and docs.
     minimum, maximum : float, optional
@@ -116,31 +123,61 @@ class Configurable:
 
     Subclasses set ``name`` and ``params``; keyword arguments are checked against ``params``,
     stored in ``config`` and as attributes, then :meth:`_validate` runs the cross-parameter checks.
+    A stage is a value: its parameters cannot be reassigned; :meth:`with_params` derives another.
+
+    Attributes
+    ----------
+    spec_lists_defaults : bool
+        Whether :attr:`spec` names parameters at their default value too (quantizers: yes, their
+        canonical spec lists every parameter; transforms: no, so that a transform that gained a
+        parameter keeps its wire name, ``rht``).
     """
 
     name: ClassVar[str]
     params: ClassVar[dict[str, Param]] = {}
+    spec_lists_defaults: ClassVar[bool] = True
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             known = ", ".join(sorted(self.params)) or "none"
             raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(unknown)}; known: {known}")
-        self.config: dict[str, Any] = {}
+        config: dict[str, Any] = {}
         for key, param in self.params.items():
             value = param.convert(self.name, key, params.get(key, param.default))
-            self.config[key] = value
-            setattr(self, key, value)
+            config[key] = value
+            object.__setattr__(self, key, value)
+        object.__setattr__(self, "_config", config)
         self._validate()
+
+    @property
+    def config(self) -> MappingProxyType[str, Any]:
+        """The parameters, read-only (every declared one, defaults included)."""
+        return MappingProxyType(self._config)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in type(self).params or key in ("config", "_config"):
+            raise AttributeError(
+                f"{type(self).__name__}.{key} is part of the spec; derive a variant with with_params()"
+            )
+        object.__setattr__(self, key, value)
 
     def _validate(self) -> None:
         """Cross-parameter checks; raise ValueError with a sentence naming the problem."""
         return None
 
+    def with_params(self, **params: Any) -> Configurable:
+        """The same stage with some parameters changed (checked like the constructor's)."""
+        return type(self)(**{**self.config, **params}) if params else self
+
     @property
     def spec(self) -> str:
-        """Canonical spec: the name and every set parameter, sorted by key."""
-        items = ",".join(f"{k}={format_value(v)}" for k, v in sorted(self.config.items()) if v is not None)
+        """Canonical spec: the name and its parameters, sorted by key (see ``spec_lists_defaults``)."""
+        items = ",".join(
+            f"{k}={format_value(v)}"
+            for k, v in sorted(self.config.items())
+            if v is not None and (self.spec_lists_defaults or v != self.params[k].default)
+        )
         return f"{self.name}:{items}" if items else self.name
 
     def __repr__(self) -> str:
@@ -153,22 +190,20 @@ class Configurable:
         return hash(self.spec)
 
 
-def split_transforms(spec: str) -> tuple[list[str], str]:
-    """Split ``"ef+rht+qsgd:levels=7"`` into the transform names and the quantizer's spec.
+def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """Split ``"ef+rht:max_log2=12+qsgd:levels=7"`` into its stages: ``(name, raw parameters)``, outermost first.
 
-    Transforms are bare names joined to the quantizer by ``+``, outermost first.
+    The last stage is the quantizer; the others are transforms, whose names must be plain keys.
 
     Raises
     ------
     ValueError
-        If a transform name is malformed or the quantizer part is missing.
+        If a stage is malformed, naming it.
     """
     if not isinstance(spec, str):
         raise ValueError(f"codec spec must be a string, got {type(spec).__name__}")
-    head, colon, rest = spec.strip().partition(":")
-    *transforms, name = head.split("+")
-    transforms = [t.strip().lower() for t in transforms]
-    for t in transforms:
-        if not _KEY.fullmatch(t):
-            raise ValueError(f"codec spec {spec!r}: {t!r} is not a transform name")
-    return transforms, name + colon + rest
+    stages = [parse_spec(stage) for stage in split_stages(spec.strip())]
+    for name, _ in stages[:-1]:
+        if not _KEY.fullmatch(name):
+            raise ValueError(f"codec spec {spec!r}: {name!r} is not a transform name")
+    return stages

@@ -7,10 +7,11 @@
 from fedquant.protocol import DEFAULT_MIN_NUMEL
 from fedquant.strategies.admission import AdmissionRules
 from fedquant.strategies.budget import UploadBudget
-from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, default_plan_for
 from fedquant.strategies.downlink import DownlinkCompressor
 from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.quantized import QuantizedStrategy
+from fedquant.strategies.side_info import SideInfoPlan, SideInformation
 
 __all__ = [
     "AdmissionRules",
@@ -21,6 +22,8 @@ __all__ = [
     "DownlinkCompressor",
     "NestedDecodePlan",
     "QuantizedStrategy",
+    "SideInfoPlan",
     "SideInformation",
     "UploadBudget",
+    "default_plan_for",
 ]

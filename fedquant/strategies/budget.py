@@ -3,21 +3,22 @@
 A user with slow, heterogeneous links states what an upload may cost instead of picking levels:
 
 * ``deadline_seconds=T`` with ``bandwidth(node) -> bytes/s``: each client gets the finest setting
-  of its codec's family whose predicted reply fits ``bandwidth x T`` (the coarsest when none does);
+  of its codec's rate ladder whose predicted reply fits ``bandwidth x T`` (the coarsest when none
+  does);
 * ``bytes_budget=B``: the round's predicted replies must sum to at most ``B``; the largest predicted
   reply is coarsened one step at a time until they fit (or every client is at the coarsest).
 
-Both may be given. The family of a codec is its ``levels`` ladder (``qsgd``, ``dqsg``, ``orq``,
-``linear``: the codec's own ``levels`` and the powers of two and their predecessors below it),
-``fp32 -> fp16`` for the float baseline, and the codec alone otherwise (nothing to choose; also for
-codecs that need side information, whose parameters NDQSG's decode plan sets).
+Both may be given. The settings are the codec's own :meth:`~fedquant.codecs.Codec.rate_ladder`
+(each quantizer declares its ladder: ``levels`` steps, ``bits`` steps, ``fp32 -> fp16``, or the
+codec alone), so the controller knows no parameter names.
 
-Size model: the reply a setting produces for the current model, measured once per setting by
-encoding a seeded Gaussian update of the model's shapes (exact for fixed-width coding: payload
-sizes do not depend on the values), times a correction learned from the last ``window`` rounds:
-per round, the median observed/predicted ratio of the *admitted* replies of that setting (so a
-rejected reply, or a minority of admitted ones, cannot move it), and over the rounds the largest,
-so entropy-coded sizes are not under-estimated.
+Size model: the record codec's :meth:`~fedquant.records.RecordCodec.predict_bytes` of the reply
+for the current model (from each quantizer's declared sizes: exact for fixed-width coding, an
+upper bound for entropy and Elias coding), times a correction learned from the last ``window``
+rounds: per round, the median observed/predicted ratio of the *admitted* replies of that setting
+(so a rejected reply, or a minority of admitted ones, cannot move it), and over the rounds the
+largest, which brings the bound down to what entropy coding really achieves without
+under-estimating it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from collections import deque
 from collections.abc import Callable, Container, Mapping
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord
 
 from fedquant.codecs import Codec, get_codec
 from fedquant.metrics.links import transfer_seconds
-from fedquant.protocol import is_encoded
+from fedquant.records import RecordCodec
 from fedquant.strategies.decode_plan import ClientAssignment
 
 DEADLINE_MET_FRACTION = "deadline-met-fraction"
@@ -43,56 +43,6 @@ CHOSEN_SETTING_MIN = "chosen-setting-min"
 CHOSEN_SETTING_MEAN = "chosen-setting-mean"
 CHOSEN_SETTING_MAX = "chosen-setting-max"
 COARSEST_FRACTION = "chosen-coarsest-fraction"
-
-
-FLOAT_BITS = {"fp32": 32.0, "fp16": 16.0}
-#: The rates below a ``bits`` codec's own (EDEN) that the controller may fall back to.
-BITS_LADDER = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.25)
-
-
-def rate_ladder(codec: Codec) -> list[Codec]:
-    """The settings of ``codec``'s family the controller may choose, finest (``codec``) first.
-
-    Every setting keeps ``codec``'s transforms (``ef+qsgd:levels=16`` -> ``ef+qsgd:levels=15``, ...).
-    """
-    if codec.needs_side_info:  # a decode plan (NDQSG's groups) tunes these codecs itself
-        return [codec]
-    quantizer = codec.quantizer
-    if "levels" in codec.config:
-        top = int(codec.config["levels"])
-        low = int(quantizer.params["levels"].minimum or 1)
-        below = {v for k in range(1, top.bit_length() + 1) for v in (2**k, 2**k - 1) if low <= v < top}
-        return [codec] + [get_codec(codec.spec, levels=v) for v in sorted(below, reverse=True)]
-    if "bits" in codec.config:  # fractional rates only where the coding takes them (EDEN: fixed width)
-        top = float(codec.config["bits"])
-        integer_only = codec.config.get("coding", "fixed") != "fixed"
-        below = [b for b in BITS_LADDER if b < top and not (integer_only and b != int(b))]
-        return [codec] + [get_codec(codec.spec, bits=b) for b in below]
-    if quantizer.name == "fp32":
-        return [codec, get_codec(codec.spec.removesuffix(quantizer.spec) + "fp16")]
-    return [codec]
-
-
-def setting_value(codec: Codec) -> float:
-    """The number that names a setting in the metrics: ``levels``, ``bits`` (EDEN), or bits for the float codecs."""
-    if "levels" in codec.config:
-        return float(codec.config["levels"])
-    if "bits" in codec.config:
-        return float(codec.config["bits"])
-    return FLOAT_BITS.get(codec.quantizer.name, 0.0)
-
-
-def probe_reply_bytes(codec: Codec, model: ArrayRecord, min_numel: int) -> int:
-    """Bytes of the reply ``quantize_mod`` would send for ``model`` with ``codec`` (a seeded Gaussian update)."""
-    generator = torch.Generator().manual_seed(0)
-    total = 0
-    for name, array in model.items():
-        shape = tuple(int(s) for s in array.shape)
-        if is_encoded(array.dtype, math.prod(shape), min_numel):
-            total += len(codec.encode(torch.randn(shape, generator=generator), seed=1)) + len(name)
-        else:
-            total += len(array.data) + len(name)  # travels as the trained value, same dtype and shape
-    return total
 
 
 class UploadBudget:
@@ -146,11 +96,11 @@ class UploadBudget:
         return f"UploadBudget(deadline_seconds={self.deadline_seconds}, bytes_budget={self.bytes_budget})"
 
     def predict(self, codec: Codec, model: ArrayRecord) -> float:
-        """Predicted reply bytes of ``codec`` for ``model``: the probe size times the learned correction."""
+        """Predicted reply bytes of ``codec`` for ``model``: the size model's times the learned correction."""
         layout = tuple((k, a.dtype, tuple(a.shape)) for k, a in model.items())
         key = (codec.spec, layout)
         if key not in self._prior:
-            self._prior[key] = probe_reply_bytes(codec, model, self.min_numel)
+            self._prior[key] = RecordCodec(codec, self.min_numel).predict_bytes(model)
         ratios = self._ratios.get(codec.spec)
         return self._prior[key] * (max(ratios) if ratios else 1.0)
 
@@ -162,7 +112,7 @@ class UploadBudget:
         for node_id, assignment in assignments.items():
             spec = assignment.codec.spec
             if spec not in self._ladders:
-                self._ladders[spec] = rate_ladder(assignment.codec)
+                self._ladders[spec] = assignment.codec.rate_ladder()
             ladders[node_id] = self._ladders[spec]
             sizes[node_id] = [self.predict(c, model) for c in ladders[node_id]]
             index[node_id] = 0
@@ -211,7 +161,7 @@ class UploadBudget:
                 observed.setdefault(spec, []).append(reply_bytes[node_id] / predicted[node_id])
         for spec, ratios in observed.items():  # one value per round and setting
             self._ratios.setdefault(spec, deque(maxlen=self.window)).append(float(np.median(ratios)))
-        values = [setting_value(self._ladder_codec(spec)) for spec in chosen.values()]
+        values = [self._ladder_codec(spec).rate for spec in chosen.values()]
         metrics: dict[str, float] = {}
         if values:
             metrics[CHOSEN_SETTING_MIN] = min(values)

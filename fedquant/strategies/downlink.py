@@ -22,16 +22,14 @@ part of the next difference: that is error feedback on the server side, with no 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, Message
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.downlink_wire import (
+from fedquant.protocol import (
     KEY_DOWNLINK_BASE,
     KEY_DOWNLINK_CODEC,
     KEY_DOWNLINK_REFERENCE,
@@ -39,9 +37,9 @@ from fedquant.downlink_wire import (
     METRIC_DOWNLINK_REFERENCE,
     NO_REFERENCE,
     REFERENCE_ID_BITS,
-    rebuild_model,
+    is_payload,
 )
-from fedquant.protocol import is_encoded, payload_array, tensor_seed
+from fedquant.records import RecordCodec
 from fedquant.rng import derive_seed
 
 DEFAULT_FULL_CODEC = "fp16"
@@ -128,6 +126,8 @@ class DownlinkCompressor:
             raise ValueError(f"downlink_references must be a positive int, got {references!r}")
         self.codec = _check_codec(codec, "downlink_codec")
         self.full_codec = _check_codec(full_codec, "downlink_full_codec")
+        self.difference = RecordCodec(self.codec, min_numel)
+        self.full = RecordCodec(self.full_codec, min_numel)
         self.seed = seed
         self.min_numel = min_numel
         self.references = references
@@ -159,36 +159,26 @@ class DownlinkCompressor:
     def _encode(
         self, server_round: int, group: int, arrays: ArrayRecord, base_id: int, base: ArrayRecord | None
     ) -> DownlinkSend:
-        codec = self.full_codec if base is None else self.codec
+        codec = self.full if base is None else self.difference
         # One seed (and reference id) per group of the round: (model sent, reference held).
         seed = derive_seed(self.seed, "downlink", server_round, group)
         reference = derive_seed(seed, "reference") >> (63 - REFERENCE_ID_BITS)
-        wire, encoded = {}, []
-        for name, array in arrays.items():
-            if not is_encoded(array.dtype, math.prod(array.shape), self.min_numel):
-                wire[name] = array
-                continue
-            value = array.numpy()
-            if base is None:
-                tensor = torch.from_numpy(np.ascontiguousarray(value))
-            else:
-                tensor = torch.from_numpy(value.astype(np.float32) - base[name].numpy().astype(np.float32))
-            wire[name] = payload_array(codec.encode(tensor, tensor_seed(seed, name)))
-            encoded.append(name)
-        wire_record = ArrayRecord(wire)
-        model = rebuild_model(wire_record, base, codec, seed)  # exactly what the client computes
+        wire = codec.encode(arrays, seed, base).arrays
+        model = codec.decode(wire, seed, base).arrays  # exactly what the client computes
         sq_error, numel = 0.0, 0
-        for name in encoded:
+        for name, array in wire.items():
+            if not is_payload(array):
+                continue
             diff = model[name].numpy().astype(np.float64) - arrays[name].numpy().astype(np.float64)
             sq_error += float(np.dot(diff.ravel(), diff.ravel()))
             numel += diff.size
         config = {
-            KEY_DOWNLINK_CODEC: codec.spec,
+            KEY_DOWNLINK_CODEC: codec.codec.spec,
             KEY_DOWNLINK_SEED: seed,
             KEY_DOWNLINK_BASE: base_id,
             KEY_DOWNLINK_REFERENCE: reference,
         }
-        return DownlinkSend(wire_record, model, config, reference, base_id, sq_error / numel if numel else 0.0)
+        return DownlinkSend(wire, model, config, reference, base_id, sq_error / numel if numel else 0.0)
 
     def confirm(self, server_round: int, replies: Iterable[Message]) -> None:
         """Read (and remove) each reply's reference claim; update which node holds which model.

@@ -1,89 +1,20 @@
-"""NDQSG's two-group scheme (Abdi & Fekri 2019, Algorithm 2) as a :class:`DecodePlan`.
+"""NDQSG's two-group scheme (Abdi & Fekri 2019, Algorithm 2) as a side-information decode plan.
 
-Each round the sampled clients are split into group P1, which sends DQSG (dithered
-quantization at ``levels = M``), and group P2, which sends NDQSG (nested dithered quantization:
-only the fine bin's position inside its coarse bin, ``log2(rho)`` bits instead of
-``log2(2M+1)``). The server decodes P1 first; each P2 reply is then decoded against the running
-mean of every update decoded before it in the round (P1's mean for the first, as the authors'
-``AggregationNode`` does), which resolves the nested ambiguity.
+Each round the sampled clients split into group P1, which sends DQSG, and group P2, which sends
+NDQSG (only the fine bin's position inside its coarse bin, ``log2(rho)`` bits instead of
+``log2(2M+1)``). P1 is decoded first; each P2 reply is decoded against the running mean of the
+updates accepted before it (:class:`~fedquant.strategies.side_info.SideInfoPlan`). ``rho`` is
+chosen per tensor from the spread of the previous round's P1 updates
+(:mod:`fedquant.strategies.nested_rules`); a tensor where nesting saves nothing goes as DQSG.
+When no P1 reply decodes, P2 replies are dropped: without side information a nested payload
+decodes to an error the size of the update. The rules, the metrics this plan adds (``ndqsg-*``,
+``bits-per-param-p1/p2``) and measurements on real updates: ``docs/ndqsg.md``.
 
-This module only orchestrates (groups, roles, which codec each tensor of each client uses,
-fallbacks, metrics); the maths that turns decoded updates into ``rho`` and ``alpha`` lives with
-the codec in :mod:`fedquant.codecs.quantizers.nested_rules`.
-
-``rho`` per tensor. ``rho`` must reach the clients in ``configure_train``, before the round's
-replies exist, so each tensor's ``rho`` comes from the previous round's decoded P1 updates of that
-tensor (:func:`~fedquant.codecs.quantizers.nested_rules.estimate_spread`, then
-:func:`~fedquant.codecs.quantizers.nested_rules.choose_parameters`: wrap-arounds add at most
-``max_excess``, 1 %, to the MSE under a Gaussian model and under the measured tail). Tensors spread
-very differently (on the digits LeNet weights 0.3-0.6 fine steps, biases 1.3-1.8), so one ``rho``
-for all would be set by the widest. Tensors with fewer than ``min_numel`` elements (biases) do not
-get an estimate of their own: too few coordinates to trust a tail, and too few to matter for the
-rate. They, and tensors never seen yet (round 1), use the default ``initial_rho`` (``2M + 1``).
-A tensor whose ``rho`` reaches ``2M + 1`` goes as DQSG (nesting cannot save bits there, see
-:func:`~fedquant.codecs.quantizers.nested_rules.nesting_saves_bits`): the fallback is per tensor.
-P2 clients learn their per-tensor codecs from ``fedquant.tensor-codecs`` and the server decodes
-each tensor with the codec it assigned.
-
-Two rules choose a tensor's ``rho``: ``rule="variance"`` (default) keeps DQSG's error (wraps add
-at most ``max_excess``, 1 %), ``rule="rate"`` takes the ``rho`` with the largest predicted saving of
-bits against DQSG *at the same error*, wraps included, among those whose wraps add at most
-``max_excess`` (pass e.g. 0.25). A fixed ``rho`` (``NestedDecodePlan(rho=...)``, or a spec naming
-``rho``) applies to every tensor and always nests; :meth:`NestedDecodePlan.authors` is the
-authors' ``(M, rho) = (3, 3)``. ``coding=entropy`` in the spec entropy-codes both groups' indices;
-nested indices then cost about their entropy, never more than DQSG's at the same ``M``.
-
-What to expect (``python -m benchmarks.real_update_pairs``: digits MLP and CNN, 10 clients, 8
-rounds, ``M = 3``; P2's bits per parameter against DQSG's bits at the same MSE, all tensors): the
-default rule saves nothing (-0.2 to +0.3 %: real updates spread 0.3-0.5 fine steps with heavy
-tails, so it asks for ``rho`` 5-7, which costs DQSG's 3 bits). ``rule="rate", max_excess=0.25``
-saves 14.5 % (MLP) and 7.7 % (CNN) with fixed-width indices and 5.2 % / 2.1 % with entropy-coded
-ones on IID clients, at about 6 % more MSE; with label skew (Dirichlet 0.5) every tensor falls back
-to DQSG (no saving, no loss). The authors' (3, 3) sends 2 bits where DQSG sends 3, but its wraps
-multiply the MSE by 1.4 (IID) to 4.2 (skew): against DQSG's fixed-width curve it still saves 18-29 %
-at equal MSE, against entropy-coded DQSG it saves 2.5-6.9 % on IID clients and loses 22 % under
-skew.
-
-Usage: pass an ``ndqsg`` codec to :class:`~fedquant.strategies.QuantizedStrategy` and this plan
-is used by default (``rho`` adapts unless the spec names it; ``alpha`` comes from the spec)::
+Usage: an ``ndqsg`` codec gets this plan by default (``rho`` adapts unless the spec names it)::
 
     QuantizedStrategy(FedAvg(), codec="ndqsg:levels=3,coding=entropy")
     QuantizedStrategy(FedAvg(), codec="ndqsg:levels=3",
                       decode_plan=NestedDecodePlan(p1_fraction=0.25, rho=None, alpha="auto"))
-
-Metrics added to each round's train MetricRecord (all numbers):
-
-=========================  ============================================================
-``ndqsg-rho``              ``rho`` of the P2 tensors without their own estimate (all of
-                           them with a fixed ``rho``)
-``ndqsg-rho-min``,         smallest and largest per-tensor ``rho`` of this round (only when
-``ndqsg-rho-max``          some tensor has its own estimate)
-``ndqsg-alpha``            ``alpha`` of the tensors without their own estimate
-``ndqsg-rho-rule``         how ``rho`` was chosen: 0 fixed by the user, 1 the initial
-                           default (no estimate yet), 2 per tensor from the estimated spreads
-``ndqsg-spread``           largest ``sigma_z / Delta1`` estimated from this round's decoded P1
-                           updates over tensors of ``min_numel`` elements or more (used for
-                           the next round; absent with < 2 of them)
-``ndqsg-nested-tensors``   tensors with their own ``rho`` that P2 sends nested this round
-``ndqsg-p1-decoded``       P1 replies decoded
-``ndqsg-p1-failed``        1 when P1 clients were sampled but none was decoded, else 0
-``ndqsg-p2-dropped``       P2 replies dropped because nothing had been decoded before them
-``ndqsg-p2-nested``        1 when P2 sent any tensor nested, 0 when every ``rho`` reached
-                           ``2M + 1`` and P2 sent DQSG only (nesting would save nothing)
-``bits-per-param-p1``      ``8 * bytes / parameters`` over the accepted replies of P1
-``bits-per-param-p2``      the same for P2 (0.0 for a group without accepted replies)
-=========================  ============================================================
-
-Fallback when no P1 reply is decoded (all failed, were rejected or did not arrive): P2
-replies are dropped, counted in ``rejected-replies`` and ``ndqsg-p2-dropped``, logged, and
-``ndqsg-p1-failed`` is 1. A nested payload only says where each value sits inside its coarse
-cell; without an estimate of the update from this round the decoder would pick the cell of
-zeros (or of an older mean, taken at another model), and every coordinate further than
-``Delta2 / 2`` from it would come back off by a multiple of ``Delta2``: an error of the size of
-the update itself, silently added to the model. Dropping them is the one safe choice; the
-round then aggregates what decoded (nothing, so the inner strategy keeps the current model,
-as for any round without a surviving reply). When some P1 replies decode, P2 is decoded
-against their mean as usual.
 """
 
 from __future__ import annotations
@@ -97,8 +28,12 @@ import torch
 from flwr.supercore import log
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.codecs.params import parse_spec
-from fedquant.codecs.quantizers.nested_rules import (
+from fedquant.codecs.params import parse_pipeline
+from fedquant.codecs.quantizers.dither import DQSGQuantizer, NDQSGQuantizer
+from fedquant.protocol import DEFAULT_MIN_NUMEL, KEY_ROLE
+from fedquant.rng import derive_seed
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, default_plan_for
+from fedquant.strategies.nested_rules import (
     AUTHORS_RHO,
     MAX_RHO,
     RULES,
@@ -107,9 +42,7 @@ from fedquant.codecs.quantizers.nested_rules import (
     estimate_spread,
     nesting_saves_bits,
 )
-from fedquant.protocol import DEFAULT_MIN_NUMEL, KEY_ROLE
-from fedquant.rng import derive_seed
-from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, SideInformation, names_plan
+from fedquant.strategies.side_info import SideInfoPlan, needs_side_info
 
 ROLE_P1 = "p1"
 ROLE_P2 = "p2"
@@ -156,7 +89,8 @@ def _role(assignment: ClientAssignment) -> str | None:
     return assignment.config.get(KEY_ROLE)  # type: ignore[return-value]
 
 
-class NestedDecodePlan(DecodePlan):
+@default_plan_for(NDQSGQuantizer)
+class NestedDecodePlan(SideInfoPlan):
     """Two groups per round: P1 sends DQSG, P2 sends NDQSG decoded against the running mean.
 
     Parameters
@@ -170,7 +104,7 @@ class NestedDecodePlan(DecodePlan):
         docstring); ``initial_rho`` for tensors without an estimate.
     alpha : float or "auto"
         P2's shrinkage in (0, 1]. Default 1.0: conditionally unbiased, the same error variance
-        as DQSG. ``"auto"`` uses :func:`~fedquant.codecs.quantizers.nested_rules.optimal_alpha`
+        as DQSG. ``"auto"`` uses :func:`~fedquant.strategies.nested_rules.optimal_alpha`
         on each tensor's estimated spread (1.0 without one); it lowers the MSE but biases each P2
         update towards the mean, and collapses towards 0 (P2 contributing nothing of its own)
         when the spread is small.
@@ -191,7 +125,7 @@ class NestedDecodePlan(DecodePlan):
         (with the previous round's admitted norms): with 2 members one attacker is half the vote
         and gets any update admitted. 3 is the smallest group a single attacker cannot outvote.
     rule : {"variance", "rate"}
-        How each tensor's ``rho`` is chosen (:func:`~fedquant.codecs.quantizers.nested_rules.choose_parameters`):
+        How each tensor's ``rho`` is chosen (:func:`~fedquant.strategies.nested_rules.choose_parameters`):
         ``"variance"`` (default) keeps DQSG's error (wraps add at most ``max_excess``);
         ``"rate"`` picks the ``rho`` that saves the most bits against DQSG at the same error, wraps
         included, among those whose wraps add at most ``max_excess``.
@@ -228,6 +162,7 @@ class NestedDecodePlan(DecodePlan):
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if isinstance(min_p1, bool) or not isinstance(min_p1, int) or min_p1 < 1:
             raise ValueError(f"min_p1 must be a positive int, got {min_p1!r}")
+        super().__init__()
         self.p1_fraction = float(p1_fraction)
         self.rho = rho
         self.alpha = alpha if alpha == "auto" else float(alpha)
@@ -243,9 +178,9 @@ class NestedDecodePlan(DecodePlan):
     @classmethod
     def from_spec(cls, spec: str, seed: int = 0) -> NestedDecodePlan:
         """The plan for an ``ndqsg`` spec: ``rho`` fixed only if the spec names it, ``alpha`` from the spec."""
-        _, params = parse_spec(spec.rsplit("+", 1)[-1])
+        _, params = parse_pipeline(spec)[-1]
         codec = get_codec(spec)
-        if not names_plan(codec, cls):
+        if not isinstance(codec.quantizer, NDQSGQuantizer):
             raise ValueError(f"NestedDecodePlan needs an ndqsg codec spec, got {spec!r}")
         return cls(rho=codec.rho if "rho" in params else None, alpha=codec.alpha, seed=seed)
 
@@ -333,18 +268,17 @@ class NestedDecodePlan(DecodePlan):
         least DQSG's index width and only adds wrap-around risk): that tensor goes as DQSG,
         decoded without side information.
         """
-        if not names_plan(codec, type(self)):
+        if not isinstance(codec.quantizer, NDQSGQuantizer):
             raise ValueError(f"{LOG_PREFIX} needs the strategy's codec to be ndqsg, got {codec.spec!r}")
         levels = codec.levels
         p1, p2 = self.groups(server_round, node_ids)
         shared = {"levels": levels, "bucket_size": codec.bucket_size, "coding": codec.coding}
-        transforms = codec.spec.removesuffix(codec.quantizer.spec)  # "ef+rht+" stays in front of both groups
-        dqsg = get_codec(transforms + "dqsg", **shared)
+        dqsg = codec.with_quantizer(DQSGQuantizer(**shared))  # the codec's transforms stay in front of both groups
         rho, alpha, rule = self.parameters(levels)
 
         def p2_codec(rho: int, alpha: float) -> Codec:
             nested = self.rho is not None or nesting_saves_bits(rho, levels)
-            return get_codec(transforms + "ndqsg", rho=rho, alpha=alpha, **shared) if nested else dqsg
+            return codec.with_quantizer(NDQSGQuantizer(rho=rho, alpha=alpha, **shared)) if nested else dqsg
 
         default = p2_codec(rho, alpha)
         chosen = self.tensor_parameters(levels, codec.coding)
@@ -366,9 +300,9 @@ class NestedDecodePlan(DecodePlan):
         return out
 
     # ------------------------------------------------------------------ aggregate_train
-    def admit(self, server_round: int, node_id: int, assignment: ClientAssignment, side: SideInformation) -> str | None:
+    def admit(self, server_round: int, node_id: int, assignment: ClientAssignment) -> str | None:
         """Drop a nested (P2) reply when nothing was decoded before it (see the module's fallback note)."""
-        if not assignment.needs_side_info or side.replies > 0:
+        if not needs_side_info(assignment.record_codec(1)) or self.side_information(server_round).replies > 0:
             return None
         state = self._rounds.get(server_round)
         if state is not None:
@@ -380,6 +314,7 @@ class NestedDecodePlan(DecodePlan):
 
     def accepted(self, server_round: int, reply: DecodedClient) -> None:
         """Count the group's bytes; keep P1's decoded updates for the next round's spread estimates."""
+        super().accepted(server_round, reply)
         state = self._rounds.get(server_round)
         role = _role(reply.assignment)
         if state is None or role not in (ROLE_P1, ROLE_P2):
@@ -393,6 +328,7 @@ class NestedDecodePlan(DecodePlan):
 
     def round_metrics(self, server_round: int) -> dict[str, int | float]:
         """The round's NDQSG metrics; updates the spread estimates from this round's P1 updates."""
+        super().round_metrics(server_round)
         state = self._rounds.pop(server_round, None)
         if state is None:
             return {}

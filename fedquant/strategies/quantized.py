@@ -31,15 +31,9 @@ from fedquant.metrics.robust import finite, is_number
 from fedquant.protocol import (
     CLIENT_METRICRECORD_NAME,
     DEFAULT_MIN_NUMEL,
-    KEY_CLIENT_MSE,
-    KEY_CODEC,
-    KEY_MIN_NUMEL,
-    KEY_SEED,
-    KEY_TENSOR_CODECS,
     METRIC_CLIENT_ENCODE_SECONDS,
     METRIC_CLIENT_MSE,
     METRIC_CLIENT_STATE_RESETS,
-    tensor_codecs_entry,
 )
 from fedquant.rng import derive_seed
 from fedquant.strategies.admission import (
@@ -58,13 +52,7 @@ from fedquant.strategies.admission import (
     weight_key_of,
 )
 from fedquant.strategies.budget import UploadBudget
-from fedquant.strategies.decode_plan import (
-    ClientAssignment,
-    DecodedClient,
-    DecodePlan,
-    SideInformation,
-    default_plan,
-)
+from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, default_plan
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
 from fedquant.strategies.influence import InfluenceBounds
 from fedquant.strategies.metric_screen import (
@@ -142,13 +130,12 @@ class QuantizedStrategy(Strategy):
         ``simulated-upload-seconds``: the largest reply bytes / bandwidth among the replies
         that arrived (the slowest sampled client).
     decode_plan : DecodePlan, optional
-        Per-client codec assignment, decode order and side information (see
-        :mod:`fedquant.strategies.decode_plan`). Default: the plan the codec names
-        (``codec.decode_plan``, built from the spec as given), e.g. NDQSG's two-group scheme
+        Per-client codec assignment, decode order and the record codec of each reply (see
+        :mod:`fedquant.strategies.decode_plan`). Default: the plan registered for the codec's
+        quantizer (built from the spec as given), e.g. NDQSG's two-group scheme
         :class:`~fedquant.strategies.nested.NestedDecodePlan` for ``ndqsg`` (``rho`` adapted each
-        round unless the spec string names it; a Codec instance fixes its own ``rho``); for a
-        codec that names none, :class:`~fedquant.strategies.decode_plan.DecodePlan` (every client
-        gets ``codec``).
+        round unless the spec string names it; a Codec instance fixes its own ``rho``); else
+        :class:`~fedquant.strategies.decode_plan.DecodePlan` (every client gets ``codec``).
     recorder : HistoryRecorder, optional
         Receives every round's train (``train/``) and evaluate (``evaluate/``) metrics.
     client_mse : bool
@@ -305,11 +292,7 @@ class QuantizedStrategy(Strategy):
             record_name, record = next(iter(records.items()))
             plan.sent[node_id], wire, downlink_entries = self._send_model(server_round, node_id, record, plan.traffic)
             entries = {
-                KEY_CODEC: assignment.codec.spec,
-                KEY_SEED: plan.seeds[node_id],
-                KEY_MIN_NUMEL: self.min_numel,
-                KEY_CLIENT_MSE: self.client_mse,
-                **_tensor_codecs_config(assignment),
+                **assignment.record_codec(self.min_numel).config_entries(plan.seeds[node_id], self.client_mse),
                 **assignment.config,
                 **downlink_entries,
             }
@@ -408,8 +391,6 @@ class QuantizedStrategy(Strategy):
         arrival = list(by_node)
 
         accepted: set[int] = set()
-        side = self.decode_plan.side_information()
-        needs_side = any(a.needs_side_info for a in plan.assignments.values())
 
         def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> DecodedReply | None:
             problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
@@ -425,8 +406,6 @@ class QuantizedStrategy(Strategy):
                 self._reject(server_round, node_id, (REASON_DIRECTION, problem), traffic)
                 return
             reply = by_node[node_id]
-            if needs_side:
-                side.add(decoded.updates)
             traffic.update_norms.append(decoded.update_norm)
             client = DecodedClient(
                 node_id, plan.assignments[node_id], decoded.updates, bytes_of[node_id], record_numel(plan.sent[node_id])
@@ -445,7 +424,7 @@ class QuantizedStrategy(Strategy):
             reference = self.bounds.norm_reference(traffic.update_norms)
             pending: list[tuple[int, DecodedReply]] = []
             for node_id in group:
-                decoded = self._decode_one(server_round, node_id, by_node[node_id], plan, side)
+                decoded = self._decode_one(server_round, node_id, by_node[node_id], plan)
                 if decoded is None:
                     continue
                 if not admitted_before:
@@ -508,25 +487,16 @@ class QuantizedStrategy(Strategy):
             self._reject(server_round, reply.metadata.src_node_id, (REASON_WEIGHT, outliers[id(reply)]), traffic)
         return [r for r in passed if id(r) not in outliers], schema
 
-    def _decode_one(
-        self, server_round: int, node_id: int, reply: Message, plan: _RoundPlan, side: SideInformation
-    ) -> DecodedReply | None:
+    def _decode_one(self, server_round: int, node_id: int, reply: Message, plan: _RoundPlan) -> DecodedReply | None:
         """Decode one admitted reply, or reject it (plan refusal, bad payload) and return None."""
         assignment = plan.assignments[node_id]
-        reason = self.decode_plan.admit(server_round, node_id, assignment, side)
+        reason = self.decode_plan.admit(server_round, node_id, assignment)
         if reason is not None:
             self._reject(server_round, node_id, (REASON_PLAN, reason), plan.traffic)
             return None
         try:
-            return decode_reply(
-                reply.content,
-                plan.received(node_id),
-                assignment.codec,
-                plan.seeds[node_id],
-                self.min_numel,
-                side,
-                tensor_codecs=assignment.tensor_codecs,
-            )
+            codec = self.decode_plan.reply_codec(server_round, assignment, self.min_numel)
+            return decode_reply(reply.content, plan.received(node_id), codec, plan.seeds[node_id])
         except RejectedReply as err:
             self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
             return None
@@ -640,13 +610,6 @@ class QuantizedStrategy(Strategy):
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
-
-
-def _tensor_codecs_config(assignment: ClientAssignment) -> dict[str, str]:
-    """The ``fedquant.tensor-codecs`` entry of an assignment with per-tensor codecs, else nothing."""
-    if not assignment.tensor_codecs:
-        return {}
-    return {KEY_TENSOR_CODECS: tensor_codecs_entry({name: c.spec for name, c in assignment.tensor_codecs.items()})}
 
 
 def _with_config_entries(

@@ -8,7 +8,8 @@ Layout (little-endian)::
     ndim      u8       number of dimensions, at most MAX_NDIM
     spec_len  u16      length of the codec spec, at most MAX_SPEC_LEN
     shape     ndim x u64
-    spec      spec_len bytes of ASCII: the codec's canonical spec, e.g. "qsgd:bucket_size=512,..."
+    spec      spec_len bytes of ASCII: the codec's canonical spec, e.g. "qsgd:bucket_size=512,...";
+              stages joined by "+", each "name" or "name:key=value,..." ("rht:max_log2=12+qsgd:...")
     body_len  u64
     body      body_len bytes, codec specific
     crc32     u32      zlib CRC-32 of everything before it
@@ -49,7 +50,20 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _FIXED = struct.Struct("<2sBBBH")
 _U64 = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
-_SPEC_CHARS = re.compile(r"[a-z0-9_+\-]+(:[a-z0-9_]+=[A-Za-z0-9_.+\-]+(,[a-z0-9_]+=[A-Za-z0-9_.+\-]+)*)?")
+# One stage (checked stage by stage: a pattern for the whole spec would backtrack exponentially on
+# forged specs, since values may hold "+").
+_STAGE_CHARS = re.compile(r"[a-z0-9_\-]+(:[a-z0-9_]+=[A-Za-z0-9_.+\-]+(,[a-z0-9_]+=[A-Za-z0-9_.+\-]+)*)?")
+#: A ``+`` that starts the next stage: one followed by a name (a value such as ``1e+20`` is not).
+_STAGE_BREAK = re.compile(r"\+(?=\s*[A-Za-z][A-Za-z0-9_\-]*\s*(?::|\+|$))")
+
+
+def split_stages(spec: str) -> list[str]:
+    """The stages of a spec, outermost first: ``"rht:max_log2=12+qsgd"`` -> ``["rht:max_log2=12", "qsgd"]``."""
+    return _STAGE_BREAK.split(spec)
+
+
+def _valid_spec(spec: str) -> bool:
+    return all(_STAGE_CHARS.fullmatch(stage) for stage in split_stages(spec))
 
 
 @dataclass(frozen=True)
@@ -63,8 +77,8 @@ class Payload:
 
     @property
     def codec_name(self) -> str:
-        """The codec name part of the spec."""
-        return self.spec.split(":", 1)[0]
+        """The spec without parameters: its stages' names joined by ``+`` (``"rht+qsgd"``)."""
+        return "+".join(stage.partition(":")[0] for stage in split_stages(self.spec))
 
     @property
     def numel(self) -> int:
@@ -84,7 +98,7 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensors of more than {MAX_NDIM} dimensions are not supported, got {len(shape)}")
     spec_bytes = spec.encode("ascii")
-    if len(spec_bytes) > MAX_SPEC_LEN or not _SPEC_CHARS.fullmatch(spec):
+    if len(spec_bytes) > MAX_SPEC_LEN or not _valid_spec(spec):
         raise ValueError(f"codec spec {spec!r} cannot go in a payload header")
     body_len = sum(memoryview(b).nbytes for b in body)
     head = b"".join(
@@ -162,7 +176,7 @@ def read_payload(
         spec = spec_raw.decode("ascii")
     except UnicodeDecodeError:
         raise PayloadError("payload codec spec is not ASCII") from None
-    if not _SPEC_CHARS.fullmatch(spec):
+    if not _valid_spec(spec):
         raise PayloadError(f"payload codec spec {spec!r} is malformed")
     parsed = Payload(spec=spec, dtype=CODE_DTYPES[dtype_code], shape=tuple(shape), body=view[pos : pos + body_len])
     if check_header is not None:

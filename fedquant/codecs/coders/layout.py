@@ -87,19 +87,17 @@ def read_side(quantizer: Quantizer, body: BodyReader, numel: int) -> list[np.nda
     return side
 
 
-def decode_body(
-    quantizer: Quantizer, body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None
-) -> torch.Tensor:
+def decode_body(quantizer: Quantizer, body: BodyReader, numel: int, seed: int) -> torch.Tensor:
     """Values (1-D float32) of a body laid out by :func:`encode_body`."""
     side = read_side(quantizer, body, numel)
     if quantizer.own_stream:
-        return quantizer.read_stream(side, body, numel, seed, side_info)
+        return quantizer.read_stream(side, body, numel, seed)
     k = quantizer.num_symbols()
     if not k:
-        return quantizer.dequantize(side, np.empty(0, np.uint8), numel, seed, side_info)
+        return quantizer.dequantize(side, np.empty(0, np.uint8), numel, seed)
     coding = quantizer.coding
     if coding == "fixed":
         packed = read_packed(body, numel, k, quantizer.name)
-        return quantizer.dequantize_packed(side, packed, fixed_width(k), numel, seed, side_info)
+        return quantizer.dequantize_packed(side, packed, fixed_width(k), numel, seed)
     symbols = read_symbols(body, numel, k, coding, quantizer.name)
-    return quantizer.dequantize(side, symbols, numel, seed, side_info)
+    return quantizer.dequantize(side, symbols, numel, seed)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fedquant.codecs.buckets import check_bucket_scales, effective_bucket_size, num_buckets
-from fedquant.codecs.coders.symbols import coder_takes_counts
+from fedquant.codecs.coders.symbols import coder_takes_counts, stream_bytes
 from fedquant.codecs.dispatch import KernelDispatch
 from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
@@ -100,11 +100,6 @@ class Quantizer(Configurable, KernelDispatch):
         ``num_symbols() = 2h + 1`` (Elias coding of the signed levels needs this).
     unbiased : bool
         Whether ``E[dequantize(quantize(x))] = x``.
-    needs_side_info : bool
-        Whether decoding needs the decoder's estimate of the tensor.
-    decode_plan : str or None
-        ``"module:Class"`` of the server-side decode plan that provides that side information
-        (a codec names its own default plan; the strategy holds no codec names).
     implied_transforms : tuple of str
         Wire transforms this quantizer always runs behind (EDEN: ``("rht",)``); ``get_codec``
         adds them when a spec does not name them.
@@ -121,8 +116,6 @@ class Quantizer(Configurable, KernelDispatch):
     codings: ClassVar[tuple[str, ...]] = ("fixed", "entropy")
     symmetric: ClassVar[bool] = False
     unbiased: ClassVar[bool] = False
-    needs_side_info: ClassVar[bool] = False
-    decode_plan: ClassVar[str | None] = None
     implied_transforms: ClassVar[tuple[str, ...]] = ()
     own_stream: ClassVar[bool] = False
     paper: ClassVar[str] = ""
@@ -180,6 +173,39 @@ class Quantizer(Configurable, KernelDispatch):
         which is what error feedback scales by (a worst-case bound would shrink every update).
         """
         return self.error_bound(flat.numel())
+    # ------------------------------------------------------------------ size model and rate ladder
+    def body_bytes(self, numel: int) -> int:
+        """Bytes of the body for ``numel`` elements, without encoding anything.
+
+        The side fields' declared sizes plus the symbol stream's
+        (:func:`~fedquant.codecs.coders.symbols.stream_bytes`): exact for ``coding="fixed"``,
+        an upper bound for ``"elias"`` and ``"entropy"``, whose sizes depend on the values
+        (:attr:`size_model` says which).
+        """
+        side = sum(f.count * np.dtype(f.dtype).itemsize for f in self.side_fields(numel))
+        k = self.num_symbols()
+        return side + (stream_bytes(numel, k, getattr(self, "coding", "fixed")) if k else 0)
+
+    @property
+    def size_model(self) -> str:
+        """What :meth:`body_bytes` promises: ``"exact"``, ``"bound"`` (never exceeded) or ``"estimate"``.
+
+        ``"estimate"``: the size on Gaussian (rotated) data, for a quantizer whose alphabet itself
+        follows the values (ECDQ); a rate controller corrects it with the sizes it sees.
+        """
+        return "exact" if getattr(self, "coding", "fixed") == "fixed" else "bound"
+
+    def rate_ladder(self) -> tuple[Quantizer, ...]:
+        """The settings of this quantizer's family a rate controller may choose, finest (``self``) first.
+
+        Default: ``self`` alone (nothing to choose).
+        """
+        return (self,)
+
+    @property
+    def rate(self) -> float:
+        """The number that names this setting in metrics (``levels``, ``bits``, float width); 0.0: none."""
+        return 0.0
 
     # ------------------------------------------------------------------ the two directions
     @abstractmethod
@@ -191,22 +217,14 @@ class Quantizer(Configurable, KernelDispatch):
         """
 
     @abstractmethod
-    def dequantize(
-        self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int, side_info: torch.Tensor | None
-    ) -> torch.Tensor:
+    def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
         """Values (1-D float32, CPU) from side data and ``numel`` unpacked symbols.
 
         Symbols come checked below ``num_symbols()``; side data has passed :meth:`check_side`.
         """
 
     def dequantize_packed(
-        self,
-        side: list[np.ndarray],
-        packed: np.ndarray,
-        width: int,
-        numel: int,
-        seed: int,
-        side_info: torch.Tensor | None,
+        self, side: list[np.ndarray], packed: np.ndarray, width: int, numel: int, seed: int
     ) -> torch.Tensor:
         """Values from symbols packed at ``width`` bits (exactly ``packed_size(numel, width)`` bytes).
 
@@ -215,11 +233,9 @@ class Quantizer(Configurable, KernelDispatch):
         """
         symbols = unpack_bits(packed, width, numel)
         check_alphabet(symbols, self.num_symbols(), self.name)
-        return self.dequantize(side, symbols, numel, seed, side_info)
+        return self.dequantize(side, symbols, numel, seed)
 
-    def read_stream(
-        self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None
-    ) -> torch.Tensor:
+    def read_stream(self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int) -> torch.Tensor:
         """Values from the symbol section this quantizer wrote itself (:attr:`own_stream`): the rest
         of ``body``, untrusted, read through its bounds checks."""
         raise NotImplementedError(f"{self.name} does not code its own symbol section")
@@ -243,6 +259,52 @@ def check_alphabet(symbols: np.ndarray, num_symbols: int, codec: str) -> None:
     """PayloadError if any symbol is ``>= num_symbols``."""
     if symbols.size and int(symbols.max()) >= num_symbols:
         raise PayloadError(f"{codec} payload holds a symbol {int(symbols.max())} outside 0..{num_symbols - 1}")
+
+
+class LevelsLadder:
+    """Mixin of the quantizers whose rate is their ``levels`` parameter.
+
+    The ladder steps down from ``levels`` through the powers of two and their predecessors
+    (16, 15, 8, 7, 4, 3, 2, 1: each step saves a bit of fixed width or nearly), never below the
+    parameter's declared minimum.
+    """
+
+    def rate_ladder(self) -> tuple[Quantizer, ...]:
+        top = int(self.levels)
+        low = int(self.params["levels"].minimum or 1)
+        below = {v for k in range(1, top.bit_length() + 1) for v in (2**k, 2**k - 1) if low <= v < top}
+        return (self, *(self.with_params(levels=v) for v in sorted(below, reverse=True)))
+
+    @property
+    def rate(self) -> float:
+        return float(self.levels)
+
+
+#: The rates below its own that a rate controller may take a ``bits`` quantizer down to.
+BITS_LADDER = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.25)
+
+
+class BitsLadder:
+    """Mixin of the quantizers whose rate is their real ``bits`` parameter (EDEN, ECDQ).
+
+    The ladder steps down :data:`BITS_LADDER` below ``bits``, keeping the rates the quantizer
+    accepts with its other parameters (EDEN: fractional rates only at fixed width; ECDQ's E8
+    lattice: not below its least rate).
+    """
+
+    def rate_ladder(self) -> tuple[Quantizer, ...]:
+        below = []
+        for b in BITS_LADDER:
+            if b < self.bits:
+                try:
+                    below.append(self.with_params(bits=b))
+                except ValueError:
+                    continue
+        return (self, *below)
+
+    @property
+    def rate(self) -> float:
+        return float(self.bits)
 
 
 class BucketScaledQuantizer(Quantizer):

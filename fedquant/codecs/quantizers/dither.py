@@ -27,7 +27,7 @@ its error variance equals DQSG's at the same ``levels``, and the server learns e
 payload (32 bits per bucket). The price is that ``Delta1`` (hence the wrap-around margin
 ``(Delta2 - Delta1) / 2``) scales with each client's own maximum, so a server choosing ``rho``
 from a spread ``sigma_z`` must compare it with the clients' typical ``kappa / M1`` per bucket
-(see :mod:`fedquant.codecs.quantizers.nested_rules`).
+(see :mod:`fedquant.strategies.nested_rules`).
 
 Both paths live in :mod:`fedquant.codecs.kernels.dither`: numba kernels on CPU tensors (dither
 drawn inline, quantization fused with bit packing, unpacking fused with reconstruction; no
@@ -51,7 +51,14 @@ from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_
 from fedquant.codecs.kernels import dither as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, check_alphabet, relative_error
+from fedquant.codecs.quantizers.base import (
+    BucketScaledQuantizer,
+    LevelsLadder,
+    Quantized,
+    check_alphabet,
+    relative_error,
+)
+from fedquant.codecs.side_info import SideInfoQuantizer
 
 MAX_LEVELS = (1 << 15) - 1  # 2M+1 indices must fit the 16-bit packer
 MAX_RHO = (1 << 16) - 1
@@ -59,7 +66,7 @@ MAX_RHO = (1 << 16) - 1
 _BUCKET = Param(int, 512, "elements per bucket, each with its own step; 0 = one step per tensor", minimum=0)
 
 
-class DitherQuantizer(BucketScaledQuantizer):
+class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
     """Shared base of DQSG and NDQSG: a float32 step per bucket, a symmetric alphabet of indices.
 
     The per-bucket side field is :class:`~fedquant.codecs.quantizers.grid.BucketScaledQuantizer`'s
@@ -110,10 +117,8 @@ class DitherQuantizer(BucketScaledQuantizer):
         )
 
     # ------------------------------------------------------------------ decode
-    def dequantize(
-        self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int, side_info: torch.Tensor | None
-    ) -> torch.Tensor:
-        y = self._checked_side_info(side_info)
+    def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
+        y = self._checked_side_info()
         d, steps = self.bucket_scales(side, numel)
         if self.uses_kernels():
             key = kernel_key(seed)
@@ -126,20 +131,14 @@ class DitherQuantizer(BucketScaledQuantizer):
         sym = padded.view(nb, d) - self.half()
         u = kernels.dither(seed, sym.numel()).view_as(sym)
         step = torch.from_numpy(steps.copy()).reshape(nb, 1)  # steps may be a read-only view of the payload
-        return self._torch_values(sym, step, u, d, side_info).reshape(-1)[:numel].to(torch.float32)
+        return self._torch_values(sym, step, u, d).reshape(-1)[:numel].to(torch.float32)
 
     def dequantize_packed(
-        self,
-        side: list[np.ndarray],
-        packed: np.ndarray,
-        width: int,
-        numel: int,
-        seed: int,
-        side_info: torch.Tensor | None,
+        self, side: list[np.ndarray], packed: np.ndarray, width: int, numel: int, seed: int
     ) -> torch.Tensor:
         if not self.uses_kernels():
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
-        y = self._checked_side_info(side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
+        y = self._checked_side_info()
         d, steps = self.bucket_scales(side, numel)
         key = kernel_key(seed)
         values, top = kernels.decode_packed(packed, numel, d, steps, key, width, side_info=y, **self._kernel_args())
@@ -151,7 +150,7 @@ class DitherQuantizer(BucketScaledQuantizer):
         if top >= self.num_symbols():
             check_alphabet(np.array([top]), self.num_symbols(), self.name)
 
-    def _checked_side_info(self, side_info: torch.Tensor | None) -> np.ndarray | None:
+    def _checked_side_info(self) -> np.ndarray | None:
         """Side information as the kernels take it (CPU float32), or None; ValueError if not finite."""
         return None
 
@@ -163,9 +162,7 @@ class DitherQuantizer(BucketScaledQuantizer):
         """Signed indices of the ``(buckets, d)`` tensor ``v`` (float, in ``[-half, half]``)."""
         raise NotImplementedError
 
-    def _torch_values(
-        self, sym: torch.Tensor, step: torch.Tensor, u: torch.Tensor, d: int, side_info: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _torch_values(self, sym: torch.Tensor, step: torch.Tensor, u: torch.Tensor, d: int) -> torch.Tensor:
         """Values of the signed indices ``sym`` (``(buckets, d)``, float32) on the CPU."""
         raise NotImplementedError
 
@@ -224,11 +221,11 @@ class DQSGQuantizer(DitherQuantizer):
     def _torch_symbols(self, v, step, u):
         return kernels.dithered_quantize(v, step, u, self.levels)
 
-    def _torch_values(self, sym, step, u, d, side_info):
+    def _torch_values(self, sym, step, u, d):
         return kernels.dithered_reconstruct(sym, step, u)
 
 
-class NDQSGQuantizer(DitherQuantizer):
+class NDQSGQuantizer(SideInfoQuantizer, DitherQuantizer):
     """Nested dithered quantized SG (Abdi & Fekri 2019, Alg. 2 group P2); decoding needs side info.
 
     Parameters
@@ -250,10 +247,10 @@ class NDQSGQuantizer(DitherQuantizer):
     ``decode(..., side_info=y)`` needs the decoder's estimate ``y`` of the tensor. Correct while
     ``|alpha (g - y) + Delta1 eps| < Delta2 / 2`` per coordinate (``eps`` the fine rounding error
     in ``[-1/2, 1/2]``); beyond that the estimate jumps by ``alpha Delta2``. Choose ``rho`` with
-    :func:`fedquant.codecs.quantizers.nested_rules.choose_rho`. ``unbiased`` is False because the estimate
+    :func:`fedquant.strategies.nested_rules.choose_rho`. ``unbiased`` is False because the estimate
     is biased for ``alpha < 1`` and after wrap-arounds; with ``alpha = 1`` and no wrap it is
-    unbiased with DQSG's variance ``Delta1**2 / 12``. The server's decode plan that provides the
-    side information is :attr:`decode_plan`.
+    unbiased with DQSG's variance ``Delta1**2 / 12``. On the server,
+    :class:`~fedquant.strategies.nested.NestedDecodePlan` provides the side information.
     """
 
     name = "ndqsg"
@@ -264,8 +261,6 @@ class NDQSGQuantizer(DitherQuantizer):
         "bucket_size": _BUCKET,
     }
     unbiased = False
-    needs_side_info = True
-    decode_plan = "fedquant.strategies.nested:NestedDecodePlan"
     paper = "Abdi & Fekri 2019 (NDQSG)"
     wire = "float32 fine step per bucket + coset indices (rho symbols) fixed-width, Elias or entropy coded; side info"
 
@@ -286,11 +281,14 @@ class NDQSGQuantizer(DitherQuantizer):
         ``alpha < 1`` or a coordinate wraps around): ``ef+ndqsg`` is refused; use ``ef+dqsg``.
         """
         return None
+    def rate_ladder(self) -> tuple[NDQSGQuantizer, ...]:
+        return (self,)  # its decode plan sets rho and the groups' codecs each round
 
     def _kernel_args(self) -> dict:
         return {"levels": self.levels, "nested": True, "rho": self.rho, "alpha": self.alpha}
 
-    def _checked_side_info(self, side_info: torch.Tensor | None) -> np.ndarray | None:
+    def _checked_side_info(self) -> np.ndarray | None:
+        side_info = self.side_info
         if side_info is None:
             raise ValueError(
                 "ndqsg: decoding needs side_info, the server's estimate of this tensor (e.g. the mean of the "
@@ -308,6 +306,6 @@ class NDQSGQuantizer(DitherQuantizer):
     def _torch_symbols(self, v, step, u):
         return kernels.nested_quantize(v, step, u, self.rho, self.alpha)
 
-    def _torch_values(self, sym, step, u, d, side_info):
-        y = to_buckets(side_info.detach().to("cpu", torch.float64), d)
+    def _torch_values(self, sym, step, u, d):
+        y = to_buckets(self.side_info.detach().to("cpu", torch.float64), d)
         return kernels.nested_reconstruct(sym, step, u, self.rho, self.alpha, y)

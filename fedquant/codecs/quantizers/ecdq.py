@@ -72,12 +72,13 @@ import numpy as np
 import torch
 
 from fedquant.codecs.coders.layout import max_entropy_bytes
+from fedquant.codecs.coders.symbols import omega_bits
 from fedquant.codecs.kernels import e8
 from fedquant.codecs.kernels import ecdq as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.kernels.ecdq import SCALAR, ContextSpace, chunk_offsets
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader
@@ -191,6 +192,25 @@ def step_constant(bits: float, lattice: str = "z") -> float:
     return math.exp(0.5 * (lo + hi))
 
 
+@functools.lru_cache(maxsize=1024)
+def typical_index_range(n: int, c: float) -> int:
+    """The median of ``max |q|`` over ``n`` Gaussian coordinates at step constant ``c`` (scalar lattice).
+
+    ``q = round(z / c + u)``, ``u ~ U[-1/2, 1/2]``, so ``P(|q| >= j) = E_u erfc(c (j - 1/2 - u) / sqrt 2)``;
+    the median is the largest ``j`` with ``n P(|q| >= j) >= ln 2`` (``P(max < j) ~ exp(-n P)``).
+    """
+    dither = [(i + 0.5) / 16 - 0.5 for i in range(16)]
+
+    def expected_beyond(j: int) -> float:
+        return n * sum(math.erfc(c * (j - 0.5 - u) / math.sqrt(2)) for u in dither) / 16
+
+    lo, hi = 0, H_MAX
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if expected_beyond(mid) >= math.log(2) else (lo, mid - 1)
+    return lo
+
+
 # ---------------------------------------------------------------- choice of the dither contexts
 def _omega_bits(values: np.ndarray) -> np.ndarray:
     """Length of the Elias omega codeword of each positive integer."""
@@ -278,7 +298,7 @@ def read_packed(body: BodyReader, count: int, width: int, what: str) -> np.ndarr
 
 
 # ---------------------------------------------------------------- the quantizer
-class ECDQQuantizer(Quantizer):
+class ECDQQuantizer(BitsLadder, Quantizer):
     """Entropy-coded dithered quantization: one step per tensor, subtractive dither, a model given the dither.
 
     Parameters
@@ -378,6 +398,33 @@ class ECDQQuantizer(Quantizer):
             raise PayloadError(f"ecdq payload declares an index range {int(side[1][0])}, beyond {H_MAX}")
         if self.coding == "entropy" and int(side[2][0]) > kernels.FINE_BITS:
             raise PayloadError(f"ecdq payload declares 2**{int(side[2][0])} dither contexts, at most {kernels.FINE}")
+
+    # ------------------------------------------------------------------ size model
+    @property
+    def size_model(self) -> str:
+        return "estimate"  # the index range and the stream follow the values, at either coding
+
+    def body_bytes(self, numel: int) -> int:
+        """Bytes of the body for ``numel`` rotated Gaussian coordinates (an estimate, see :attr:`size_model`).
+
+        The index range is the median of the largest ``|q|`` on ``n`` Gaussian coordinates
+        (:func:`typical_index_range`; E8 one more). Fixed width packs at ``bit_width(2h + 1)``
+        bits (E8: and a coset bit per block), so a range at the edge of a power of two may cost
+        one bit per coordinate more; entropy coding takes ``bits`` per coordinate (the rate ``c``
+        is set for) plus, per stage, one count table of the ``2h + 1`` symbols.
+        """
+        side = sum(f.count * np.dtype(f.dtype).itemsize for f in self.side_fields(numel))
+        if numel == 0:
+            return side
+        kind = self.lattice_for(numel)
+        n = -(-numel // 8) * 8 if kind == "e8" else numel
+        h = typical_index_range(n, self.constants[kind]) + (kind == "e8")
+        if self.coding == "fixed":
+            cosets = packed_size(n // 8, 1) if kind == "e8" else 0
+            return side + cosets + packed_size(n, bit_width(2 * h + 1))
+        stages = [(n // 8, 2), (n - n // 8, 2 * h + 1), (n // 8, 2 * h + 1)] if kind == "e8" else [(n, 2 * h + 1)]
+        tables = sum(_table_bits(count, alphabet) for count, alphabet in stages)
+        return side + math.ceil((n * self.bits + tables) / 8)
 
     # ------------------------------------------------------------------ the step
     def step_for(self, sumsq: float, maxabs: float, n: int) -> tuple[float, float]:
@@ -515,7 +562,7 @@ class ECDQQuantizer(Quantizer):
         return self._side(h, log2k), _e8_stages(cosets, coded, sizes, h)
 
     # ------------------------------------------------------------------ decode
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         raise NotImplementedError("ecdq decodes its own symbol section (read_stream)")
 
     def max_stream_bytes(self, numel: int) -> int:
@@ -531,9 +578,7 @@ class ECDQQuantizer(Quantizer):
         sections = min(tables, symbols)  # only non-empty tables are written, each after its uint32 length
         return 4 * sections + max_entropy_bytes(symbols, 2 * H_MAX + 1, sections)
 
-    def read_stream(
-        self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int, side_info: torch.Tensor | None
-    ) -> torch.Tensor:
+    def read_stream(self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int) -> torch.Tensor:
         step = float(side[0][0])
         h = int(side[1][0])
         log2k = int(side[2][0]) if self.coding == "entropy" else 0
@@ -639,6 +684,12 @@ class ECDQQuantizer(Quantizer):
         s = torch.where(flipped, 2 * h - b - code, code)
         m.view(-1)[positions] = s - h + 1
         return int((code > 2 * h - b).sum())
+
+
+def _table_bits(count: int, alphabet: int) -> int:
+    """Bits of one table beside its symbols' information: every symbol present (gaps of 1), even counts."""
+    present = min(alphabet, count)
+    return TABLE_OVERHEAD_BITS + omega_bits(present) + present * (1 + omega_bits(max(1, count // present)))
 
 
 def _padded8(y):

@@ -63,7 +63,7 @@ import torch
 from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import count_table, uniform_stream
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, check_alphabet
+from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
 from fedquant.rng import derive_seed, stream_key
 from fedquant.wire.bitpack import pack_bits, packed_size, unpack_bits
@@ -196,7 +196,7 @@ def _split_rates(bits: float) -> tuple[int, int, float]:
 
 
 # ---------------------------------------------------------------- the quantizer
-class EdenQuantizer(Quantizer):
+class EdenQuantizer(BitsLadder, Quantizer):
     """EDEN: Lloyd–Max centroids on rotated, normalized coordinates and an unbiasing scale per bucket.
 
     Parameters
@@ -432,7 +432,7 @@ class EdenQuantizer(Quantizer):
             streams.append(pack_bits(idx.to(torch.uint8).cpu().numpy(), width))
         return Quantized([self._finite(_scales(sq.cpu().numpy(), dot.cpu().numpy(), seed)), *streams])
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         if self._kernel_path() and self.split:
             return self._dequantize_split_kernel(side, numel, seed)
         if self._kernel_path():
@@ -453,9 +453,9 @@ class EdenQuantizer(Quantizer):
         out[hi] = _values(_unpack(side[-1], self._hi, n_hi), self._hi, scale if ids is None else scale[hi])
         return out
 
-    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+    def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
         if not self._kernel_path() or width != self._lo:
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
         return self._dequantize_kernel(side, np.ascontiguousarray(packed, dtype=np.uint8), numel, True)
 
 

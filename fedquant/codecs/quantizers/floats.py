@@ -22,7 +22,7 @@ class FloatQuantizer(Quantizer):
     def side_fields(self, numel: int) -> list[SideField]:
         return [SideField(f"{self.name} values", self.dtype, numel)]
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         return torch.from_numpy(side[0].astype(np.float32))
 
 
@@ -34,6 +34,10 @@ class Float32Quantizer(FloatQuantizer):
     unbiased = True
     paper = "baseline"
     wire = "32-bit floats"
+    rate = 32.0
+
+    def rate_ladder(self) -> tuple[Quantizer, ...]:
+        return (self, Float16Quantizer())
 
     def error_bound(self, numel: int) -> float:
         return 0.0
@@ -49,6 +53,7 @@ class Float16Quantizer(FloatQuantizer):
     dtype = "<f2"
     paper = "baseline"
     wire = "16-bit floats"
+    rate = 16.0
 
     def error_bound(self, numel: int) -> float:
         """1: rounding to the nearest half (0 included) and saturation never move a value beyond 0.

@@ -27,7 +27,7 @@ from fedquant.codecs.clipping import clip_sigma
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, relative_error
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, LevelsLadder, Quantized, relative_error
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
@@ -115,7 +115,7 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
             raise PayloadError(f"{self.name} payload holds {bad} symbols beyond the {self.num_symbols()} levels")
         return values
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         s = self.grid()[0]
         d, steps = self._steps(side, numel)
         if self.uses_kernels():
@@ -124,16 +124,16 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         codes = torch.from_numpy(np.asarray(symbols).astype(np.int32))
         return self._checked(*kernels.torch_dequantize(codes, d, steps, s))
 
-    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+    def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
         if not self.uses_kernels():
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
         d, steps = self._steps(side, numel)
         require_items(packed, packed_size(numel, width), "packed symbols")
         values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width)
         return self._checked(torch.from_numpy(values), int(bad))
 
 
-class QSGDQuantizer(ScaledGridQuantizer):
+class QSGDQuantizer(LevelsLadder, ScaledGridQuantizer):
     """QSGD (Alistarh et al., NeurIPS 2017): unbiased stochastic rounding to ``s`` levels per sign.
 
     Each bucket ``v`` of ``bucket_size`` elements is sent as one float32 scale ``m`` (``max |v_i|``

@@ -58,7 +58,7 @@ from fedquant.codecs.kernels import levels as kernels
 from fedquant.codecs.kernels import levels_torch as twin
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField, relative_error
+from fedquant.codecs.quantizers.base import LevelsLadder, Quantized, Quantizer, SideField, relative_error
 from fedquant.errors import PayloadError
 
 FP16_MAX = 65504.0
@@ -194,7 +194,7 @@ class LevelQuantizer(Quantizer):
     def _rows(self, side: list[np.ndarray], numel: int) -> np.ndarray:
         return side[0].astype(np.float32).reshape(num_buckets(numel, self.bucket_size), self.num_levels())
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         levels = self._rows(side, numel)
         if not self.uses_kernels():
             indices = torch.from_numpy(symbols.astype(np.int64))
@@ -205,9 +205,9 @@ class LevelQuantizer(Quantizer):
             *kernels.unpack_gather(codes, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, 8)
         )
 
-    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+    def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
         if not self.uses_kernels():
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
         levels = self._rows(side, numel)
         return self._checked(
             *kernels.unpack_gather(packed, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, width)
@@ -221,7 +221,7 @@ class LevelQuantizer(Quantizer):
         return torch.from_numpy(values)
 
 
-class ORQQuantizer(LevelQuantizer):
+class ORQQuantizer(LevelsLadder, LevelQuantizer):
     """Optimized random quantization ORQ-s: variance-minimising levels per bucket, unbiased.
 
     Parameters
@@ -271,7 +271,7 @@ class ORQQuantizer(LevelQuantizer):
         return kernels.orq_levels(flat, self.bucket_size, self.levels, *self._tree_arrays())
 
 
-class LinearQuantizer(LevelQuantizer):
+class LinearQuantizer(LevelsLadder, LevelQuantizer):
     """Linear-s: levels at equally spaced quantiles of each bucket's values, unbiased rounding.
 
     The paper's naive baseline (Xu et al. 2020, §4: "choosing s quantization levels by linearly

@@ -60,7 +60,7 @@ class SignSGDQuantizer(BucketScaledQuantizer):
             return Quantized([scales], symbols=symbols, counts=counts if self.wants_counts() else None)
         return Quantized([scales], symbols=(flat < 0).to(torch.uint8).cpu().numpy())
 
-    def dequantize(self, side, symbols, numel, seed, side_info) -> torch.Tensor:
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         d, scales = self.bucket_scales(side, numel)
         if self.uses_kernels():
             codes = np.ascontiguousarray(symbols, dtype=np.uint8)  # checked below 2
@@ -68,9 +68,9 @@ class SignSGDQuantizer(BucketScaledQuantizer):
             return torch.from_numpy(kernels.sign_values(codes[:numel], d, scales))
         return kernels.torch_sign_values(torch.from_numpy(np.asarray(symbols) != 0), d, scales)
 
-    def dequantize_packed(self, side, packed, width, numel, seed, side_info) -> torch.Tensor:
+    def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
         if not self.uses_kernels():
-            return super().dequantize_packed(side, packed, width, numel, seed, side_info)
+            return super().dequantize_packed(side, packed, width, numel, seed)
         d, scales = self.bucket_scales(side, numel)
         require_items(packed, packed_size(numel, 1), "sign bits")  # the kernel does not check
         return torch.from_numpy(kernels.sign_unpack(packed, numel, d, scales))

@@ -25,7 +25,12 @@ from fedquant.codecs.params import Configurable
 
 
 class Transform(Configurable, KernelDispatch):
-    """An invertible transform that the decoder undoes (on the wire)."""
+    """An invertible transform that the decoder undoes (on the wire).
+
+    Its spec names only parameters away from their defaults (``rht``, ``rht:max_log2=16``).
+    """
+
+    spec_lists_defaults = False
 
     def output_numel(self, numel: int) -> int:
         """Elements after :meth:`forward` of ``numel`` elements (padding transforms grow it)."""
@@ -48,6 +53,7 @@ class StatefulTransform(Configurable):
     """
 
     biased: bool = True
+    spec_lists_defaults = False
 
     def bind_codec(self, quantizer: Any) -> None:
         """Called once when a codec puts this transform in front of ``quantizer``; ValueError if it cannot run there."""

@@ -14,47 +14,16 @@ independent of the quantizer's rounding or dither stream, which uses ``seed`` it
 same on CPU and CUDA). Decoder side information (NDQSG) is rotated by the codec with the same
 :meth:`RandomizedHadamard.forward`.
 
-Any length: block layout
-------------------------
-The Hadamard transform needs power-of-two lengths. A tensor of ``n`` elements is laid out as
-consecutive blocks of ``2**MAX_BLOCK_LOG2 = 512`` elements, and the rest (fewer) as one block
-padded with zeros to the next power of two; each block is rotated on its own. The payload holds
-:meth:`RandomizedHadamard.output_numel` ``>= n`` elements (the padding is sent, quantized; the
-decoder drops it after the inverse rotation): 16 for 10 elements, 1024 for 1000, none added to
-multiples of 512.
-
-Measured with ``python -m benchmarks.rht_layout`` (rotation + codec + inverse; vNMSE @ bits per
-coordinate from payload bytes; ``dqsg 2,entropy`` is ``dqsg:levels=2,coding=entropy``; ``t2``:
-iid Student-t(2), heavy-tailed; ``real``: 30 updates of the digits MLP's 8192-element hidden
-weights; on Gaussian data every layout is within 0.5% of no rotation at 2**20, 1.5 * 2**20 and
-25M, except padding)::
-
-    n, data        codec           none          pad           blocks 2^9    2^10          2^12          2^16
-    2^20, t2       qsgd:levels=7   0.296 @4.06   0.0353 @4.06  0.0189 @4.06  0.0207 @4.06  0.0240 @4.06  0.0309 @4.06
-    2^20, t2       dqsg 2,entropy  6.78  @0.67   0.217  @1.70  0.116  @1.80  0.127  @1.79  0.147  @1.78  0.190  @1.75
-    1.5*2^20, t2   qsgd:levels=7   0.362 @4.06   0.0273 @5.42  0.0234 @4.06  0.0255 @4.06  -             0.0348 @4.06
-    1.5*2^20, gau  dqsg 2,entropy  0.222 @1.69   0.168  @2.25  0.224  @1.68  0.223  @1.69  -             0.224  @1.69
-    25M, t2        qsgd:levels=7   0.323 @4.06   0.0270 @5.45  0.0205 @4.06  0.0223 @4.06  -             0.0318 @4.06
-    25M, t2        dqsg 2,entropy  6.34  @0.67   0.165  @2.27  0.125  @1.80  0.137  @1.79  -             0.195  @1.72
-    8192, real     qsgd:levels=7   0.0663 @4.14  0.0360 @4.14  0.0350 @4.14  0.0356 @4.14  0.0362 @4.14  = pad
-    8192, real     dqsg 2,entropy  0.587 @1.16   0.221  @1.78  0.215  @1.80  0.218  @1.78  0.222  @1.77  = pad
-    1000, t2       qsgd:levels=7   0.352 @4.69   0.0307 @4.78  0.0285 @4.78  = pad (one padded block of 1024)
-    10, gauss      qsgd:levels=7   0.0119 @69.6  0.0088 @72.0  = pad for every layout (16; the envelope dominates)
-
-* **Padding** the whole tensor to one power of two costs up to twice the bits (``1.5 * 2**20``:
-  33% more) for a proportionally smaller error: a bad trade (one more bit per coordinate buys
-  about 4x less error). Splitting the length into its binary digits (no padding at all) leaves
-  blocks too small to mix and measured no better than padding the tail.
-* **Block size:** every fedquant quantizer scales buckets of 512 elements. A rotation larger
-  than a bucket spreads an outlier's energy into buckets that did not have it and takes away
-  the bucket scales' adaptation; one smaller than a bucket leaves buckets with mixed energy.
-  Blocks of exactly one bucket measured best on heavy-tailed and on real updates (2^8: 0.0214
-  and 0.0414 for qsgd on t2 and real).
-* With **one scale per tensor** (``bucket_size=0``) the opposite holds: ``qsgd:levels=7,
-  bucket_size=0`` on t2 gives 0.079 padded, 0.086 with blocks of 2^16, 0.20 with 2^12 and 0.75
-  with 2^9 (15.4 without rotation); on real updates 0.055, -, 0.057, 0.076 (0.141). The layout
-  is fixed for the wire name ``rht`` (class attributes ``max_log2``, ``min_log2``); a quantizer
-  with per-tensor scales wants a variant with larger blocks.
+Any length, by blocks: a tensor of ``n`` elements is laid out as consecutive blocks of
+``2**max_log2`` elements (default 9: the 512-element bucket of every quantizer), the rest
+(fewer) by its binary digits down to ``2**min_log2`` (default: none), and what is left as one
+block padded with zeros to the next power of two; each block is rotated on its own. The payload
+holds :meth:`RandomizedHadamard.output_numel` ``>= n`` elements (the padding is sent, quantized;
+the decoder drops it): 16 for 10 elements, 1024 for 1000, none added to multiples of 512. Why
+blocks of one bucket: ``docs/rht_layout.md`` (measured by ``python -m benchmarks.rht_layout``);
+a quantizer with one scale per tensor (``bucket_size=0``) wants larger blocks,
+``rht:max_log2=16+qsgd:bucket_size=0``. The layout is part of the wire spec (``rht`` with the
+defaults, ``rht:max_log2=16`` otherwise).
 
 Blocks of at most a cache tile need only the low pass of :mod:`fedquant.codecs.kernels.hadamard`
 (one read and one write of the tensor).
@@ -63,16 +32,16 @@ Blocks of at most a cache tile need only the low pass of :mod:`fedquant.codecs.k
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import ClassVar
 
 import torch
 
 from fedquant.codecs.codec import all_finite
 from fedquant.codecs.kernels.hadamard import fwht_numba, fwht_torch, runs_numel
+from fedquant.codecs.params import Param
 from fedquant.codecs.transforms.base import Transform
 from fedquant.rng import derive_seed, stream_key
 
-#: Largest block (log2): the 512-element bucket of the quantizers (measured above).
+#: Default full block (log2): the 512-element bucket of the quantizers (docs/rht_layout.md).
 MAX_BLOCK_LOG2 = 9
 
 
@@ -130,15 +99,24 @@ def _runs_numel(runs: tuple[tuple[int, int], ...]) -> int:
 class RandomizedHadamard(Transform):
     """Randomized Hadamard rotation by blocks (``rht``): signs from the seed, never sent.
 
-    Attributes
+    Parameters
     ----------
-    max_log2, min_log2 : int
-        The block layout (:func:`block_layout`); class attributes, fixed for the wire name.
+    max_log2 : int
+        log2 of the full blocks (default 9: 512 elements; 62: the whole tensor padded).
+    min_log2 : int, optional
+        log2 of the smallest binary-digit block of the remainder (default: none, the remainder
+        is one padded block). See :func:`block_layout`.
     """
 
     name = "rht"
-    max_log2: ClassVar[int] = MAX_BLOCK_LOG2
-    min_log2: ClassVar[int | None] = None
+    params = {
+        "max_log2": Param(int, MAX_BLOCK_LOG2, "log2 of the full blocks", minimum=1, maximum=62),
+        "min_log2": Param(int, None, "log2 of the smallest block of the remainder (none: one padded block)", minimum=0),
+    }
+
+    def _validate(self) -> None:
+        if self.min_log2 is not None and self.min_log2 > self.max_log2:
+            raise ValueError(f"rht: parameter 'min_log2' must be <= max_log2 ({self.max_log2}), got {self.min_log2}")
 
     def blocks(self, numel: int) -> tuple[int, ...]:
         """log2 of the block sizes of a tensor of ``numel`` elements (one entry per block)."""

@@ -1,0 +1,167 @@
+"""A real deployment: ``flower-superlink`` + two ``flower-supernode`` on 127.0.0.1 (insecure), ``flwr run``.
+
+The app in ``tests/deployment_app`` wraps FedAvg in ``QuantizedStrategy`` (QSGD) and adds
+``quantize_mod`` to its ClientApp. The test runs it for two rounds, then checks the history the
+ServerApp wrote, that training moved the model, and that fedquant's ``uplink-bytes`` and
+``downlink-bytes`` reconcile with the SuperLink's own traffic counter for the run. Every wait has
+a timeout and every process the test started (and their children: SuperExec, ServerApp and
+ClientApp processes) is stopped by PID in ``finally``.
+
+Environment: ``FLWR_HOME`` is a temporary directory (the test never touches ``~/.flwr``),
+``PYTHONPATH`` puts this checkout's ``fedquant`` first, and
+``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` makes the SuperLink run the app in the installed
+environment instead of ``uv sync``-ing its dependencies (no internet here). In flwr 1.42 the Fleet,
+Control and Runtime APIs are served over HTTP on one SuperLink port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.local_processes import free_port, port_open, stop
+from tests.timeouts import scaled, wait_while_progressing
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+APP_DIR = REPO / "tests" / "deployment_app"
+BIN = Path(sys.executable).parent
+NUM_NODES = 2
+ROUNDS = 2
+# Idle-machine limits; every wait scales them with the load (tests/timeouts.py).
+START_TIMEOUT_S = 60
+RUN_TIMEOUT_S = 300
+
+
+def _reconcile_bytes(traffic: dict, framed: dict, rows: list[dict]) -> None:
+    """fedquant's byte counts against the SuperLink's traffic counter of the run (``flwr ls --format json``).
+
+    The SuperLink counts its Fleet API: inbound = every object the SuperNodes push (the replies,
+    serialised by Flower) plus the PushMessages / PullMessages request protobufs; outbound = every
+    object the SuperNodes pull (the train messages, once per node) plus the PullMessages /
+    PushMessages response protobufs. fedquant's ``uplink-bytes`` / ``downlink-bytes`` count only
+    the ArrayRecords' ``count_bytes()`` (array data with their ``.npy`` headers, plus keys). Between
+    the two sits Flower's framing, which does not grow with the payload:
+
+    - object framing (``framed-*-bytes - *link-bytes``): each object's ``type|children|length``
+      header, the Message metadata, the RecordDict/ConfigRecord/MetricRecord objects (the train
+      messages also carry fedquant's codec spec and seed), each Array's dtype/shape/stype fields;
+      measured 1.28 kB per message in both directions;
+    - RPC framing (``counter - framed-*-bytes``): message metadata and the object tree (64-hex
+      object ids) in the request/response protobufs, session ids; measured 0.78 kB per reply
+      (inbound) and 1.32 kB per train message (outbound).
+
+    Tolerance: each framing at most 2 kB per message, and never negative (every payload byte is counted).
+    """
+    per_message = 2048
+    replies = sum(f["replies"] for f in framed.values())
+    sent = sum(f["train-messages"] for f in framed.values())
+    uplink = sum(row["train/uplink-bytes"] for row in rows)
+    downlink = sum(row["train/downlink-bytes"] for row in rows)
+    framed_up = sum(f["framed-uplink-bytes"] for f in framed.values())
+    framed_down = sum(f["framed-downlink-bytes"] for f in framed.values())
+    assert replies == sent == NUM_NODES * ROUNDS
+    assert 0 <= framed_up - uplink <= per_message * replies, (uplink, framed_up)
+    assert 0 <= traffic["inbound-bytes"] - framed_up <= per_message * replies, (framed_up, traffic)
+    assert 0 <= framed_down - downlink <= per_message * sent, (downlink, framed_down)
+    assert 0 <= traffic["outbound-bytes"] - framed_down <= per_message * sent, (framed_down, traffic)
+
+
+def test_two_rounds_over_a_real_superlink(tmp_path):
+    link_port = free_port()
+    flwr_home = tmp_path / "flwr"
+    flwr_home.mkdir()
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "fq-test"\n\n[superlink.fq-test]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
+    )
+    out_dir = tmp_path / "out"
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(flwr_home),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        PATH=os.pathsep.join([str(BIN), env.get("PATH", "")]),
+    )
+    logs = {"superlink": tmp_path / "superlink.log"}
+    processes: list[subprocess.Popen] = []
+
+    def start(name: str, args: list[str]) -> None:
+        logs[name] = tmp_path / f"{name}.log"
+        with logs[name].open("w") as log:
+            processes.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+
+    try:
+        start(
+            "superlink", [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link_port)]
+        )
+        wait_while_progressing(lambda: port_open(link_port), START_TIMEOUT_S, "the SuperLink port", logs)
+        for i in range(NUM_NODES):
+            start(
+                f"supernode-{i}",
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{link_port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={i} num-partitions={NUM_NODES}",
+                ],
+            )
+        wait_while_progressing(
+            lambda: logs["superlink"].read_text().count("Activated node_id") >= NUM_NODES,
+            START_TIMEOUT_S,
+            "both SuperNodes to connect",
+            logs,
+        )
+        submit = subprocess.run(
+            [str(BIN / "flwr"), "run", str(APP_DIR), "fq-test", "--run-config", f'out-dir="{out_dir}"'],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=scaled(START_TIMEOUT_S),
+        )
+        assert submit.returncode == 0, f"flwr run failed:\n{submit.stdout}\n{submit.stderr}"
+        summary_path = out_dir / "summary.json"
+        wait_while_progressing(summary_path.exists, RUN_TIMEOUT_S, "the run to finish", logs)
+
+        summary = json.loads(summary_path.read_text())
+        rows = json.loads((out_dir / "history.json").read_text())
+        assert summary["rounds"] == list(range(1, ROUNDS + 1))
+        assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
+        cumulative = 0
+        for row in rows:
+            uplink = row["train/uplink-bytes"]
+            cumulative += uplink
+            assert row["train/rejected-replies"] == 0
+            assert row["train/cumulative-uplink-bytes"] == cumulative
+            assert row["train/compression-ratio"] == pytest.approx(row["train/uplink-bytes-dense"] / uplink)
+            # QSGD with 4 levels (3 bits a weight) on a model whose 1024 weights are encoded and
+            # whose 16 biases are not: far below the dense float32 size.
+            assert row["train/compression-ratio"] > 4
+            assert row["train/quantization-mse"] > 0
+            assert row["train/downlink-bytes"] == row["train/uplink-bytes-dense"]  # float32 model both ways
+        assert (out_dir / "history.csv").read_text().startswith("round,")
+        assert summary["final-loss"] < 0.95 * summary["initial-loss"], summary
+        listing = subprocess.run(
+            [str(BIN / "flwr"), "ls", "fq-test", "--run-id", str(summary["run-id"]), "--format", "json"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=scaled(START_TIMEOUT_S),
+        )
+        assert listing.returncode == 0, f"flwr ls failed:\n{listing.stdout}\n{listing.stderr}"
+        traffic = json.loads(listing.stdout)["runs"][0]["network-traffic"]
+        _reconcile_bytes(traffic, summary["framed"], rows)
+    finally:
+        stop(proc.pid for proc in processes)
+    assert all(proc.poll() is not None for proc in processes)

@@ -1,0 +1,101 @@
+"""Fuzzing every codec's decoder with mutated payloads, in worker subprocesses (a crash fails the test).
+
+The mutator (:mod:`fedquant.testing.fuzz_mutations`) and the harness (:mod:`fedquant.testing.fuzzing`)
+are shared with ``python -m benchmarks.fuzz`` (100,000 cases and more); here a fixed-seed sample of every family runs in
+two workers, and a self-test shows that the harness does report a crash, a hang and an Inf.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedquant.errors import PayloadError
+from fedquant.testing.fuzz_mutations import KINDS, bases, families, mutate
+from fedquant.testing.fuzzing import FAILURES, canonical_specs, run_fuzz
+
+CASES_PER_FAMILY = 60
+
+
+def test_every_codec_and_coding_is_a_family():
+    from fedquant.codecs import available_codecs, codec_class
+
+    specs = families()
+    for name in available_codecs():
+        params = codec_class(name).params
+        codings = params["coding"].choices if "coding" in params else ("fixed",)
+        for coding in codings:
+            assert any(s.split(":")[0] == name and (coding == "fixed" or f"coding={coding}" in s) for s in specs)
+
+
+def test_mutations_mostly_pass_the_envelope_and_reach_the_body():
+    """Most mutated payloads must get past the CRC and header checks, or the fuzzer tests little."""
+    from fedquant.wire.payload import read_payload
+
+    spec = "qsgd:coding=entropy"
+    _, valid = bases(spec)
+    all_specs = canonical_specs(families())
+    rng = np.random.default_rng(5)
+    kinds, parsed = [], 0
+    for _ in range(400):
+        kind, data = mutate(rng, spec, valid[int(rng.integers(len(valid)))], valid[0], all_specs)
+        kinds.append(kind)
+        try:
+            read_payload(data)
+            parsed += 1
+        except PayloadError:
+            pass
+    assert set(kinds) == set(KINDS)
+    assert parsed > 0.6 * len(kinds)
+
+
+def test_no_payload_crashes_hangs_or_escapes_as_another_error():
+    specs = families()
+    report = run_fuzz(CASES_PER_FAMILY * len(specs), seed=1, workers=2, specs=specs, case_timeout=60.0)
+    assert not report.worker_errors
+    assert report.total == CASES_PER_FAMILY * len(specs)
+    assert not report.failures, "\n".join(f"{o} {s} case {i}: {d}" for s, i, o, d in report.failures[:20])
+    for spec in specs:
+        # Every family's mutations get rejected, and its valid payloads decode: a family whose
+        # bases all failed would mean a broken harness (which random mutations alone may not show).
+        assert report.counts[spec]["payload-error"] > 0, (spec, dict(report.counts[spec]))
+        codec, valid = bases(spec)
+        decoded = [codec.decode(b.payload, b.seed, b.side_info, shape=b.shape, dtype=b.dtype) for b in valid]
+        assert decoded and all(bool(torch.isfinite(y.float()).all()) for y in decoded), spec
+
+
+def test_harness_reports_crash_hang_and_nonfinite():
+    spec = "fp32"  # no kernels to load: the three worker starts stay short
+    inject = {"crash": [spec, 3], "hang": [spec, 7], "nonfinite": [spec, 0]}
+    report = run_fuzz(12, seed=1, workers=1, specs=[spec], case_timeout=5.0, inject=inject)
+    outcomes = {(i, o) for s, i, o, _ in report.failures}
+    assert outcomes == {(3, "crash"), (7, "hang"), (0, "nonfinite")}, report.failures
+    assert report.total == 12  # the cases after the crash and the hang still ran
+    assert set(FAILURES) >= {o for _, o in outcomes}
+
+
+def test_entropy_families_fuzz_the_multi_block_eight_lane_format():
+    """The mutations reach every part of the rANS section: one base of each entropy family is laid
+    out in several blocks of 8 lanes, and forged sections name several blocks too."""
+    from fedquant.testing.fuzz_mutations import _rans_bytes, forged_entropy
+    from fedquant.wire.payload import read_payload
+
+    def header_byte(section: np.ndarray, count: int, k: int) -> int:
+        return int(section[section.size - _rans_bytes(section, count, k)])
+
+    for spec in ("qsgd:coding=entropy", "rht+qsgd:coding=entropy"):
+        codec, valid = bases(spec)
+        relaid = valid[-1]
+        count = codec.wire_transforms[0].output_numel(5000) if codec.wire_transforms else 5000
+        section = np.frombuffer(bytes(read_payload(relaid.payload).body)[relaid.offset :], np.uint8)
+        flags = header_byte(section, count, codec.quantizer.num_symbols())
+        assert flags & 0x80 and (flags >> 5) & 3 == 3, spec  # several blocks, 8 lanes
+    rng = np.random.default_rng(3)
+    multi = 0
+    for _ in range(300):
+        section = np.frombuffer(forged_entropy(rng, 5000), np.uint8)
+        try:
+            multi += bool(header_byte(section, 5000, 2**16) & 0x80)
+        except (PayloadError, IndexError):  # a table inconsistent with the count, or no header
+            pass
+    assert multi > 30
