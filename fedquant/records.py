@@ -317,7 +317,7 @@ class RecordCodec:
                 if not is_payload(array) or array.dtype != PAYLOAD_DTYPE:
                     raise RecordError(f"'{name}' must carry a fedquant payload, got an Array of stype '{array.stype}'")
             else:
-                plain[name] = _check_plain_entry(name, array, sent)
+                plain[name] = check_plain_entry(name, array, sent)
         return plain
 
 
@@ -329,7 +329,11 @@ def _same_kind(dtype: str, sent: np.dtype) -> bool:
     return dtype == str(sent)
 
 
-def _check_plain_entry(name: str, array: Array, sent: np.ndarray) -> np.ndarray:
+def check_plain_entry(name: str, array: Array, sent: np.ndarray) -> np.ndarray:
+    """The value of an entry sent as it is: a NumPy array of ``sent``'s dtype kind and shape, finite floats.
+
+    Raises :class:`RecordError` naming the problem (the bytes are untrusted).
+    """
     if array.stype != NUMPY_STYPE:
         raise RecordError(f"'{name}' must travel as a NumPy array, got stype '{array.stype}'")
     want = f"{sent.dtype}{list(sent.shape)}"

@@ -22,9 +22,9 @@ from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
 from fedquant.errors import PayloadError
 from fedquant.protocol import KEY_ROLE, STATE_TRANSFORMS_KEY, payload_array, tensor_seed
+from fedquant.records import RecordCodec
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, NestedDecodePlan, QuantizedStrategy
-from fedquant.strategies.budget import probe_reply_bytes
 from fedquant.wire import payload as payload_module
 from fedquant.wire.payload import read_payload, write_payload
 from tests import flower_fakes as fakes
@@ -410,7 +410,7 @@ def test_the_budget_controller_learns_only_from_admitted_replies():
     """A client adding a 1 MiB junk ArrayRecord was rejected every round, yet its size entered the
     correction: every client's setting fell from 16 levels to 1 within 8 rounds."""
     n = 3
-    size = probe_reply_bytes(get_codec("qsgd:levels=16"), initial_arrays(), MIN_NUMEL)
+    size = RecordCodec(get_codec("qsgd:levels=16"), MIN_NUMEL).predict_bytes(initial_arrays())  # exact: fixed width
     bandwidth = dict.fromkeys(range(101, 101 + n), size / 2.0 * 1.5)
     strategy = QuantizedStrategy(
         SortedFedAvg(min_available_nodes=n), "qsgd:levels=16", seed=SEED, min_numel=MIN_NUMEL,

@@ -30,7 +30,15 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, _check_plain_entry
+from fedquant.records import RecordError, check_plain_entry
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
+
+
+def _check_plain_entry(name: str, array: Array, sent: np.ndarray) -> np.ndarray:
+    try:
+        return check_plain_entry(name, array, sent)
+    except RecordError as err:
+        raise RejectedReply(str(err)) from err
 
 
 def _single_array_record(content: RecordDict) -> ArrayRecord:
