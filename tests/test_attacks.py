@@ -591,7 +591,7 @@ def test_the_budget_correction_is_one_value_per_round():
     budget = UploadBudget(bytes_budget=10**9, min_numel=MIN_NUMEL)
     nodes = list(range(101, 111))
     budget.choose(1, {n: ClientAssignment(codec) for n in nodes}, model)
-    prior = probe_reply_bytes(codec, model, MIN_NUMEL)
+    prior = RecordCodec(codec, MIN_NUMEL).predict_bytes(model)
     sizes = {n: prior for n in nodes}
     sizes[nodes[-1]] = 5 * prior  # the last to arrive
     budget.observe(1, sizes)
