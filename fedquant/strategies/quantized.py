@@ -63,6 +63,7 @@ from fedquant.strategies.metric_screen import (
     vote_schema,
 )
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply
+from fedquant.strategies.side_info import needs_side_info
 from fedquant.strategies.update_bounds import (
     restore_dtypes,
 )
@@ -419,7 +420,7 @@ class QuantizedStrategy(Strategy):
         start = time.perf_counter()
         self.bounds.start_round()
         order = self.decode_plan.decode_order(arrival, plan.assignments)
-        for group in _vote_groups(order, plan.assignments):
+        for group in _vote_groups(order, plan.assignments, self.min_numel):
             admitted_before = bool(traffic.update_norms)
             reference = self.bounds.norm_reference(traffic.update_norms)
             pending: list[tuple[int, DecodedReply]] = []
@@ -632,7 +633,7 @@ def _with_config_entries(
     return RecordDict(records)
 
 
-def _vote_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> list[list[int]]:
+def _vote_groups(order: list[int], assignments: dict[int, ClientAssignment], min_numel: int) -> list[list[int]]:
     """Split a decode order into the first vote and the rest, each in decode order.
 
     The first vote holds every reply decodable without side information (NDQSG's P1, and its P2
@@ -640,8 +641,9 @@ def _vote_groups(order: list[int], assignments: dict[int, ClientAssignment]) -> 
     before anything becomes side information, the larger the minority it withstands. The rest
     (decoded against side information) is judged against the replies admitted before it.
     """
-    first = [n for n in order if not assignments[n].needs_side_info]
-    rest = [n for n in order if assignments[n].needs_side_info]
+    against = {n for n in order if needs_side_info(assignments[n].record_codec(min_numel))}
+    first = [n for n in order if n not in against]
+    rest = [n for n in order if n in against]
     return [group for group in (first, rest) if group]
 
 

@@ -103,7 +103,7 @@ def test_a_side_information_quantizer_makes_a_side_information_codec():
         get_codec("dqsg").decode(get_codec("dqsg").encode(torch.ones(10), 1), 1, torch.ones(10))
 
 
-@pytest.mark.parametrize("name", available_codecs())
+@pytest.mark.parametrize("name", [n for n in available_codecs() if n != "ndqsg"])  # ef+ refuses ndqsg
 def test_every_rate_ladder_starts_at_the_codec_and_keeps_its_kind(name):
     codec = get_codec(f"ef+{name}")
     ladder = codec.rate_ladder()
