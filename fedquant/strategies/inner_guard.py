@@ -29,9 +29,6 @@ from flwr.serverapp.strategy import (
 from flwr.supercore import log
 from flwr.supercore.differential_privacy import get_norm
 
-AGGREGATION_FAILED = "aggregation-failed"
-ZERO_NORM_DROPPED = "zero-norm-dropped"
-
 # Strategies that compute ``clipping_norm / update_norm`` on every reply (ZeroDivisionError at 0).
 NORM_DIVIDING: tuple[type[Strategy], ...] = (
     DifferentialPrivacyServerSideFixedClipping,

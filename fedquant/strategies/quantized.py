@@ -17,8 +17,10 @@ from flwr.supercore import log
 from fedquant.codecs import Codec, get_codec
 from fedquant.metrics.bandwidth import (
     ADMISSION_WARNINGS,
+    AGGREGATION_FAILED,
     REJECTED_REPLIES,
     REJECTED_SHARE,
+    ZERO_NORM_DROPPED,
     RoundTraffic,
     clipped_reason_key,
     content_bytes,
@@ -67,13 +69,7 @@ from fedquant.strategies.decode_plan import (
 )
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
 from fedquant.strategies.influence import InfluenceBounds
-from fedquant.strategies.inner_guard import (
-    AGGREGATION_FAILED,
-    ZERO_NORM_DROPPED,
-    guarded_evaluate,
-    guarded_train,
-    without_zero_norm_updates,
-)
+from fedquant.strategies.inner_guard import guarded_evaluate, guarded_train, without_zero_norm_updates
 from fedquant.strategies.metric_screen import (
     MetricSchema,
     check_record,
