@@ -33,6 +33,11 @@ MetricRecord:
 ``admission-warnings``       warnings the round logged: it rejected ``warn_rejected_share`` or more
                              of its replies, or its update norms split into two groups more than
                              ``norm_factor`` apart (the norm rule cannot tell which one is honest)
+``zero-norm-dropped``        admitted updates whose norm computes as 0, left out before an inner
+                             strategy that divides by update norms (Flower's server-side DP
+                             clipping; :mod:`fedquant.strategies.inner_guard`), else 0
+``aggregation-failed``       1 when the inner strategy's aggregation raised (logged; the round
+                             keeps the model), else 0; in evaluate rounds only when it raised
 ``clipped-<reason>``         replies kept with a clipped weight (``num-examples``), update norm
                              (``update-norm``) or integer change (``non-float``)
 ``client-state-resets``      accepted replies whose client reset a non-finite error-feedback residual
@@ -71,6 +76,8 @@ QUANTIZATION_MSE = "quantization-mse"
 REJECTED_REPLIES = "rejected-replies"
 REJECTED_SHARE = "rejected-share"
 ADMISSION_WARNINGS = "admission-warnings"
+ZERO_NORM_DROPPED = "zero-norm-dropped"
+AGGREGATION_FAILED = "aggregation-failed"
 CLIENT_STATE_RESETS = "client-state-resets"
 SIMULATED_UPLOAD_SECONDS = "simulated-upload-seconds"
 ENCODE_SECONDS = "encode-seconds"

@@ -17,8 +17,10 @@ from flwr.supercore import log
 from fedquant.codecs import Codec, get_codec
 from fedquant.metrics.bandwidth import (
     ADMISSION_WARNINGS,
+    AGGREGATION_FAILED,
     REJECTED_REPLIES,
     REJECTED_SHARE,
+    ZERO_NORM_DROPPED,
     RoundTraffic,
     clipped_reason_key,
     content_bytes,
@@ -55,6 +57,7 @@ from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan, default_plan
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES, DownlinkCompressor
 from fedquant.strategies.influence import InfluenceBounds
+from fedquant.strategies.inner_guard import guarded_evaluate, guarded_train, without_zero_norm_updates
 from fedquant.strategies.metric_screen import (
     MetricSchema,
     check_record,
@@ -314,7 +317,8 @@ class QuantizedStrategy(Strategy):
         plan = self._rounds.pop(server_round, None)
         if plan is None:
             log(WARNING, "%s: round %s was not configured here; replies pass through", LOG_PREFIX, server_round)
-            return self.strategy.aggregate_train(server_round, replies)
+            arrays, metrics, _ = guarded_train(self.strategy, server_round, replies)
+            return arrays, metrics
         reply_bytes = {  # as they arrived: decoding replaces the payloads by dense arrays
             r.metadata.src_node_id: content_bytes(r.content)
             for r in replies
@@ -327,8 +331,10 @@ class QuantizedStrategy(Strategy):
         clipped = self.bounds.bound_weights(records, "train")
         plan.traffic.clipped_reasons += [REASON_WEIGHT] * clipped
         survivors = [r for r in replies if r.has_error()] + admitted
+        survivors, zero_dropped = without_zero_norm_updates(self.strategy, survivors, plan.model)
+        failed = False
         if admitted:
-            arrays, metrics = self.strategy.aggregate_train(server_round, survivors)
+            arrays, metrics, failed = guarded_train(self.strategy, server_round, survivors)
             arrays = restore_dtypes(arrays, plan.dtypes)
             metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
         else:
@@ -346,6 +352,8 @@ class QuantizedStrategy(Strategy):
             server_round, "train", len(plan.traffic.rejected_reasons), plan.traffic.replies
         )
         metrics = MetricRecord() if metrics is None else metrics
+        own[AGGREGATION_FAILED] = int(failed)
+        own[ZERO_NORM_DROPPED] = zero_dropped
         for key, value in {**own, **both_ways, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
         if self.recorder is not None:
@@ -597,9 +605,9 @@ class QuantizedStrategy(Strategy):
         clipped = self.bounds.bound_weights(records, "evaluate")
         survivors = [r for r in replies if r.has_error()] + admitted
         dropped = len(content_replies) - len(admitted)
-        metrics = None
+        metrics, failed = None, False
         if admitted:
-            metrics = self.strategy.aggregate_evaluate(server_round, survivors)
+            metrics, failed = guarded_evaluate(self.strategy, server_round, survivors)
             metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
         warned = self._warn_rejections(server_round, "evaluate", dropped, len(content_replies))
         if dropped or clipped:
@@ -608,6 +616,9 @@ class QuantizedStrategy(Strategy):
             metrics[REJECTED_SHARE] = dropped / len(content_replies)
             metrics[clipped_reason_key(REASON_WEIGHT)] = clipped
             metrics[ADMISSION_WARNINGS] = warned
+        if failed:
+            metrics = MetricRecord() if metrics is None else metrics
+            metrics[AGGREGATION_FAILED] = 1
         if self.recorder is not None and metrics is not None:
             self.recorder.record(server_round, metrics, prefix=EVALUATE_PREFIX)
         return metrics
