@@ -61,17 +61,34 @@ def _omega_lengths(v: np.ndarray) -> np.ndarray:
 
 
 def _write_bits(codes: np.ndarray, widths: np.ndarray, pad_ones: bool) -> tuple[np.ndarray, int]:
-    """The pieces ``codes`` (uint64, ``widths`` bits each, <= 64) back to back, MSB first; ``(bytes, bits)``."""
+    """The pieces ``codes`` (uint64, ``widths`` bits each, <= 64) back to back, MSB first; ``(bytes, bits)``.
+
+    Each piece lands in one or two big-endian 64-bit words; the parts in each word are ORed
+    together (``reduceat`` over the pieces that start in it: they do not overlap).
+    """
     codes, widths = codes.reshape(-1), widths.reshape(-1)
+    if widths.size and int(widths.min()) == 0:
+        used = widths > 0
+        codes, widths = codes[used], widths[used]
     total = int(widths.sum())
-    starts = np.cumsum(widths) - widths
-    within = np.arange(total, dtype=np.int64) - np.repeat(starts, widths)
-    shift = (np.repeat(widths, widths) - 1 - within).astype(np.uint64)
-    bits = ((np.repeat(codes, widths) >> shift) & np.uint64(1)).astype(np.uint8)
+    if total == 0:
+        return np.zeros(0, np.uint8), 0
+    start = np.cumsum(widths) - widths
+    word, off = start >> 6, start & 63
+    spill = off + widths - 64  # bits that go on into the next word (> 0)
+    split = spill > 0
+    first = np.where(split, codes >> np.maximum(spill, 0).astype(np.uint64),
+                     codes << np.maximum(-spill, 0).astype(np.uint64))  # fmt: skip
+    heads = np.flatnonzero(np.r_[True, word[1:] != word[:-1]])
+    words = np.zeros((total + 63) >> 6, np.uint64)
+    words[word[heads]] = np.bitwise_or.reduceat(first, heads)
+    # At most one piece crosses each word boundary: the spilled parts go to distinct words.
+    words[word[split] + 1] |= codes[split] << (64 - spill[split]).astype(np.uint64)
+    out = words.astype(">u8").view(np.uint8)[: (total + 7) >> 3].copy()
     pad = -total % 8
-    if pad:
-        bits = np.concatenate([bits, np.full(pad, 1 if pad_ones else 0, np.uint8)])
-    return np.packbits(bits), total
+    if pad and pad_ones:
+        out[-1] |= (1 << pad) - 1
+    return out, total
 
 
 def omega_lengths(values):
@@ -88,37 +105,82 @@ def _magnitudes(levels: np.ndarray) -> np.ndarray:
     return np.abs(levels.astype(np.int64)).astype(np.uint64)
 
 
+def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Consecutive short pieces (one per element each) as one piece per element, if all fit in 64 bits.
+
+    The common case (every value below the short table's bound): a third of the memory and
+    of the work of separate pieces.
+    """
+    code, width = parts[0]
+    for c, w in parts[1:]:
+        code = (code << w.astype(np.uint64)) | c
+        width = width + w
+    return (code, width) if width.size == 0 or int(width.max()) <= 64 else None
+
+
+def _short(v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(code, width)`` of each uint64 ``v`` from the short table, or None if one is not in it."""
+    e = _tables()
+    if v.size and int(v.max()) >= e._SHORT:
+        return None
+    i = v.astype(np.int64)
+    return e._ENC_CODE[i], e._ENC_LEN[i]
+
+
 def sparse_encode(levels):
     """Twin of ``elias._sparse_encode_kernel`` (Code_s: gap, sign, magnitude per nonzero; 1-bit padding)."""
     nz = np.flatnonzero(levels)
     gaps = np.diff(nz, prepend=-1).astype(np.uint64)
     lv = levels[nz].astype(np.int64)
+    sign = ((lv < 0).astype(np.uint64), np.ones(nz.size, np.int64))
+    mags = _magnitudes(lv)
+    gap_short, mag_short = _short(gaps), _short(mags)
+    if gap_short is not None and mag_short is not None:
+        joined = _joined([gap_short, sign, mag_short])
+        if joined is not None:
+            return _write_bits(*joined, True)
     gap_codes, gap_widths = _omega_pieces(gaps)
-    mag_codes, mag_widths = _omega_pieces(_magnitudes(lv))
-    codes = np.concatenate([gap_codes, (lv < 0).astype(np.uint64)[:, None], mag_codes], axis=1)
-    widths = np.concatenate([gap_widths, np.ones((nz.size, 1), np.int64), mag_widths], axis=1)
+    mag_codes, mag_widths = _omega_pieces(mags)
+    codes = np.concatenate([gap_codes, sign[0][:, None], mag_codes], axis=1)
+    widths = np.concatenate([gap_widths, sign[1][:, None], mag_widths], axis=1)
     return _write_bits(codes, widths, True)
 
 
 def dense_encode(levels):
     """Twin of ``elias._dense_encode_kernel`` (Code'_s: omega(|l| + 1), then a sign bit if ``l != 0``)."""
     lv = levels.astype(np.int64)
-    codes, widths = _omega_pieces(_magnitudes(lv) + np.uint64(1))
-    codes = np.concatenate([codes, (lv < 0).astype(np.uint64)[:, None]], axis=1)
-    widths = np.concatenate([widths, (lv != 0).astype(np.int64)[:, None]], axis=1)
+    v = _magnitudes(lv) + np.uint64(1)
+    sign = ((lv < 0).astype(np.uint64), (lv != 0).astype(np.int64))
+    short = _short(v)
+    if short is not None:
+        joined = _joined([short, sign])
+        if joined is not None:
+            return _write_bits(*joined, False)
+    codes, widths = _omega_pieces(v)
+    codes = np.concatenate([codes, sign[0][:, None]], axis=1)
+    widths = np.concatenate([widths, sign[1][:, None]], axis=1)
     return _write_bits(codes, widths, False)
 
 
 # ---------------------------------------------------------------------------------------------- decoders
 class _Bits:
-    """The kernels' bit reader on a zero-padded byte buffer, with the decode tables as lists."""
+    """The kernels' bit reader on a zero-padded byte buffer.
 
-    def __init__(self, buf: np.ndarray):
-        e = _tables()
+    ``at(table)`` is ``table[window]`` for the 12-bit window at every bit position up to ``end``
+    (a list, computed in one NumPy pass), so the decode loops look codewords up by position.
+    """
+
+    def __init__(self, buf: np.ndarray, end: int, *tables: np.ndarray):
         self.buf = buf.tobytes()
-        self.dec_val, self.dec_len = e._DEC_VAL.tolist(), e._DEC_LEN.tolist()
-        self.dense_val, self.dense_len = e._DENSE_VAL.tolist(), e._DENSE_LEN.tolist()
-        self.signed_val, self.signed_len = e._SIGNED_VAL.tolist(), e._SIGNED_LEN.tolist()
+        pos = np.arange(end + 1, dtype=np.int64)
+        b = pos >> 3
+        three = (buf[b].astype(np.int64) << 16) | (buf[b + 1].astype(np.int64) << 8) | buf[b + 2]
+        self.window = (three >> (12 - (pos & 7))) & ((1 << _PEEK) - 1)
+        e = _tables()
+        self.dec_len, self.dec_val = self.at(e._DEC_LEN), self.at(e._DEC_VAL)
+
+    def at(self, table: np.ndarray) -> list:
+        return table[self.window].tolist()
 
     def peek(self, pos: int, width: int) -> int:
         b = pos >> 3
@@ -144,16 +206,15 @@ class _Bits:
             pos += width
 
     def omega(self, pos: int, end: int):
-        window = self.peek(pos, _PEEK)
-        width = self.dec_len[window]
+        width = self.dec_len[pos]
         if width != 0 and pos + width <= end:
-            return _OK, self.dec_val[window], pos + width
+            return _OK, self.dec_val[pos], pos + width
         return self.omega_long(pos, end)
 
 
 def omega_decode(buf, end, out, max_value):
     """Twin of ``elias._omega_decode_kernel``: ``(status, index, bit position)``."""
-    bits = _Bits(buf)
+    bits = _Bits(buf, end)
     max_value = int(max_value)
     values = []
     pos = 0
@@ -170,7 +231,8 @@ def omega_decode(buf, end, out, max_value):
 
 def sparse_decode(buf, end, self_delimiting, out, s):
     """Twin of ``elias._sparse_decode_kernel``: ``(status, bit position)``; ``out`` (zeroed) filled."""
-    bits = _Bits(buf)
+    bits = _Bits(buf, end)
+    signed_len, signed_val = bits.at(_tables()._SIGNED_LEN), bits.at(_tables()._SIGNED_VAL)
     s = int(s)
     n = out.size
     pos, last = 0, -1
@@ -190,10 +252,9 @@ def sparse_decode(buf, end, self_delimiting, out, s):
             status = _GAP_PAST_END
             break
         last += gap
-        window = bits.peek(pos, _PEEK)
-        width = bits.signed_len[window]
+        width = signed_len[pos]
         if width != 0 and pos + width <= end:
-            level = bits.signed_val[window]
+            level = signed_val[pos]
             pos += width
         else:
             if pos >= end:
@@ -219,16 +280,15 @@ def sparse_decode(buf, end, self_delimiting, out, s):
 
 def dense_decode(buf, end, out, s):
     """Twin of ``elias._dense_decode_kernel``: ``(status, index, bit position)``."""
-    bits = _Bits(buf)
+    bits = _Bits(buf, end)
+    dense_len, dense_val = bits.at(_tables()._DENSE_LEN), bits.at(_tables()._DENSE_VAL)
     s = int(s)
     levels = []
     pos = 0
-    dense_len, dense_val = bits.dense_len, bits.dense_val
     for i in range(out.size):
-        window = bits.peek(pos, _PEEK)
-        width = dense_len[window]
+        width = dense_len[pos]
         if width != 0 and pos + width <= end:
-            level = dense_val[window]
+            level = dense_val[pos]
             pos += width
         else:
             status, v, pos = bits.omega(pos, end)

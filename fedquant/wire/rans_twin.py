@@ -92,50 +92,34 @@ def histogram(symbols, parts, bins):
 
 # ---------------------------------------------------------------------------------------------- encoder
 def _encode_block(sym, lo, hi, lanes, tab, floor, end):
-    """Port of ``rans._encode_block``: ``(start, ok, words)``, ``words`` the block's stream from ``start``."""
+    """Port of ``rans._encode_block``: ``(start, ok, words)``, ``words`` the block's stream from ``start``.
+
+    One loop over the symbols, last first, with the kernel's room checks where it makes them:
+    before each symbol, except in its 8-lane rounds (``[lo, full)``), once per round of 8.
+    """
     states = [_LOW] * lanes
     emitted = []  # words in the order the encoder writes them (decreasing positions)
     wp = end
-    count = hi - lo
-    full = lo + (count // lanes) * lanes
-    fast = lanes == _FAST_LANES
+    full = lo + ((hi - lo) // lanes) * lanes
+    per_round = lanes == _FAST_LANES
     seen = 0
-
-    def step(x, s):
-        nonlocal wp
-        row = s * _ENC_ROW
+    for i in range(hi - 1, lo - 1, -1):
+        j = (i - lo) % lanes
+        if not per_round or i >= full:
+            if wp < floor + 1:
+                return wp, False, None
+        elif j == 7 and wp < floor + 8:
+            return wp, False, None
+        x = states[j]
+        row = sym[i] * _ENC_ROW
         if x >= tab[row + 2]:
             emitted.append(x & _M32)
             wp -= 1
             x >>= 32
         packed = tab[row + 1]
         q = ((x * tab[row]) >> 64) >> (packed >> 50)
-        return (x + (packed & _M25) + q * ((packed >> 25) & _M24)) & _M64, packed
-
-    stop = full if fast else lo
-    if lanes == 1:
-        stop = hi
-        x = _LOW
-        for i in range(hi - 1, lo - 1, -1):
-            if wp < floor + 1:
-                return wp, False, None
-            x, packed = step(x, sym[i])
-            seen |= packed
-        states[0] = x
-    for i in range(hi - 1, stop - 1, -1):
-        if wp < floor + 1:
-            return wp, False, None
-        j = (i - lo) % lanes
-        states[j], packed = step(states[j], sym[i])
+        states[j] = (x + (packed & _M25) + q * ((packed >> 25) & _M24)) & _M64
         seen |= packed
-    if fast:
-        for r in range((full - lo) // 8 - 1, -1, -1):
-            if wp < floor + 8:
-                return wp, False, None
-            b = lo + 8 * r
-            for j in range(7, -1, -1):
-                states[j], packed = step(states[j], sym[b + j])
-                seen |= packed
     if seen & _ABSENT or wp < floor + 2 * lanes:
         return wp, False, None
     head = []
