@@ -91,36 +91,46 @@ def histogram(symbols, parts, bins):
 
 
 # ---------------------------------------------------------------------------------------------- encoder
-def _encode_block(sym, lo, hi, lanes, tab, floor, end):
+def _encode_block(sym, lo, hi, lanes, rows, floor, end):
     """Port of ``rans._encode_block``: ``(start, ok, words)``, ``words`` the block's stream from ``start``.
 
-    One loop over the symbols, last first, with the kernel's room checks where it makes them:
-    before each symbol, except in its 8-lane rounds (``[lo, full)``), once per round of 8.
+    A block with a symbol the table does not know fails, as in the kernel (which fails on it, or
+    on the room it uses up). The kernel checks the room before each symbol, except in its 8-lane
+    rounds (``[lo, full)``), where it checks ``wp >= floor + 8`` once per round; ``wp`` only
+    decreases, so checking before the last symbol of each kind (and the last round) is the same.
     """
+    x_max, rcp, bias, shift, scale, absent = rows
+    if any(absent[v] for v in set(sym[lo:hi])):
+        return end, False, None
     states = [_LOW] * lanes
     emitted = []  # words in the order the encoder writes them (decreasing positions)
     wp = end
+
+    def run(top, bottom):  # symbols top .. bottom, last first
+        nonlocal wp
+        for i in range(top, bottom - 1, -1):
+            j = (i - lo) % lanes
+            x = states[j]
+            v = sym[i]
+            if x >= x_max[v]:
+                emitted.append(x & _M32)
+                wp -= 1
+                x >>= 32
+            states[j] = x + bias[v] + (((x * rcp[v]) >> 64) >> shift[v]) * scale[v]
+
     full = lo + ((hi - lo) // lanes) * lanes
-    per_round = lanes == _FAST_LANES
-    seen = 0
-    for i in range(hi - 1, lo - 1, -1):
-        j = (i - lo) % lanes
-        if not per_round or i >= full:
-            if wp < floor + 1:
-                return wp, False, None
-        elif j == 7 and wp < floor + 8:
+    stop = full if lanes == _FAST_LANES else lo  # the per-symbol checks run down to here
+    if hi > stop:
+        run(hi - 1, stop + 1)
+        if wp < floor + 1:
             return wp, False, None
-        x = states[j]
-        row = sym[i] * _ENC_ROW
-        if x >= tab[row + 2]:
-            emitted.append(x & _M32)
-            wp -= 1
-            x >>= 32
-        packed = tab[row + 1]
-        q = ((x * tab[row]) >> 64) >> (packed >> 50)
-        states[j] = (x + (packed & _M25) + q * ((packed >> 25) & _M24)) & _M64
-        seen |= packed
-    if seen & _ABSENT or wp < floor + 2 * lanes:
+        run(stop, stop)
+    if stop > lo:  # 8-lane rounds
+        run(stop - 1, lo + 8)
+        if wp < floor + 8:
+            return wp, False, None
+        run(lo + 7, lo)
+    if wp < floor + 2 * lanes:
         return wp, False, None
     head = []
     for x in states:  # lane 0's state comes first, low word first
@@ -133,12 +143,20 @@ def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
     """Twin of :func:`fedquant.wire.rans.encode_blocks` (same words in ``out[starts[b]:ends[b]]``)."""
     n = symbols.size
     sym = symbols.tolist()
-    tab = table.tolist()
+    packed = table[1::_ENC_ROW]
+    rows = (
+        table[2::_ENC_ROW].tolist(),
+        table[0::_ENC_ROW].tolist(),
+        (packed & np.uint64(_M25)).tolist(),
+        (packed >> np.uint64(50)).tolist(),
+        ((packed >> np.uint64(25)) & np.uint64(_M24)).tolist(),
+        ((packed & np.uint64(_ABSENT)) != 0).tolist(),
+    )
     for b in range(ends.size):
         lo = b * block
         floor = int(ends[b - 1]) if b else 0
         end = int(ends[b])
-        start, good, words = _encode_block(sym, lo, min(lo + block, n), lanes, tab, floor, end)
+        start, good, words = _encode_block(sym, lo, min(lo + block, n), lanes, rows, floor, end)
         starts[b] = start
         ok[b] = good
         if good:
@@ -160,14 +178,28 @@ def _decode_block(words, rp, end, lo, hi, lanes, precision, lookup, out):
         rp += 2
     mask = (1 << precision) - 1
     decoded = []
-    if len(freq_offset):
+    if len(freq_offset) and lanes == 1:  # one state, in a local
+        freq, offset = freq_offset
+        append = decoded.append
+        (x,) = states
+        for _ in range(hi - lo):
+            slot = x & mask
+            append(symbol[slot])
+            x = freq[slot] * (x >> precision) + offset[slot]
+            if x < _LOW:
+                if rp >= end:
+                    return 2
+                x = (x << 32) | words[rp]
+                rp += 1
+        states[0] = x
+    elif len(freq_offset):
+        freq, offset = freq_offset
         for k in range(hi - lo):
             j = k % lanes
             x = states[j]
             slot = x & mask
-            e = freq_offset[slot]
             decoded.append(symbol[slot])
-            x = (e >> 16) * (x >> precision) + (e & _M16)
+            x = freq[slot] * (x >> precision) + offset[slot]
             if x < _LOW:
                 if rp >= end:
                     return 2
@@ -206,7 +238,9 @@ def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
     """Twin of :func:`fedquant.wire.rans.decode_blocks`: the same symbols and per-block status."""
     n = out.size
     w = words.tolist()
-    tables = tuple(a.tolist() for a in lookup)
+    freq_offset, *rest = lookup
+    split = ((freq_offset >> 16).tolist(), (freq_offset & _M16).tolist()) if freq_offset.size else ()
+    tables = (split, *(a.tolist() for a in rest))
     for b in range(offsets.size - 1):
         lo = b * block
         hi = min(lo + block, n)
