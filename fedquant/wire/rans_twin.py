@@ -178,6 +178,8 @@ def _decode_block(words, rp, end, lo, hi, lanes, precision, lookup, out):
         rp += 2
     mask = (1 << precision) - 1
     decoded = []
+    # Three copies of the step (one lane, direct tables, buckets): a helper call per symbol would
+    # cost a third more, and this loop is the twin's hot path.
     if len(freq_offset) and lanes == 1:  # one state, in a local
         freq, offset = freq_offset
         append = decoded.append
