@@ -41,8 +41,11 @@ def twins():
     try:
         yield
     finally:
-        os.environ[cache.MODE_ENV] = before if before is not None else "numba"
-        cache.READY = cache.kernels_ready()
+        if before is None:
+            del os.environ[cache.MODE_ENV]
+        else:
+            os.environ[cache.MODE_ENV] = before
+        cache.READY = cache.mode() == "numba"  # as conftest leaves it; auto re-checks the marker
 
 
 def both(fn):

@@ -105,11 +105,11 @@ def use_twin(work) -> bool:
 
     True while the compiled kernels are not ready (:func:`~fedquant.codecs.kernels.cache.kernels_ready`)
     and ``work`` has at most ``TWIN_MAX`` elements: above, a twin in Python would take longer than
-    compiling the kernel.
+    compiling the kernel (``FEDQUANT_KERNELS=twin`` runs the twins at any size).
     """
     if cache.READY or cache.kernels_ready():
         return False
-    return getattr(work, "size", work) <= TWIN_MAX
+    return getattr(work, "size", work) <= TWIN_MAX or cache.mode() == "twin"
 
 
 def with_twin(twin: Callable, *, count_arg: int = 0) -> Callable:
