@@ -27,7 +27,8 @@ Every encoder returns ``(uint8 bytes, total_bits)`` with ``len(bytes) == ceil(to
 and ``total_bits`` equal to the sum of the codeword (and sign bit) lengths. Every decoder checks
 untrusted input: a stream that ends early, an over-long (malformed) codeword, a value beyond
 its bound, a gap past the end of the vector, wrong padding or trailing bytes raise
-:class:`~fedquant.errors.PayloadError`. Kernels are numba-compiled (cached on disk).
+:class:`~fedquant.errors.PayloadError`. Kernels are numba-compiled (cached on disk); while the cache
+is cold their twins in :mod:`fedquant.wire.elias_twin` run (same bytes, same checks).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from fedquant.codecs.kernels.common import with_twin
 from fedquant.errors import PayloadError
+from fedquant.wire import elias_twin
 
 __all__ = [
     "code_s_decode",
@@ -284,6 +287,7 @@ def _get_omega(buf, pos, end):
 # Kernels.
 
 
+@with_twin(elias_twin.omega_lengths)
 @numba.njit(cache=True, nogil=True)
 def _omega_lengths_kernel(values):
     out = np.empty(values.size, np.int64)
@@ -292,6 +296,7 @@ def _omega_lengths_kernel(values):
     return out
 
 
+@with_twin(elias_twin.omega_encode)
 @numba.njit(cache=True, nogil=True)
 def _omega_encode_kernel(values):
     total = 0
@@ -311,6 +316,7 @@ def _omega_encode_kernel(values):
     return out[:op], total
 
 
+@with_twin(elias_twin.omega_decode, count_arg=2)
 @numba.njit(cache=True, nogil=True)
 def _omega_decode_kernel(buf, end, out, max_value):
     """Fill ``out``; returns (status, index of the failing value, bit position reached)."""
@@ -330,6 +336,7 @@ def _magnitude(lv):
     return np.uint64(-lv) if lv < 0 else np.uint64(lv)
 
 
+@with_twin(elias_twin.sparse_encode)
 @numba.njit(cache=True, nogil=True)
 def _sparse_encode_kernel(levels):
     total = 0
@@ -368,6 +375,7 @@ def _sparse_encode_kernel(levels):
     return out[:op], total
 
 
+@with_twin(elias_twin.sparse_decode, count_arg=3)
 @numba.njit(cache=True, nogil=True)
 def _sparse_decode_kernel(buf, end, self_delimiting, out, s):
     """Fill ``out`` (zeroed) from a Code_s stream; returns (status, bit position reached)."""
@@ -408,6 +416,7 @@ def _sparse_decode_kernel(buf, end, self_delimiting, out, s):
         out[last] = level
 
 
+@with_twin(elias_twin.dense_encode)
 @numba.njit(cache=True, nogil=True)
 def _dense_encode_kernel(levels):
     total = 0
@@ -434,6 +443,7 @@ def _dense_encode_kernel(levels):
     return out[:op], total
 
 
+@with_twin(elias_twin.dense_decode, count_arg=2)
 @numba.njit(cache=True, nogil=True)
 def _dense_decode_kernel(buf, end, out, s):
     """Fill ``out`` from a Code'_s stream; returns (status, index reached, bit position)."""

@@ -26,6 +26,9 @@ table too large for a short stream) a table of ``2**B`` buckets of slots (``B <=
 first candidate symbol and a search finds the one that holds the slot (at most ``2**(P - B)``
 steps: the ranges that start inside the bucket).
 
+Each kernel called from Python has a twin in :mod:`fedquant.wire.rans_twin` (same bytes and
+statuses), run while numba's cache is cold.
+
 Kernels do not check the indices they compute from their own tables; every index computed from
 payload words is checked (the state against ``[2**31, 2**63)``, every word read against the
 block's end, once per round of 8 symbols on the fast path), and a decoded block must end with
@@ -39,7 +42,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels.common import parallel_kernel
+from fedquant.codecs.kernels.common import parallel_kernel, with_twin
+from fedquant.wire import rans_twin
 
 STATE_LOW = 1 << 31
 FAST_LANES = 8  # lanes of the register-held fast paths
@@ -79,6 +83,7 @@ def _mulhi64(typingctx, a, b):
 
 
 # ---------------------------------------------------------------------------------------------- tables
+@with_twin(rans_twin.quantize_counts)
 @njit(cache=True, nogil=True)
 def quantize_counts(counts, n, precision):
     """Integer frequencies ``>= 1`` summing to ``2**precision``, about ``counts * 2**precision / n``.
@@ -109,6 +114,7 @@ def quantize_counts(counts, n, precision):
     return freq
 
 
+@with_twin(rans_twin.model_bits)
 @njit(cache=True, nogil=True)
 def model_bits(counts, freq, precision):
     """Bits that ``counts`` cost under frequencies ``freq`` of ``precision`` (the cross-entropy, float)."""
@@ -118,6 +124,7 @@ def model_bits(counts, freq, precision):
     return total
 
 
+@with_twin(rans_twin.encoder_table)
 @njit(cache=True, nogil=True)
 def encoder_table(symbols, freq, rows, precision):
     """Per symbol value, ``ENC_ROW`` uint64: reciprocal, packed ``bias | M - f << 25 | shift << 50``, ``x_max``.
@@ -156,6 +163,7 @@ def encoder_table(symbols, freq, rows, precision):
     return table
 
 
+@with_twin(rans_twin.direct_table)
 @njit(cache=True, nogil=True)
 def direct_table(symbols, freq, precision):
     """The decoder's tables of ``2**precision`` slots: ``f << 16 | slot - c`` (uint32) and the symbol."""
@@ -270,7 +278,7 @@ def _encode_block(symbols, lo, hi, lanes, table, out, floor, end):
     return wp, True
 
 
-@parallel_kernel
+@parallel_kernel(twin=rans_twin.encode_blocks)
 def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
     """Code each block of ``block`` symbols into ``out[ends[b - 1]:ends[b]]``; its words start at ``starts[b]``."""
     n = symbols.size
@@ -402,7 +410,7 @@ def _decode_block(words, rp, end, out, lo, hi, lanes, precision, lookup):
     return 0
 
 
-@parallel_kernel(count_arg=2)
+@parallel_kernel(count_arg=2, twin=rans_twin.decode_blocks)
 def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
     """Decode each block (``block`` symbols of ``out``) from ``words[offsets[b]:offsets[b + 1]]`` into ``status[b]``."""
     n = out.size
@@ -413,7 +421,7 @@ def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
 
 
 # ---------------------------------------------------------------------------------------------- histogram
-@parallel_kernel
+@parallel_kernel(twin=rans_twin.histogram)
 def histogram(symbols, parts, bins):
     """Counts of ``symbols`` in ``parts`` parallel pieces: ``bins + 1`` entries, the last for values ``>= bins``.
 

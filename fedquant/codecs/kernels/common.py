@@ -77,6 +77,8 @@ from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE, 
 CHUNK = 1 << 14
 PARALLEL_MIN = 1 << 16
 SERIAL_SUFFIX = "__serial"
+#: Largest call (elements) that runs a twin while the cache is cold; above, the kernel compiles.
+TWIN_MAX = 1 << 21
 
 _GAMMA = np.uint64(GOLDEN_GAMMA)
 _MIX1 = np.uint64(MIX1)
@@ -96,6 +98,38 @@ def _serial_twin(fn: Callable) -> Callable:
     twin.__qualname__ = fn.__qualname__ + SERIAL_SUFFIX
     twin.__doc__ = fn.__doc__
     return twin
+
+
+def use_twin(work) -> bool:
+    """Whether a call on ``work`` (an array, or an element count) runs a kernel's twin.
+
+    True while the compiled kernels are not ready (:func:`~fedquant.codecs.kernels.cache.kernels_ready`)
+    and ``work`` has at most ``TWIN_MAX`` elements: above, a twin in Python would take longer than
+    compiling the kernel (``FEDQUANT_KERNELS=twin`` runs the twins at any size).
+    """
+    if cache.READY or cache.kernels_ready():
+        return False
+    return getattr(work, "size", work) <= TWIN_MAX or cache.mode() == "twin"
+
+
+def with_twin(twin: Callable, *, count_arg: int = 0) -> Callable:
+    """Decorate a plain ``njit`` kernel called from Python: ``twin`` runs instead when :func:`use_twin`.
+
+    ``twin`` takes the same arguments and gives the same results (bytes, statuses); ``count_arg``
+    is the position of the argument that gives the element count. The dispatcher stays
+    reachable as ``.kernel`` (the warm-up and the tests call it), the twin as ``.twin``.
+    """
+
+    def build(kernel: Callable) -> Callable:
+        @functools.wraps(kernel.py_func)
+        def call(*args):
+            return (twin if use_twin(args[count_arg]) else kernel)(*args)
+
+        call.kernel = kernel
+        call.twin = twin
+        return call
+
+    return build
 
 
 def parallel_kernel(fn: Callable | None = None, *, count_arg: int = 0, twin: Callable | None = None) -> Callable:
@@ -130,9 +164,9 @@ def parallel_kernel(fn: Callable | None = None, *, count_arg: int = 0, twin: Cal
 
         @functools.wraps(fn)
         def kernel(*args):
-            if twin is not None and not (cache.READY or cache.kernels_ready()):
-                return twin(*args)
             work = args[count_arg]
+            if twin is not None and use_twin(work):
+                return twin(*args)
             return (par if getattr(work, "size", work) >= PARALLEL_MIN else seq)(*args)
 
         kernel.parallel = par
@@ -149,7 +183,7 @@ def module_dispatchers(module: types.ModuleType) -> list:
 
     found = []
     for fn in vars(module).values():
-        for candidate in (fn, getattr(fn, "parallel", None), getattr(fn, "serial", None)):
+        for candidate in (fn, *(getattr(fn, a, None) for a in ("parallel", "serial", "kernel"))):
             if isinstance(candidate, CPUDispatcher):
                 found.append(candidate)
     return found

@@ -60,6 +60,32 @@ def exercise(spec: str, sizes: tuple[int, ...]) -> None:
         codec.decode(codec.encode(x, seed=n), n, estimate)
 
 
+def exercise_wire(sizes: tuple[int, ...]) -> None:
+    """Encode and decode with every wire coder directly, at the argument types the codecs may reach.
+
+    The codecs' specs reach the rANS coder with uint8 symbols and one Code_s variant per stream (the
+    shorter one is sent); this covers uint16 symbols (alphabets above 256), both Code_s decoders,
+    and int32 levels (``s > 127``).
+    """
+    import numpy as np
+
+    from fedquant.wire import elias, entropy
+
+    for n in sizes:
+        rng = np.random.default_rng(n)
+        for num_symbols in (9, 300):
+            symbols = np.minimum(rng.geometric(0.3, n) - 1, num_symbols - 1).astype(entropy._symbol_dtype(num_symbols))
+            entropy.entropy_decode(entropy.entropy_encode(symbols, num_symbols), n, num_symbols)
+        for s in (4, 1000):
+            levels = (rng.integers(-s, s + 1, n) * (rng.random(n) < 0.2)).astype(np.int8 if s < 128 else np.int32)
+            elias.code_s_decode(elias.code_s_encode(levels)[0], n, s)
+            elias.code_s_dense_decode(elias.code_s_dense_encode(levels)[0], n, s)
+        values = rng.integers(1, 1 << 40, n, dtype=np.uint64)
+        data, nbits = elias.elias_omega_encode(values)
+        elias.elias_omega_decode(data, n, 1 << 40, nbits)
+        elias.elias_omega_lengths(values)
+
+
 def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
     """Compile every spec of :func:`warm_specs`; returns the ``(spec, error)`` of those that failed."""
     from fedquant.codecs.kernels.common import PARALLEL_MIN
@@ -68,6 +94,13 @@ def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
     cache.READY = True
     sizes = (3000, PARALLEL_MIN + 1001)
     failed = []
+    t0 = time.perf_counter()
+    try:
+        exercise_wire(sizes)
+    except Exception as err:
+        failed.append(("wire coders", f"{type(err).__name__}: {err}"))
+    if verbose:
+        print(f"{'wire coders':32s} {time.perf_counter() - t0:6.1f} s", flush=True)
     for spec in warm_specs():
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,249 @@
+"""Pure Python / NumPy twins of the rANS kernels of :mod:`fedquant.wire.rans` (same bytes, no compile).
+
+Run while numba's cache is cold (:mod:`fedquant.codecs.kernels.cache`). The coder itself is a
+chain of dependent steps per lane, which NumPy cannot vectorize over time and the lanes are too
+few (8 per block) to amortize a NumPy call per step, so :func:`encode_blocks` and
+:func:`decode_blocks` are line-by-line ports of the kernels on Python integers (about 1 us per
+symbol; 128-bit products are exact). The decoder keeps every check of the kernel on payload
+words and returns the same status codes; its result does not depend on the kernel's unchecked
+8-symbol fast path, which only runs where no check can fail. The tables are built with NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_LOW = 1 << 31
+_HIGH = 1 << 63
+_M16 = 0xFFFF
+_M24 = (1 << 24) - 1
+_M25 = (1 << 25) - 1
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_ABSENT = 1 << 49
+_FAST_LANES = 8
+_ENC_ROW = 4
+
+
+def quantize_counts(counts, n, precision):
+    """Twin of :func:`fedquant.wire.rans.quantize_counts` (stable sorts as in the kernel)."""
+    total = 1 << precision
+    freq = np.maximum(1, (counts * total) // n).astype(np.int64)
+    excess = int(freq.sum()) - total
+    if excess > 0:
+        for i in np.argsort(-freq, kind="mergesort"):
+            take = min(int(freq[i]) - 1, excess)
+            freq[i] -= take
+            excess -= take
+            if excess == 0:
+                break
+    elif excess < 0:
+        order = np.argsort(freq * n - counts * total, kind="mergesort")
+        freq[order[:-excess]] += 1
+    return freq
+
+
+def model_bits(counts, freq, precision):
+    """Twin of :func:`fedquant.wire.rans.model_bits` (summed in the kernel's order, libm ``log2``)."""
+    total = 0.0
+    for c, f in zip(counts.tolist(), freq.tolist(), strict=True):
+        total += c * (precision - math.log2(f))
+    return total
+
+
+def encoder_table(symbols, freq, rows, precision):
+    """Twin of :func:`fedquant.wire.rans.encoder_table`."""
+    table = np.zeros(rows * _ENC_ROW, np.uint64)
+    table[1::_ENC_ROW] = _ABSENT
+    total = 1 << precision
+    start = 0
+    for s, f in zip(symbols.tolist(), freq.tolist(), strict=True):
+        row = s * _ENC_ROW
+        if f == 1:
+            rcp, rshift, bias = _M64, 0, start + total - 1
+        else:
+            shift = (f - 1).bit_length()  # ceil(log2 f)
+            rcp, rshift, bias = -((-1 << (63 + shift)) // f), shift - 1, start  # ceil(2**(63+s) / f)
+        table[row] = rcp
+        table[row + 1] = bias | ((total - f) << 25) | (rshift << 50)
+        table[row + 2] = f << (63 - precision)
+        start += f
+    return table
+
+
+def direct_table(symbols, freq, precision):
+    """Twin of :func:`fedquant.wire.rans.direct_table`."""
+    freq = np.asarray(freq, np.int64)
+    starts = np.cumsum(freq) - freq
+    offsets = np.arange(1 << precision, dtype=np.int64) - np.repeat(starts, freq)
+    freq_offset = ((np.repeat(freq, freq) << 16) | offsets).astype(np.uint32)
+    return freq_offset, np.repeat(symbols, freq).astype(symbols.dtype)
+
+
+def histogram(symbols, parts, bins):
+    """Twin of :func:`fedquant.wire.rans.histogram`: ``bins + 1`` counts, the last for values ``>= bins``."""
+    found = np.bincount(symbols, minlength=bins + 1).astype(np.int64)
+    counts = found[: bins + 1].copy()
+    counts[bins] = found[bins:].sum()
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- encoder
+def _encode_block(sym, lo, hi, lanes, rows, floor, end):
+    """Port of ``rans._encode_block``: ``(start, ok, words)``, ``words`` the block's stream from ``start``.
+
+    A block with a symbol the table does not know fails, as in the kernel (which fails on it, or
+    on the room it uses up). The kernel checks the room before each symbol, except in its 8-lane
+    rounds (``[lo, full)``), where it checks ``wp >= floor + 8`` once per round; ``wp`` only
+    decreases, so checking before the last symbol of each kind (and the last round) is the same.
+    """
+    x_max, rcp, bias, shift, scale, absent = rows
+    if any(absent[v] for v in set(sym[lo:hi])):
+        return end, False, None
+    states = [_LOW] * lanes
+    emitted = []  # words in the order the encoder writes them (decreasing positions)
+    wp = end
+
+    def run(top, bottom):  # symbols top .. bottom, last first
+        nonlocal wp
+        for i in range(top, bottom - 1, -1):
+            j = (i - lo) % lanes
+            x = states[j]
+            v = sym[i]
+            if x >= x_max[v]:
+                emitted.append(x & _M32)
+                wp -= 1
+                x >>= 32
+            states[j] = x + bias[v] + (((x * rcp[v]) >> 64) >> shift[v]) * scale[v]
+
+    full = lo + ((hi - lo) // lanes) * lanes
+    stop = full if lanes == _FAST_LANES else lo  # the per-symbol checks run down to here
+    if hi > stop:
+        run(hi - 1, stop + 1)
+        if wp < floor + 1:
+            return wp, False, None
+        run(stop, stop)
+    if stop > lo:  # 8-lane rounds
+        run(stop - 1, lo + 8)
+        if wp < floor + 8:
+            return wp, False, None
+        run(lo + 7, lo)
+    if wp < floor + 2 * lanes:
+        return wp, False, None
+    head = []
+    for x in states:  # lane 0's state comes first, low word first
+        head += [x & _M32, x >> 32]
+    emitted.reverse()
+    return wp - 2 * lanes, True, head + emitted
+
+
+def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
+    """Twin of :func:`fedquant.wire.rans.encode_blocks` (same words in ``out[starts[b]:ends[b]]``)."""
+    n = symbols.size
+    sym = symbols.tolist()
+    packed = table[1::_ENC_ROW]
+    rows = (
+        table[2::_ENC_ROW].tolist(),
+        table[0::_ENC_ROW].tolist(),
+        (packed & np.uint64(_M25)).tolist(),
+        (packed >> np.uint64(50)).tolist(),
+        ((packed >> np.uint64(25)) & np.uint64(_M24)).tolist(),
+        ((packed & np.uint64(_ABSENT)) != 0).tolist(),
+    )
+    for b in range(ends.size):
+        lo = b * block
+        floor = int(ends[b - 1]) if b else 0
+        end = int(ends[b])
+        start, good, words = _encode_block(sym, lo, min(lo + block, n), lanes, rows, floor, end)
+        starts[b] = start
+        ok[b] = good
+        if good:
+            out[start:end] = words
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+def _decode_block(words, rp, end, lo, hi, lanes, precision, lookup, out):
+    """Port of ``rans._decode_block`` (every word read checked): the same status codes 0-4."""
+    freq_offset, symbol, bucket, cum, present = lookup
+    if end - rp < 2 * lanes:
+        return 2
+    states = []
+    for _ in range(lanes):
+        x = words[rp] | (words[rp + 1] << 32)
+        if x < _LOW or x >= _HIGH:
+            return 1
+        states.append(x)
+        rp += 2
+    mask = (1 << precision) - 1
+    decoded = []
+    # Three copies of the step (one lane, direct tables, buckets): a helper call per symbol would
+    # cost a third more, and this loop is the twin's hot path.
+    if len(freq_offset) and lanes == 1:  # one state, in a local
+        freq, offset = freq_offset
+        append = decoded.append
+        (x,) = states
+        for _ in range(hi - lo):
+            slot = x & mask
+            append(symbol[slot])
+            x = freq[slot] * (x >> precision) + offset[slot]
+            if x < _LOW:
+                if rp >= end:
+                    return 2
+                x = (x << 32) | words[rp]
+                rp += 1
+        states[0] = x
+    elif len(freq_offset):
+        freq, offset = freq_offset
+        for k in range(hi - lo):
+            j = k % lanes
+            x = states[j]
+            slot = x & mask
+            decoded.append(symbol[slot])
+            x = freq[slot] * (x >> precision) + offset[slot]
+            if x < _LOW:
+                if rp >= end:
+                    return 2
+                x = (x << 32) | words[rp]
+                rp += 1
+            states[j] = x
+    else:
+        bits = 0
+        while (1 << bits) < len(bucket):
+            bits += 1
+        shift = max(precision - bits, 0)
+        for k in range(hi - lo):
+            j = k % lanes
+            x = states[j]
+            slot = x & mask
+            r = bucket[slot >> shift]
+            while cum[r + 1] <= slot:
+                r += 1
+            decoded.append(present[r])
+            x = (cum[r + 1] - cum[r]) * (x >> precision) + slot - cum[r]
+            if x < _LOW:
+                if rp >= end:
+                    return 2
+                x = (x << 32) | words[rp]
+                rp += 1
+            states[j] = x
+    out[lo:hi] = decoded
+    if rp != end:
+        return 3
+    if any(x != _LOW for x in states):
+        return 4
+    return 0
+
+
+def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
+    """Twin of :func:`fedquant.wire.rans.decode_blocks`: the same symbols and per-block status."""
+    n = out.size
+    w = words.tolist()
+    freq_offset, *rest = lookup
+    split = ((freq_offset >> 16).tolist(), (freq_offset & _M16).tolist()) if freq_offset.size else ()
+    tables = (split, *(a.tolist() for a in rest))
+    for b in range(offsets.size - 1):
+        lo = b * block
+        hi = min(lo + block, n)
+        status[b] = _decode_block(w, int(offsets[b]), int(offsets[b + 1]), lo, hi, lanes, precision, tables, out)
