@@ -540,7 +540,7 @@ def test_tensor_codecs_entry_round_trips_and_rejects_what_is_not_a_name_to_spec_
             parse_tensor_codecs(bad)
 
 
-@pytest.mark.parametrize("transforms", ["rht+"])  # ef+ refuses ndqsg: tests/test_error_bounds.py
+@pytest.mark.parametrize("transforms", ["rht+"])  # ef+ refuses ndqsg: tests/codecs/test_error_bounds.py
 def test_both_groups_keep_the_codecs_transforms(transforms):
     codec = get_codec(transforms + "ndqsg:levels=3,rho=5")
     plan = NestedDecodePlan.from_spec(codec.spec)

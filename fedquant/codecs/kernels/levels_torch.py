@@ -1,8 +1,8 @@
 """Torch twin of :mod:`fedquant.codecs.kernels.levels`: per-bucket levels and rounding onto them.
 
 The path of CUDA tensors (and of CPU tensors with ``force_torch``); the numba kernels of the CPU
-path compute the same levels and indices with the same arithmetic (``tests/test_orq.py`` and
-``tests/test_bingrad.py`` check them equal).
+path compute the same levels and indices with the same arithmetic (``tests/codecs/quantizers/test_orq.py`` and
+``tests/codecs/quantizers/test_bingrad.py`` check them equal).
 
 Level selection works on a batch of buckets at once: a ``(buckets, m)`` tensor whose rows are
 sorted ascending (all rows of one call have the same length ``m``; the short last bucket of a

@@ -365,7 +365,7 @@ class BinGradPBQuantizer(LevelQuantizer):
     def error_bound(self, numel: int) -> float | None:
         """1 (measured, not proven): the descent only lowers the error from its quantile start.
 
-        ``tests/test_error_bounds.py`` checks it on Gaussian, heavy-tailed, one-sided and spiked
+        ``tests/codecs/test_error_bounds.py`` checks it on Gaussian, heavy-tailed, one-sided and spiked
         buckets. None with ``clip``.
         """
         return None if self.clip else 1.0

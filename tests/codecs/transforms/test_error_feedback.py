@@ -177,7 +177,7 @@ def test_residual_stays_on_the_tensors_device():
     assert state["ef"].device == x.device and state["ef"].dtype == torch.float32
 
 
-# Every registered quantizer with ef+ in front, but NDQSG, which ef+ refuses (tests/test_error_bounds.py).
+# Every registered quantizer with ef+ in front, but NDQSG, which ef+ refuses (tests/codecs/test_error_bounds.py).
 WRAPPED = [f"ef+{name}" for name in available_codecs() if name != "ndqsg"]
 
 

@@ -24,9 +24,9 @@ from fedquant.wire.elias import (
     elias_omega_lengths,
 )
 from fedquant.wire.entropy import Layout, entropy_decode, entropy_encode
-from tests.test_elias import LEVEL_CASES, random_levels
-from tests.test_entropy import CASES, forced, gaussian_indices
-from tests.test_kernel_cache import FRESH_PROCESS, ROOT
+from tests.codecs.kernels.test_kernel_cache import FRESH_PROCESS, ROOT
+from tests.wire.test_elias import LEVEL_CASES, random_levels
+from tests.wire.test_entropy import CASES, forced, gaussian_indices
 
 TWIN_CASES = sorted(set(CASES) - {"several-blocks"})  # 1.5 M symbols: seconds in Python; blocks are below
 LAYOUTS = [Layout(12, 8, 10), Layout(12, 1, None), Layout(10, 2, 10), Layout(14, 4, None), Layout(24, 8, 10)]

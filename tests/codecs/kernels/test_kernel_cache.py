@@ -20,7 +20,7 @@ from fedquant.codecs.kernels import cache, common
 from fedquant.codecs.kernels.warmup import warm_specs
 from tests.timeouts import scaled
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SPECS = ["qsgd", "eden:bits=2", "eden:bits=1.5", "dqsg", "orq", "signsgd", "rht+qsgd:levels=7"]
 N = common.PARALLEL_MIN + 1001  # the parallel kernels, the slowest to compile
 

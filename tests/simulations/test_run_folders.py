@@ -16,7 +16,7 @@ import pytest
 from simulations.history import RunHistory, load_history, reserve_run_dir, run_dir_name
 from simulations.settings import SimSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Short runs on the in-process grid (real ClientApp, no Ray): logistic regression, a few steps.
 QUICK = {"model": "logreg", "local_epochs": 1, "min_local_steps": 2, "codec": "fp32"}
 

@@ -24,7 +24,17 @@ from flwr.serverapp.strategy import (
 
 from fedquant.strategies import AdmissionRules
 from tests.flower_fakes import InProcessGrid, initial_arrays, make_client_app
-from tests.test_attacks import ATTACKER, N, SortedFedAvg, _distance, _forge, _round, _scaled, _update_of, _wrap
+from tests.strategies.test_attacks import (
+    ATTACKER,
+    N,
+    SortedFedAvg,
+    _distance,
+    _forge,
+    _round,
+    _scaled,
+    _update_of,
+    _wrap,
+)
 
 SECOND = ATTACKER + 1
 

@@ -11,7 +11,7 @@ import pytest
 
 from simulations.settings import RunConfigError, SimSettings, check_run_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
