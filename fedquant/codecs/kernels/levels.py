@@ -6,8 +6,8 @@ by a radix sort into scratch allocated once per run): :func:`orq_levels`, :func:
 the same name in :mod:`fedquant.codecs.kernels.levels_torch` (the CUDA path), with the same
 arithmetic (float64 prefix sums accumulated in order, the same formulas and tie rules), so both
 paths select the same levels; ``tests/codecs/quantizers/test_orq.py`` and
-``tests/codecs/quantizers/test_bingrad.py`` check this. On the CPU a batched ``torch.sort`` of 25M values alone takes longer than the whole encode budget,
-hence these kernels.
+``tests/codecs/quantizers/test_bingrad.py`` check this. On the CPU a batched ``torch.sort`` of
+25M values alone takes longer than the whole encode budget, hence these kernels.
 
 Rounding onto the levels and decoding work on chunks of ``CHUNK`` elements (a multiple of 8, so
 every chunk starts on a byte boundary of the packed stream) and pack or unpack them with the
