@@ -41,6 +41,14 @@ class DecodedReply:
     update_norm: float
 
 
+def single_array_record(content: RecordDict) -> tuple[str, ArrayRecord]:
+    """The name and the record of a reply's one ArrayRecord; RejectedReply for none or several."""
+    records = content.array_records
+    if len(records) != 1:
+        raise RejectedReply(f"expected exactly one ArrayRecord, found {len(records)}")
+    return next(iter(records.items()))
+
+
 def decode_reply(
     content: RecordDict, received: Mapping[str, np.ndarray], codec: RecordCodec, client_seed: int
 ) -> DecodedReply:
@@ -62,10 +70,7 @@ def decode_reply(
     RejectedReply
         With a sentence naming the problem.
     """
-    records = content.array_records
-    if len(records) != 1:
-        raise RejectedReply(f"expected exactly one ArrayRecord, found {len(records)}")
-    record_name, record = next(iter(records.items()))
+    record_name, record = single_array_record(content)
     try:
         plain = codec.check_layout(record, received)
         decoded = codec.decode(record, client_seed, received)

@@ -31,7 +31,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.records import RecordError, check_plain_entry
-from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, single_array_record
 
 
 def _check_plain_entry(name: str, array: Array, sent: np.ndarray) -> np.ndarray:
@@ -39,13 +39,6 @@ def _check_plain_entry(name: str, array: Array, sent: np.ndarray) -> np.ndarray:
         return check_plain_entry(name, array, sent)
     except RecordError as err:
         raise RejectedReply(str(err)) from err
-
-
-def _single_array_record(content: RecordDict) -> ArrayRecord:
-    records = content.array_records
-    if len(records) != 1:
-        raise RejectedReply(f"expected exactly one ArrayRecord, found {len(records)}")
-    return next(iter(records.values()))
 
 
 def non_float_names(received: Mapping[str, np.ndarray]) -> tuple[list[str], list[str]]:
@@ -63,7 +56,7 @@ def integer_change(content: RecordDict, received: Mapping[str, np.ndarray], name
     RejectedReply
         When an entry is missing or not a valid array of the dtype and shape sent.
     """
-    record = _single_array_record(content)
+    _, record = single_array_record(content)
     total = 0.0
     for name in names:
         if name not in record:
@@ -86,7 +79,7 @@ def scale_integers(content: RecordDict, received: Mapping[str, np.ndarray], name
 
 def bool_digest(content: RecordDict, received: Mapping[str, np.ndarray], names: list[str]) -> bytes:
     """A digest of a reply's bool entries (equal entries, equal digests)."""
-    record = _single_array_record(content)
+    _, record = single_array_record(content)
     digest = hashlib.blake2b(digest_size=16)
     for name in names:
         if name not in record:
