@@ -8,6 +8,16 @@ import zlib
 import pytest
 import torch
 
+from fedquant.codecs import available_codecs
+
+#: Quantizers ``ef+`` refuses: no declared error bound (tests/codecs/test_error_bounds.py checks the refusal).
+EF_REFUSED = frozenset({"ndqsg"})
+
+
+def ef_codec_names() -> list[str]:
+    """Every registered codec ``ef+`` takes, in registry order."""
+    return [name for name in available_codecs() if name not in EF_REFUSED]
+
 
 def reseal(data: bytes | bytearray) -> bytes:
     """Recompute a payload's CRC-32 after tampering, so that deeper checks are reached."""

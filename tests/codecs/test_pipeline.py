@@ -7,6 +7,7 @@ from fedquant import PayloadError
 from fedquant.codecs import Codec, available_codecs, available_transforms, codec_class, get_codec
 from fedquant.codecs.quantizers.base import Quantizer
 from fedquant.wire import read_payload
+from tests.helpers import ef_codec_names
 
 NUMEL = 3000  # a short last bucket at the default bucket sizes
 
@@ -52,7 +53,7 @@ def test_round_trip_with_every_coding(name, coding):
             _decode(get_codec(name, coding=others[0]), payload, 5, x)
 
 
-@pytest.mark.parametrize("name", [n for n in available_codecs() if n != "ndqsg"])  # ef+ refuses ndqsg
+@pytest.mark.parametrize("name", ef_codec_names())
 def test_error_feedback_composes_with_every_codec(name):
     codec = get_codec(f"ef+{name}")
     assert codec.stateful and codec.spec.startswith("ef+") and not codec.unbiased

@@ -12,6 +12,7 @@ from fedquant.codecs import available_codecs, codec_class, get_codec
 from fedquant.codecs.coders.symbols import omega_bits, omega_bits_bound, stream_bytes
 from fedquant.wire.elias import code_s_dense_encode, code_s_encode
 from fedquant.wire.entropy import entropy_encode
+from tests.helpers import EF_REFUSED
 
 SHAPES = [(0,), (1,), (10,), (511,), (1000,), (37, 53), (3, 4096)]
 SPECS = [
@@ -19,7 +20,7 @@ SPECS = [
     for name in available_codecs()
     for coding in (codec_class(name).codings or (None,))
     for prefix in ("", "rht+", "ef+rht:max_log2=12+")
-    if not (prefix.startswith("ef+") and name == "ndqsg")  # refused: ndqsg declares no error bound
+    if not (prefix.startswith("ef+") and name in EF_REFUSED)
 ] + ["eden:bits=1.5", "eden:bits=0.5", "qsgd:levels=3,bucket_size=0", "dqsg:levels=2,bucket_size=64,coding=entropy"]
 
 

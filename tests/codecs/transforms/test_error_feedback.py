@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedquant.codecs import Codec, available_codecs, get_codec
+from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
 from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.codecs.transforms.error_feedback import ErrorFeedback
 from tests.codecs import test_codecs_common as common
-from tests.helpers import cuda, sample_tensor
+from tests.helpers import cuda, ef_codec_names, sample_tensor
 
 
 class ScaledSign(Quantizer):
@@ -177,8 +177,8 @@ def test_residual_stays_on_the_tensors_device():
     assert state["ef"].device == x.device and state["ef"].dtype == torch.float32
 
 
-# Every registered quantizer with ef+ in front, but NDQSG, which ef+ refuses (tests/codecs/test_error_bounds.py).
-WRAPPED = [f"ef+{name}" for name in available_codecs() if name != "ndqsg"]
+# Every registered quantizer with ef+ in front, but those ef+ refuses (tests.helpers.EF_REFUSED).
+WRAPPED = [f"ef+{name}" for name in ef_codec_names()]
 
 
 @pytest.mark.parametrize("spec", WRAPPED)
