@@ -39,6 +39,7 @@ class DivergenceMonitor:
     best_accuracy: float = 0.0
     first_round: int | None = None
     reason: str = ""
+    last_round_diverged: bool = False
 
     @property
     def chance(self) -> float:
@@ -65,8 +66,14 @@ class DivergenceMonitor:
             self.best_accuracy = max(self.best_accuracy, accuracy)
         if why is not None and self.first_round is None:
             self.first_round, self.reason = server_round, why
+        self.last_round_diverged = why is not None
         return why
 
     @property
     def diverged(self) -> bool:
         return self.first_round is not None
+
+    @property
+    def recovered(self) -> bool:
+        """The model diverged at some round but its latest evaluation is healthy again."""
+        return self.diverged and not self.last_round_diverged

@@ -244,7 +244,10 @@ def run_server(
     if nested and not any(nested):
         log(WARNING, "fedquant: NDQSG nested no tensor in any round (every rho reached 2M+1, ndqsg-nested-tensors "
             "= 0): every tensor went as DQSG, so this run is a DQSG run")  # fmt: skip
-    if monitor.diverged:
+    if monitor.recovered:
+        log(WARNING, "fedquant: this run diverged at round %d (%s) and recovered by the last round; compare "
+            "its final accuracy with care. %s", monitor.first_round, monitor.reason, DIVERGENCE_ADVICE)  # fmt: skip
+    elif monitor.diverged:
         log(WARNING, "fedquant: this run DIVERGED (first at round %d: %s); its final accuracy is not meaningful. %s",
             monitor.first_round, monitor.reason, DIVERGENCE_ADVICE)  # fmt: skip
     return history

@@ -52,10 +52,11 @@ def test_each_round_is_flagged_on_its_own_so_a_recovery_reads_as_one():
     monitor = DivergenceMonitor(num_classes=10)
     flags = _feed(monitor, [0.6, 0.8, 0.12, 0.7, 0.82])
     assert [f is not None for f in flags] == [False, False, True, False, False]
-    assert monitor.diverged and monitor.first_round == 3
+    assert monitor.diverged and monitor.first_round == 3 and monitor.recovered
     # A collapse that stays is flagged in every round after it.
     stays = DivergenceMonitor(num_classes=10)
     assert [f is not None for f in _feed(stays, [0.6, 0.8, 0.12, 0.11, 0.13])] == [False, False, True, True, True]
+    assert stays.diverged and not stays.recovered
 
 
 @pytest.mark.slow

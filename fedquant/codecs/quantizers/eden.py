@@ -479,7 +479,8 @@ def _scales(sq: np.ndarray, dot: np.ndarray, seed: int) -> np.ndarray:
 
     ``sq`` and ``dot`` are float64 arrays (both paths hand theirs to this one function).
     """
-    s32 = np.where(dot > 0, sq / np.maximum(dot, 1e-300), 0.0).astype(np.float32)
+    with np.errstate(over="ignore"):  # a huge ratio saturates at BF16_MAX below, as Inf would
+        s32 = np.where(dot > 0, sq / np.maximum(dot, 1e-300), 0.0).astype(np.float32)
     s32 = np.minimum(s32, np.float32(BF16_MAX))  # rounding up must stay finite
     u = uniform_stream(np.uint64(stream_key(derive_seed(seed, "eden-scale"))), s32.size, 0)
     noise = (u * np.float32(1 << 16)).astype(np.uint32)  # 16 exact random bits of the 24

@@ -397,3 +397,17 @@ def test_kernels_load_from_cache_in_a_fresh_process():
         assert run.returncode == 0, run.stderr
     used, compiled = map(int, runs[1].stdout.split())
     assert used == 4 and compiled == 0  # quantize and dequantize, serial and parallel
+
+
+def test_a_scale_too_large_for_float32_saturates_without_a_warning():
+    # Fuzzed inputs met ||y||^2 / <c, y> above float32's range: the scale saturates at bfloat16's
+    # largest finite value (0x7F7F), silently, like any other clamp, instead of warning on overflow.
+    import warnings
+
+    from fedquant.codecs.quantizers.eden import _scales
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        raw = _scales(np.array([1e300, 1.0, 0.0]), np.array([1e-300, 0.5, 0.0]), seed=1)
+    assert raw[0] == 0x7F7F and raw[2] == 0
+    assert 0x3FFF <= raw[1] <= 0x4000  # 2.0 in bfloat16, stochastically rounded from 2.0 exactly
