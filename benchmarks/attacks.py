@@ -16,7 +16,8 @@ adversary) and then send, through ``quantize_mod``, a valid reply:
 ``weight-boost``          a fixed random direction at 9.5 x the round's median honest norm (inside
                           the norm rule's factor 10) with ``num-examples = 1e9`` (the old cap)
 ``scaled-honest``         its own update x 9.5, honest weight
-``sign-flip``             its own update x -1
+``sign-flip``             its own update x -1 (``sign-flip-alternate``: in even rounds only;
+                          ``sign-flip-after-10``: from round 11 on, honest before)
 ``little-is-enough``      mean - z x std of the honest updates, per coordinate, with Baruch et al.
                           (2019)'s ``z_max`` for n = 10 and k attackers (0, 0.25, 0.84 for k = 1, 2, 4)
 ``colluders-100x``        its own update x 100
@@ -203,6 +204,12 @@ def _scaled(scale: float):
     return lambda view, node: view.with_update(node, {k: scale * u for k, u in view.update(node).items()})
 
 
+def _flip_when(rounds: Callable[[int], bool]):
+    """A sign flip in the rounds ``rounds(server_round)`` says, an honest update in the others."""
+    flip = _scaled(-1.0)
+    return lambda view, node: flip(view, node) if rounds(view.server_round) else dict(view.honest[node])
+
+
 def _weight_boost(view, node):
     target = NORM_SCALE * view.median_norm()
     return view.with_update(node, {k: target * v for k, v in _direction(view).items()})
@@ -253,6 +260,8 @@ ATTACKS = {
         Attack("weight-boost", _weight_boost, lambda m: {**m, "num-examples": BOOSTED_WEIGHT}),
         Attack("scaled-honest", _scaled(NORM_SCALE)),
         Attack("sign-flip", _scaled(-1.0)),
+        Attack("sign-flip-alternate", _flip_when(lambda r: r % 2 == 0)),
+        Attack("sign-flip-after-10", _flip_when(lambda r: r > 10)),
         Attack("little-is-enough", _little_is_enough),
         Attack("colluders-100x", _scaled(100.0)),
         Attack("zero-update", lambda view, node: dict(view.received)),

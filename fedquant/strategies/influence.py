@@ -22,6 +22,7 @@ from fedquant.strategies.admission import (
     AdmissionRules,
     MedianReference,
 )
+from fedquant.strategies.direction import DirectionHistory
 from fedquant.strategies.metric_screen import weights_of, write_weights
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
 from fedquant.strategies.update_bounds import (
@@ -57,6 +58,8 @@ class InfluenceBounds:
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
+        persistence = rules.persistent_opposition
+        self.directions = DirectionHistory(persistence) if persistence is not None else None
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -151,7 +154,7 @@ class InfluenceBounds:
     def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
         """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
         so a minority moves it by at most its clipped share)."""
-        if not self.rules.reject_opposing or not decoded:
+        if not (self.rules.reject_opposing or self.directions is not None) or not decoded:
             return
         total: dict[str, np.ndarray] = {}
         for reply, sent in zip(decoded, received, strict=True):
@@ -162,9 +165,12 @@ class InfluenceBounds:
                     total[name] = update.astype(np.float64)
         self.consensus = total
 
-    def opposition(self, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool) -> str | None:
+    def opposition(
+        self, node: int, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool
+    ) -> str | None:
         """A sentence when the update points against the round's consensus (cosine below
-        ``-opposing_margin``), else None.
+        ``-opposing_margin``) or the node's updates have opposed the others persistently
+        (``persistent_opposition``), else None.
 
         The consensus counts the update itself (``in_vote``: it is in the first vote's sum; else it is
         added), so an update is rejected only when the others pull the other way more than it pulls its
@@ -172,9 +178,21 @@ class InfluenceBounds:
         honest one is rejected once the honest updates agree (cosine above ``1 / (n - 1)`` between them,
         plus the margin).
         """
-        if not self.rules.reject_opposing or not self.consensus:
+        if not self.consensus:
             return None
-        cosine = consensus_cosine(float_update(decoded, received), self.consensus, include_self=not in_vote)
+        update = float_update(decoded, received)
+        if self.directions is not None:
+            others = consensus_cosine(update, self.consensus, self_weight=-1 if in_vote else 0)
+            if others is not None:
+                self.directions.observe(node, others)
+            if self.directions.persistent(node):
+                return (
+                    f"its updates point against the round's others persistently (CUSUM "
+                    f"{self.directions.sum_of(node):.3g}, this round's cosine {others if others is not None else 0:.3g})"
+                )
+        if not self.rules.reject_opposing:
+            return None
+        cosine = consensus_cosine(update, self.consensus, self_weight=0 if in_vote else 1)
         if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"
