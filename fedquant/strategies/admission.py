@@ -227,7 +227,7 @@ class AdmissionRules:
             raise ValueError(f"metric_trim must be in [0, 0.5), got {self.metric_trim!r}")
         _positive("warn_rejected_share", self.warn_rejected_share)
         if self.persistent_opposition is not None and not isinstance(self.persistent_opposition, PersistenceRule):
-            raise ValueError(f"persistent_opposition must be a PersistenceRule or None, got {self.persistent_opposition!r}")
+            raise ValueError(f"persistent_opposition must be a PersistenceRule, got {self.persistent_opposition!r}")
         if (
             isinstance(self.max_list_length, bool)
             or not isinstance(self.max_list_length, int)

@@ -186,10 +186,7 @@ class InfluenceBounds:
             if others is not None:
                 self.directions.observe(node, others)
             if self.directions.persistent(node):
-                return (
-                    f"its updates point against the round's others persistently (CUSUM "
-                    f"{self.directions.sum_of(node):.3g}, this round's cosine {others if others is not None else 0:.3g})"
-                )
+                return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
         if not self.rules.reject_opposing:
             return None
         cosine = consensus_cosine(update, self.consensus, self_weight=0 if in_vote else 1)
