@@ -180,7 +180,8 @@ class AdmissionRules:
     persistent_opposition : PersistenceRule or None
         Drop (reason ``direction``) the updates of a client whose updates point against the sum of
         the round's others persistently across rounds: a CUSUM per node id of its leave-one-out
-        cosines (:mod:`~fedquant.strategies.direction`). None: off.
+        cosines (:mod:`~fedquant.strategies.direction`; default ``PersistenceRule()``: allowance
+        0.5, threshold 0.75). None: off.
 
     Examples
     --------
@@ -206,7 +207,7 @@ class AdmissionRules:
     max_list_length: int = 1024
     metric_trim: float = 0.25
     warn_rejected_share: float = 0.3
-    persistent_opposition: PersistenceRule | None = None
+    persistent_opposition: PersistenceRule | None = PersistenceRule()
 
     def __post_init__(self) -> None:
         names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
@@ -259,6 +260,7 @@ class AdmissionRules:
             check_non_float=False,
             reject_opposing=False,
             metric_trim=0.0,
+            persistent_opposition=None,
         )
 
     @property

@@ -58,6 +58,7 @@ class InfluenceBounds:
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
+        self.voters = 0  # how many updates that sum holds
         persistence = rules.persistent_opposition
         self.directions = DirectionHistory(persistence) if persistence is not None else None
 
@@ -149,7 +150,7 @@ class InfluenceBounds:
 
     def start_round(self) -> None:
         """Forget the previous round's consensus."""
-        self.consensus = {}
+        self.consensus, self.voters = {}, 0
 
     def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
         """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
@@ -163,14 +164,15 @@ class InfluenceBounds:
                     total[name] += update
                 else:
                     total[name] = update.astype(np.float64)
-        self.consensus = total
+        self.consensus, self.voters = total, len(decoded)
 
     def opposition(
         self, node: int, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool
     ) -> str | None:
         """A sentence when the update points against the round's consensus (cosine below
         ``-opposing_margin``) or the node's updates have opposed the others persistently
-        (``persistent_opposition``), else None.
+        (``persistent_opposition``: its cosine with the sum of the round's *other* first-vote updates
+        feeds the node's CUSUM, when there are at least two others), else None.
 
         The consensus counts the update itself (``in_vote``: it is in the first vote's sum; else it is
         added), so an update is rejected only when the others pull the other way more than it pulls its
@@ -181,12 +183,13 @@ class InfluenceBounds:
         if not self.consensus:
             return None
         update = float_update(decoded, received)
-        if self.directions is not None:
+        # with one other update, who opposes whom is undecidable: both would be flagged
+        if self.directions is not None and self.voters - in_vote >= 2:
             others = consensus_cosine(update, self.consensus, self_weight=-1 if in_vote else 0)
             if others is not None:
                 self.directions.observe(node, others)
-            if self.directions.persistent(node):
-                return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
+        if self.directions is not None and self.directions.persistent(node):
+            return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
         if not self.rules.reject_opposing:
             return None
         cosine = consensus_cosine(update, self.consensus, self_weight=0 if in_vote else 1)

@@ -17,7 +17,7 @@ from fedquant.clients import quantize_mod
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
 from fedquant.strategies.direction import DirectionHistory, PersistenceRule
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
-from tests.strategies.test_attacks import SEED, SortedFedAvg, _scaled
+from tests.strategies.test_attacks import SEED, SortedFedAvg, _scaled, _warned
 
 RULE = PersistenceRule()  # the defaults: allowance 0.5, threshold 0.75
 
@@ -127,17 +127,17 @@ def test_honest_noise_stays_below_the_threshold_within_the_bound_theory_gives():
 ATTACKER, N = 101, 10
 
 
-def _strategy(persistent: PersistenceRule | None) -> QuantizedStrategy:
+def _strategy(persistent: PersistenceRule | None, n: int = N) -> QuantizedStrategy:
     rules = AdmissionRules(reject_opposing=False, persistent_opposition=persistent)
-    inner = SortedFedAvg(min_available_nodes=N, fraction_evaluate=1.0)
+    inner = SortedFedAvg(min_available_nodes=n, fraction_evaluate=1.0)
     return QuantizedStrategy(inner, "fp32", seed=SEED, min_numel=MIN_NUMEL, admission=rules)
 
 
-def _run(strategy: QuantizedStrategy, plan: list[str]) -> list[dict]:
-    """One round per entry of ``plan``: the attacker flips (``flip``), is honest (``honest``) or is away (``away``)."""
-    grid = InProcessGrid(make_client_app([quantize_mod]), N)
+def _run(strategy: QuantizedStrategy, plan: list[str], attackers=frozenset({ATTACKER}), n: int = N) -> list[dict]:
+    """One round per entry of ``plan``: the attackers flip (``flip``), are honest (``honest``) or away (``away``)."""
+    grid = InProcessGrid(make_client_app([quantize_mod]), n)
     arrays = initial_arrays()
-    flip = _scaled({ATTACKER}, -1.0)
+    flip = _scaled(set(attackers), -1.0)
     metrics = []
     for server_round, action in enumerate(plan, start=1):
         messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
@@ -145,7 +145,7 @@ def _run(strategy: QuantizedStrategy, plan: list[str]) -> list[dict]:
         if action == "flip":
             replies = flip(replies, messages)
         elif action == "away":
-            replies = [r for r in replies if r.metadata.src_node_id != ATTACKER]
+            replies = [r for r in replies if r.metadata.src_node_id not in attackers]
         new, round_metrics = strategy.aggregate_train(server_round, replies)
         arrays = new if new is not None else arrays
         metrics.append(dict(round_metrics))
@@ -166,3 +166,28 @@ def test_a_persistent_sign_flip_is_rejected_and_staying_away_does_not_reset_it()
     assert all(m.get("rejected-replies", 0) == r for m, r in zip(metrics, rejected, strict=True))
     off = _run(_strategy(None), plan)
     assert [m.get("rejected-direction", 0) for m in off] == [0] * len(plan)
+
+
+def test_four_flips_of_ten_are_rejected_and_a_majority_sets_the_direction(flwr_log):
+    """The tolerance, as the single-round rule's: ``k`` flips among ``n`` honest updates leave an
+    honest update a leave-one-out sum of ``n - 2k - 1`` honest steps (positive for 4 of 10), a flip
+    one of ``n - 2k + 1`` against it. 4 of 10 flips are all rejected within 12 rounds (the fake
+    task's flips sit near -0.58, 0.08 beyond the allowance a round), no honest update is; at 5 of 10
+    nobody is; 6 of 10 turn it: the 4 honest updates are rejected and the round warns."""
+    rejected = {}
+    for k in (4, 5, 6):
+        metrics = _run(_strategy(PersistenceRule()), ["flip"] * 12, attackers=frozenset(range(101, 101 + k)))
+        rejected[k] = [m.get("rejected-direction", 0) for m in metrics]
+        assert all(m.get("rejected-replies", 0) == r for m, r in zip(metrics, rejected[k], strict=True))
+    assert rejected[4][-1] == 4 and max(rejected[4]) == 4
+    assert rejected[5] == [0] * 12
+    assert rejected[6][-1] == 4 and max(rejected[6]) == 4
+    assert _warned(flwr_log, "admission rejected 4 of 10 train replies")
+
+
+def test_two_clients_are_never_judged_against_each_other():
+    """With one other update, who opposes whom is undecidable (both would be flagged): no observation."""
+    metrics = _run(_strategy(PersistenceRule(), n=2), ["flip"] * 6, n=2)
+    assert all(m.get("rejected-direction", 0) == 0 for m in metrics)
+    three = _run(_strategy(PersistenceRule(), n=3), ["flip"] * 6, n=3)
+    assert three[-1].get("rejected-direction", 0) == 1  # two others: the flip is the odd one
