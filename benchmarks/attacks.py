@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--honest", action="store_true", help="honest rejections/clippings per reason instead")
+    parser.add_argument("--partitioning", choices=("iid", "dirichlet"), default="iid", help="the attack table's")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # one INFO line per round and call otherwise
@@ -497,10 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     fractions = [1] if args.quick else [int(f) for f in args.fractions.split(",")]
     seeds = min(args.seeds, 3) if args.quick else args.seeds
     attacks = [ATTACKS[a] for a in args.attacks.split(",")]
-    task = load_task()
+    task = load_task(args.partitioning)
     start = time.perf_counter()
     print(
-        f"digits IID, {NUM_CLIENTS} clients (all every round), {args.rounds} rounds, {CODEC}, "
+        f"digits {args.partitioning}, {NUM_CLIENTS} clients (all every round), {args.rounds} rounds, {CODEC}, "
         f"default AdmissionRules; cell: distance from the honest seed-0 model / test accuracy"
     )
     honest = {d: [run(task, d, None, 0, seed, args.rounds) for seed in range(seeds)] for d in defences}
