@@ -47,7 +47,8 @@ bound-riding ones, with one attacker, must leave the FedAvg model within FedAvg'
 Run: ``python -m benchmarks.attacks`` (a distance/accuracy run, not a timing: no bench lock; about
 30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few
 minutes); ``--honest`` prints the honest clients' rejections and clippings per reason on IID and Dirichlet (0.5)
-partitions instead. Exits 1 when the gate is missed or any run raised.
+partitions instead; ``--partitioning dirichlet`` runs the attack table on the Dirichlet partitions.
+Exits 1 when the gate is missed or any run raised.
 """
 
 from __future__ import annotations
