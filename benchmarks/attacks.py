@@ -16,7 +16,8 @@ adversary) and then send, through ``quantize_mod``, a valid reply:
 ``weight-boost``          a fixed random direction at 9.5 x the round's median honest norm (inside
                           the norm rule's factor 10) with ``num-examples = 1e9`` (the old cap)
 ``scaled-honest``         its own update x 9.5, honest weight
-``sign-flip``             its own update x -1
+``sign-flip``             its own update x -1 (``sign-flip-alternate``: in even rounds only;
+                          ``sign-flip-after-10``: from round 11 on, honest before)
 ``little-is-enough``      mean - z x std of the honest updates, per coordinate, with Baruch et al.
                           (2019)'s ``z_max`` for n = 10 and k attackers (0, 0.25, 0.84 for k = 1, 2, 4)
 ``colluders-100x``        its own update x 100
@@ -46,7 +47,8 @@ bound-riding ones, with one attacker, must leave the FedAvg model within FedAvg'
 Run: ``python -m benchmarks.attacks`` (a distance/accuracy run, not a timing: no bench lock; about
 30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few
 minutes); ``--honest`` prints the honest clients' rejections and clippings per reason on IID and Dirichlet (0.5)
-partitions instead. Exits 1 when the gate is missed or any run raised.
+partitions instead; ``--partitioning dirichlet`` runs the attack table on the Dirichlet partitions.
+Exits 1 when the gate is missed or any run raised.
 """
 
 from __future__ import annotations
@@ -203,6 +205,12 @@ def _scaled(scale: float):
     return lambda view, node: view.with_update(node, {k: scale * u for k, u in view.update(node).items()})
 
 
+def _flip_when(rounds: Callable[[int], bool]):
+    """A sign flip in the rounds ``rounds(server_round)`` says, an honest update in the others."""
+    flip = _scaled(-1.0)
+    return lambda view, node: flip(view, node) if rounds(view.server_round) else dict(view.honest[node])
+
+
 def _weight_boost(view, node):
     target = NORM_SCALE * view.median_norm()
     return view.with_update(node, {k: target * v for k, v in _direction(view).items()})
@@ -253,6 +261,8 @@ ATTACKS = {
         Attack("weight-boost", _weight_boost, lambda m: {**m, "num-examples": BOOSTED_WEIGHT}),
         Attack("scaled-honest", _scaled(NORM_SCALE)),
         Attack("sign-flip", _scaled(-1.0)),
+        Attack("sign-flip-alternate", _flip_when(lambda r: r % 2 == 0)),
+        Attack("sign-flip-after-10", _flip_when(lambda r: r > 10)),
         Attack("little-is-enough", _little_is_enough),
         Attack("colluders-100x", _scaled(100.0)),
         Attack("zero-update", lambda view, node: dict(view.received)),
@@ -479,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--honest", action="store_true", help="honest rejections/clippings per reason instead")
+    parser.add_argument("--partitioning", choices=("iid", "dirichlet"), default="iid", help="the attack table's")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # one INFO line per round and call otherwise
@@ -488,10 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     fractions = [1] if args.quick else [int(f) for f in args.fractions.split(",")]
     seeds = min(args.seeds, 3) if args.quick else args.seeds
     attacks = [ATTACKS[a] for a in args.attacks.split(",")]
-    task = load_task()
+    task = load_task(args.partitioning)
     start = time.perf_counter()
     print(
-        f"digits IID, {NUM_CLIENTS} clients (all every round), {args.rounds} rounds, {CODEC}, "
+        f"digits {args.partitioning}, {NUM_CLIENTS} clients (all every round), {args.rounds} rounds, {CODEC}, "
         f"default AdmissionRules; cell: distance from the honest seed-0 model / test accuracy"
     )
     honest = {d: [run(task, d, None, 0, seed, args.rounds) for seed in range(seeds)] for d in defences}

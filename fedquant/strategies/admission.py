@@ -29,8 +29,9 @@ reason               rule                                                       
                      reference norm, or ``max_update_norm``; **clipped** to             ``max_update_norm``,
                      ``clip_factor`` x the reference above that                         ``clip_factor``
 ``direction``        the update points against the round's consensus: its cosine with   ``reject_opposing``,
-                     the sum of the first vote's updates (itself included) is below     ``opposing_margin``
-                     ``-opposing_margin``
+                     the sum of the first vote's updates (itself included) is below     ``opposing_margin``,
+                     ``-opposing_margin``; or the client's updates have pointed         ``persistent_opposition``
+                     against the round's others persistently across rounds
 ``decode-plan``      the decode plan refused the reply (e.g. NDQSG's second group       always on
                      with no first-group reply to decode against)
 ===================  ================================================================  =====================
@@ -73,6 +74,7 @@ import numpy as np
 from flwr.app import MetricRecord, RecordDict
 
 from fedquant.metrics.robust import describe, finite
+from fedquant.strategies.direction import PersistenceRule
 
 REASON_DUPLICATE = "duplicate-node"
 REASON_UNEXPECTED = "unexpected-node"
@@ -175,6 +177,11 @@ class AdmissionRules:
     warn_rejected_share : float
         Log a warning when a round rejects at least this share of its replies (default 0.3); the
         share is reported as ``rejected-share`` every round.
+    persistent_opposition : PersistenceRule or None
+        Drop (reason ``direction``) the updates of a client whose updates point against the sum of
+        the round's others persistently across rounds: a CUSUM per node id of its leave-one-out
+        cosines (:mod:`~fedquant.strategies.direction`; default ``PersistenceRule()``: allowance
+        0.5, threshold 0.75). None: off.
 
     Examples
     --------
@@ -200,6 +207,7 @@ class AdmissionRules:
     max_list_length: int = 1024
     metric_trim: float = 0.25
     warn_rejected_share: float = 0.3
+    persistent_opposition: PersistenceRule | None = PersistenceRule()
 
     def __post_init__(self) -> None:
         names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
@@ -219,6 +227,8 @@ class AdmissionRules:
         if self.metric_trim >= 0.5:
             raise ValueError(f"metric_trim must be in [0, 0.5), got {self.metric_trim!r}")
         _positive("warn_rejected_share", self.warn_rejected_share)
+        if self.persistent_opposition is not None and not isinstance(self.persistent_opposition, PersistenceRule):
+            raise ValueError(f"persistent_opposition must be a PersistenceRule, got {self.persistent_opposition!r}")
         if (
             isinstance(self.max_list_length, bool)
             or not isinstance(self.max_list_length, int)
@@ -250,6 +260,7 @@ class AdmissionRules:
             check_non_float=False,
             reject_opposing=False,
             metric_trim=0.0,
+            persistent_opposition=None,
         )
 
     @property

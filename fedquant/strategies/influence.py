@@ -22,6 +22,7 @@ from fedquant.strategies.admission import (
     AdmissionRules,
     MedianReference,
 )
+from fedquant.strategies.direction import DirectionHistory
 from fedquant.strategies.metric_screen import weights_of, write_weights
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
 from fedquant.strategies.update_bounds import (
@@ -57,6 +58,9 @@ class InfluenceBounds:
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
+        self.voters = 0  # how many updates that sum holds
+        persistence = rules.persistent_opposition
+        self.directions = DirectionHistory(persistence) if persistence is not None else None
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -146,12 +150,12 @@ class InfluenceBounds:
 
     def start_round(self) -> None:
         """Forget the previous round's consensus."""
-        self.consensus = {}
+        self.consensus, self.voters = {}, 0
 
     def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
         """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
         so a minority moves it by at most its clipped share)."""
-        if not self.rules.reject_opposing or not decoded:
+        if not (self.rules.reject_opposing or self.directions is not None) or not decoded:
             return
         total: dict[str, np.ndarray] = {}
         for reply, sent in zip(decoded, received, strict=True):
@@ -160,11 +164,15 @@ class InfluenceBounds:
                     total[name] += update
                 else:
                     total[name] = update.astype(np.float64)
-        self.consensus = total
+        self.consensus, self.voters = total, len(decoded)
 
-    def opposition(self, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool) -> str | None:
+    def opposition(
+        self, node: int, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool
+    ) -> str | None:
         """A sentence when the update points against the round's consensus (cosine below
-        ``-opposing_margin``), else None.
+        ``-opposing_margin``) or the node's updates have opposed the others persistently
+        (``persistent_opposition``: its cosine with the sum of the round's *other* first-vote updates
+        feeds the node's CUSUM, when there are at least two others), else None.
 
         The consensus counts the update itself (``in_vote``: it is in the first vote's sum; else it is
         added), so an update is rejected only when the others pull the other way more than it pulls its
@@ -172,9 +180,19 @@ class InfluenceBounds:
         honest one is rejected once the honest updates agree (cosine above ``1 / (n - 1)`` between them,
         plus the margin).
         """
-        if not self.rules.reject_opposing or not self.consensus:
+        if not self.consensus:
             return None
-        cosine = consensus_cosine(float_update(decoded, received), self.consensus, include_self=not in_vote)
+        update = float_update(decoded, received)
+        # with one other update, who opposes whom is undecidable: both would be flagged
+        if self.directions is not None and self.voters - in_vote >= 2:
+            others = consensus_cosine(update, self.consensus, self_weight=-1 if in_vote else 0)
+            if others is not None:
+                self.directions.observe(node, others)
+        if self.directions is not None and self.directions.persistent(node):
+            return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
+        if not self.rules.reject_opposing:
+            return None
+        cosine = consensus_cosine(update, self.consensus, self_weight=0 if in_vote else 1)
         if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"

@@ -410,7 +410,7 @@ class QuantizedStrategy(Strategy):
             return decoded
 
         def accept(node_id: int, decoded: DecodedReply, in_vote: bool) -> None:
-            problem = self.bounds.opposition(decoded, plan.received(node_id), in_vote)
+            problem = self.bounds.opposition(node_id, decoded, plan.received(node_id), in_vote)
             if problem is not None:
                 self._reject(server_round, node_id, (REASON_DIRECTION, problem), traffic)
                 return

@@ -159,17 +159,18 @@ def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> d
 
 
 def consensus_cosine(
-    update: Mapping[str, np.ndarray], consensus: Mapping[str, np.ndarray], include_self: bool
+    update: Mapping[str, np.ndarray], consensus: Mapping[str, np.ndarray], self_weight: float
 ) -> float | None:
-    """Cosine between an update and the consensus (plus the update itself with ``include_self``), over
-    the entries both hold; None when either is zero."""
+    """Cosine between an update and ``consensus + self_weight x update``, over the entries both hold;
+    None when either is zero. ``self_weight`` 1 adds the update to a consensus without it, -1 leaves
+    it out of one that holds it (leave-one-out), 0 takes the consensus as it is."""
     keys = [k for k in update if k in consensus and consensus[k].shape == update[k].shape]
     dot = square = own = 0.0
     for k in keys:
         u = update[k].ravel().astype(np.float64)
         c = consensus[k].ravel()
-        if include_self:
-            c = c + u
+        if self_weight:
+            c = c + self_weight * u
         dot += float(np.dot(u, c))
         square += float(np.dot(c, c))
         own += float(np.dot(u, u))

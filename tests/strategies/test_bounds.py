@@ -162,14 +162,14 @@ def test_consensus_cosine_counts_the_update_itself():
     """A reply outside the first vote is judged against the vote's sum plus itself: an update orthogonal
     to the consensus (noise) gets a positive cosine, a flipped one smaller than the consensus a negative one."""
     consensus = {"w": np.array([3.0, 0.0])}
-    assert consensus_cosine({"w": np.array([0.0, 1.0])}, consensus, include_self=True) > 0
-    assert consensus_cosine({"w": np.array([0.0, 1.0])}, consensus, include_self=False) == 0
-    assert consensus_cosine({"w": np.array([-1.0, 0.0])}, consensus, include_self=True) == pytest.approx(-1.0)
-    assert consensus_cosine({"w": np.array([-1.0, 0.0])}, consensus, include_self=False) == pytest.approx(-1.0)
+    assert consensus_cosine({"w": np.array([0.0, 1.0])}, consensus, self_weight=1) > 0
+    assert consensus_cosine({"w": np.array([0.0, 1.0])}, consensus, self_weight=0) == 0
+    assert consensus_cosine({"w": np.array([-1.0, 0.0])}, consensus, self_weight=1) == pytest.approx(-1.0)
+    assert consensus_cosine({"w": np.array([-1.0, 0.0])}, consensus, self_weight=0) == pytest.approx(-1.0)
     # an update larger than the consensus outweighs it (the norm rule bounds it to clip_factor x the reference)
-    assert consensus_cosine({"w": np.array([-4.0, 0.0])}, consensus, include_self=True) == pytest.approx(1.0)
-    assert consensus_cosine({"w": np.zeros(2)}, consensus, include_self=True) is None
-    assert consensus_cosine({"other": np.ones(2)}, consensus, include_self=False) is None
+    assert consensus_cosine({"w": np.array([-4.0, 0.0])}, consensus, self_weight=1) == pytest.approx(1.0)
+    assert consensus_cosine({"w": np.zeros(2)}, consensus, self_weight=1) is None
+    assert consensus_cosine({"other": np.ones(2)}, consensus, self_weight=0) is None
 
 
 # ---------------------------------------------------------------------------------------------- body sizes
