@@ -32,7 +32,8 @@ class DecodedReply:
         The decoded updates of the encoded entries (float32).
     update_norm : float
         L2 norm of the whole update over every float entry (decoded updates of the encoded
-        entries, ``trained - received`` of the others), computed in float64.
+        entries, ``trained - received`` of the others): squares added in float64, from the
+        float32 values (no float64 copy of an update).
     """
 
     record_name: str
@@ -79,7 +80,7 @@ def decode_reply(
     squared_norm = 0.0
     for name, sent in received.items():  # in order: the same float64 sum whatever decoded first
         if name in decoded.updates:
-            squared_norm += float(torch.linalg.vector_norm(decoded.updates[name], dtype=torch.float64)) ** 2
+            squared_norm += decoded.squared_norms[name]
         elif plain[name].dtype.kind == "f":
             squared_norm += float(np.sum((plain[name].astype(np.float64) - sent.astype(np.float64)) ** 2))
     return DecodedReply(record_name, decoded.arrays, decoded.updates, math.sqrt(squared_norm))
