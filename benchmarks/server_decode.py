@@ -12,7 +12,7 @@ Targets (issue 23): at most 1.5x FedAvg's time for 100 replies x 1M parameters a
 reported without a target. Exits 1 on a miss. ``--profile`` adds, per setting, the functions
 that take the wrapped strategy's time (cProfile, own time, per core).
 
-    python -m benchmarks.server_decode [--quick] [--repeats 3] [--profile] [--codec SPEC ...]
+    python -m benchmarks.server_decode [--quick] [--repeats 3] [--profile] [--codec SPEC ...] [--source DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import pstats
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,11 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
             raise RuntimeError(f"the client path failed: {reply.error.reason}")
         wire[node] = dict(reply.content.items())
     wire_bytes = sum(
-        len(a.data) for records in wire.values() for r in records.values() if isinstance(r, ArrayRecord) for a in r.values()
+        len(a.data)
+        for records in wire.values()
+        for r in records.values()
+        if isinstance(r, ArrayRecord)
+        for a in r.values()
     )
 
     def wrapped_round() -> tuple[float, cProfile.Profile | None]:
@@ -120,7 +125,10 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
         inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
         msgs = list(inner.configure_train(1, model_record, ConfigRecord({"lr": 0.1}), _Grid()))
         round_replies = [
-            Message(RecordDict({"arrays": dense[m.metadata.dst_node_id], "metrics": MetricRecord({"num-examples": 100})}), reply_to=m)
+            Message(
+                RecordDict({"arrays": dense[m.metadata.dst_node_id], "metrics": MetricRecord({"num-examples": 100})}),
+                reply_to=m,
+            )
             for m in msgs
         ]
         start = time.perf_counter()
@@ -144,21 +152,24 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
         total = sum(row[2] for row in stats.stats.values())
         rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:12]
         result["profile"] = [
-            (f"{Path(file).name}:{line}({func})", own / total, cum / total) for (file, line, func), (_, _, own, cum, _) in rows
+            (f"{Path(file).name}:{line}({func})", own / total, cum / total)
+            for (file, line, func), (_, _, own, cum, _) in rows
         ]
     return result
 
 
-def run_setting(spec: str, setting: Setting, threads: int, repeats: int, profile: bool) -> dict:
-    """One setting in a fresh process: ``threads`` 1 (per core) or 0 (every core)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FEDQUANT_BENCH_THREADS": str(threads)}
+def run_setting(spec: str, setting: Setting, threads: int, repeats: int, profile: bool, source: Path) -> dict:
+    """One setting in a fresh process: ``threads`` 1 (per core) or 0 (every core), timing ``source``'s fedquant."""
+    env = {**os.environ, "PYTHONPATH": str(source), "FEDQUANT_BENCH_THREADS": str(threads)}
     env.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
+    if source != ROOT:  # numba caches beside the sources: keep another checkout's folder untouched
+        env.setdefault("NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"fedquant-bench-numba-{os.getuid()}"))
     if threads:
         env.update(NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     args = [spec, str(setting.replies), str(setting.numel), str(repeats), "1" if profile else "0"]
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.server_decode", "--worker", json.dumps(args)],
-        env=env, cwd=ROOT, capture_output=True, text=True, check=False,
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)],
+        env=env, cwd=source, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"{spec} {setting}: worker failed:\n{out.stderr[-4000:]}")
@@ -173,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", action="append", help="codec specs to run (default: the targeted and reported ones)")
     parser.add_argument("--all-core", dest="all_core", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure with every core (default on)")  # fmt: skip
+    parser.add_argument(
+        "--source",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose fedquant is timed (default: this one; e.g. /work/main for a baseline)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -181,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     specs = args.codec or [*TARGETED, *REPORTED]
     settings = [Setting(*s) for s in SETTINGS["quick" if args.quick else "full"]]
-    header = f"{'codec':34} {'replies x numel':>16} {'cores':>5} {'fedavg s':>9} {'wrapped s':>9} {'ratio':>6} {'target':>6}  verdict"
+    header = (
+        f"{'codec':34} {'replies x numel':>16} {'cores':>5} {'fedavg s':>9} {'wrapped s':>9} {'ratio':>6} "
+        f"{'target':>6}  verdict"
+    )
     print(header)
     print("-" * len(header))
     missed = []
@@ -189,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     for setting in settings:
         for spec in specs:
             for threads in (1, 0) if args.all_core else (1,):
-                result = run_setting(spec, setting, threads, args.repeats, args.profile and threads == 1)
+                result = run_setting(
+                    spec, setting, threads, args.repeats, args.profile and threads == 1, args.source.resolve()
+                )
                 ratio = result["wrapped"] / result["fedavg"]
                 targeted = spec in TARGETED
                 ok = ratio <= setting.target or not targeted
