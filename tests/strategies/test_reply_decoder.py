@@ -45,7 +45,8 @@ def test_the_strategy_decodes_a_round_of_many_replies_on_one_thread(monkeypatch,
 
     monkeypatch.setattr(quantized_module, "decode_reply", watched)
     grid = InProcessGrid(make_client_app([quantize_mod]), nodes)
-    strategy = QuantizedStrategy(FedAvg(min_available_nodes=nodes), "qsgd:levels=4", seed=3, min_numel=MIN_NUMEL)
+    inner = FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes)
+    strategy = QuantizedStrategy(inner, "qsgd:levels=4", seed=3, min_numel=MIN_NUMEL)
     with kernel_threads(2):
         result = strategy.start(grid, initial_arrays(), num_rounds=1)
         assert current_kernel_threads() == 2  # restored after the round
