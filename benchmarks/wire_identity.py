@@ -93,7 +93,7 @@ def payload_cases() -> dict[str, str]:
                 side = {"side_info": x.float() + 0.01} if codec.needs_side_info else {}
                 y = codec.decode(payload, seed, shape=shape, dtype=dtype, **side)
                 out[key.replace("payload", "decoded", 1)] = _digest(y.float().numpy().tobytes(), tuple(y.shape))
-    for spec in ("ef+signsgd", "ef+qsgd:levels=2", "ef+rht+dqsg:coding=entropy", "ef+ndqsg", "ef+eden:bits=1"):
+    for spec in ("ef+signsgd", "ef+qsgd:levels=2", "ef+rht+dqsg:coding=entropy", "ef+eden:bits=1"):
         codec = get_codec(spec)
         for shape in ((1000,), (37, 53)):
             state = None

@@ -16,15 +16,18 @@ of the value itself otherwise; every other entry is the value, as it is.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
 from fedquant.codecs import Codec, get_codec
+from fedquant.codecs.kernels.norms import add_sum_squares, sum_squares
 from fedquant.protocol import (
     DEFAULT_MIN_NUMEL,
     FLOAT_DTYPES,
@@ -88,10 +91,14 @@ class DecodedRecord:
         for payload entries, the plain entries unchanged.
     updates : dict of str to torch.Tensor
         The decoded differences to the base (float32), of the payload entries (empty without a base).
+    squared_norms : dict of str to float
+        ``sum(update**2)`` of each of ``updates``, accumulated in float64 (no float64 copy, see
+        :mod:`fedquant.codecs.kernels.norms`).
     """
 
     arrays: ArrayRecord
     updates: dict[str, torch.Tensor]
+    squared_norms: dict[str, float] = field(default_factory=dict)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -266,6 +273,7 @@ class RecordCodec:
         """
         out: dict[str, Array] = {}
         updates: dict[str, torch.Tensor] = {}
+        squared_norms: dict[str, float] = {}
         for name, array in wire.items():
             if not is_payload(array):
                 out[name] = array
@@ -282,18 +290,16 @@ class RecordCodec:
                         array.data, tensor_seed(seed, name), shape=reference.shape, dtype=torch.float32
                     )
                     updates[name] = update
-                    with np.errstate(over="ignore"):  # overflow is detected just below
-                        value = (reference.astype(np.float32, copy=False) + update.numpy()).astype(
-                            reference.dtype, copy=False
-                        )
+                    out[name], squared_norms[name] = _rebuilt(name, reference, update.numpy())
+                    continue
+            except RecordError:
+                raise
             except ValueError as err:  # PayloadError is a ValueError
                 raise RecordError(f"'{name}': {err}") from err
             except Exception as err:  # untrusted bytes must never stop the caller; name the surprise
                 raise RecordError(f"'{name}': decoding failed with {type(err).__name__}: {err}") from err
-            if reference is not None and not np.isfinite(value).all():
-                raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
-            out[name] = Array(np.require(value, requirements="C"))  # keeps 0-d shapes
-        return DecodedRecord(ArrayRecord(out), updates)
+            out[name] = numpy_array(value)
+        return DecodedRecord(ArrayRecord(out), updates, squared_norms)
 
     def check_layout(self, wire: ArrayRecord, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Check an untrusted record against the base it was made from; the plain entries' values.
@@ -319,6 +325,52 @@ class RecordCodec:
             else:
                 plain[name] = check_plain_entry(name, array, sent)
         return plain
+
+
+def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Array, float]:
+    """``reference + update`` in the reference's dtype as an Array, and ``sum(update**2)`` (float64).
+
+    A float32 reference takes one fused pass (:func:`~fedquant.codecs.kernels.norms.add_sum_squares`)
+    that writes the sum straight into the Array's bytes; other dtypes add in float32 and cast.
+    Raises :class:`RecordError` when the sum overflows the reference's dtype.
+    """
+    flat = update.reshape(-1)
+    if reference.dtype == np.float32:
+        header = npy_header(reference.dtype, reference.shape)
+        value = np.empty(reference.shape, np.float32)
+        squares, nonfinite = add_sum_squares(np.ascontiguousarray(reference).reshape(-1), flat, value.reshape(-1))
+    else:
+        with np.errstate(over="ignore"):  # overflow is detected just below
+            value = (reference.astype(np.float32) + update).astype(reference.dtype, copy=False)
+        squares, nonfinite = sum_squares(flat), int(value.size - np.count_nonzero(np.isfinite(value)))
+        header = None
+    if nonfinite:
+        raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
+    return numpy_array(value, header), float(squares)
+
+
+@lru_cache(maxsize=256)
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes | None:
+    """The ``.npy`` header ``np.save`` writes for a C-ordered array (format 1.0; None if it needs 2.0)."""
+    buffer = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)}
+    try:
+        np.lib.format.write_array_header_1_0(buffer, header)
+    except ValueError:
+        return None
+    return buffer.getvalue()
+
+
+def numpy_array(value: np.ndarray, header: bytes | None = None) -> Array:
+    """``Array(value)`` (the bytes ``np.save`` writes) with one copy of the data instead of np.save's
+    chunked writes; ``header`` is :func:`npy_header` of ``value`` when the caller has it."""
+    value = np.require(value, requirements="C")  # keeps 0-d shapes
+    if header is None:
+        header = npy_header(value.dtype, value.shape)
+    if header is None or value.dtype.hasobject:
+        return Array(value)
+    data = b"".join((header, memoryview(value.reshape(-1).view(np.uint8))))
+    return Array(dtype=str(value.dtype), shape=tuple(int(d) for d in value.shape), stype=NUMPY_STYPE, data=data)
 
 
 def _same_kind(dtype: str, sent: np.dtype) -> bool:

@@ -18,7 +18,7 @@ from fedquant.protocol import (
     payload_array,
     tensor_seed,
 )
-from fedquant.records import RecordCodec, RecordError
+from fedquant.records import RecordCodec, RecordError, numpy_array
 
 SEED = 77
 
@@ -177,3 +177,46 @@ def test_config_entries_round_trip_in_order():
     for bad in ({KEY_CODEC: "fp16", KEY_SEED: 1}, {**entries, KEY_TENSOR_CODECS: "[1]"}, {**entries, KEY_CODEC: "no"}):
         with pytest.raises((KeyError, ValueError)):
             RecordCodec.from_config(bad)
+
+
+@pytest.mark.parametrize("spec", ["qsgd:levels=16", "eden:bits=2", "rht+dqsg:levels=6,coding=entropy"])
+def test_decode_rebuilds_the_float32_sum_and_the_float64_squared_norm(spec):
+    """The fused rebuild gives ``received + update`` bit for bit, the bytes np.save writes, and
+    ``sum(update**2)`` within 1e-12 of the float64 computation it replaces."""
+    rng = np.random.default_rng(5)
+    base = ArrayRecord({"w": Array(rng.standard_normal((300, 17)).astype(np.float32) * 1e4)})
+    trained = ArrayRecord({"w": Array(base["w"].numpy() + rng.standard_normal((300, 17)).astype(np.float32))})
+    codec = RecordCodec(get_codec(spec), min_numel=100)
+    wire = codec.encode(trained, SEED, base).arrays
+    received = {"w": base["w"].numpy()}
+    decoded = codec.decode(wire, SEED, received)
+    update = decoded.updates["w"].numpy()
+    expected = received["w"] + update
+    assert decoded.arrays["w"].data == Array(expected).data
+    float64_norm = float(torch.linalg.vector_norm(decoded.updates["w"], dtype=torch.float64)) ** 2
+    assert decoded.squared_norms["w"] == pytest.approx(float64_norm, rel=1e-12)
+
+
+def test_decode_rejects_a_float32_sum_that_overflows():
+    codec = RecordCodec(get_codec("fp32"), min_numel=4)
+    huge = payload_array(get_codec("fp32").encode(torch.full((16,), 3e38), tensor_seed(SEED, "h")))
+    with pytest.raises(RecordError, match="'h': received \\+ update overflows float32 to Inf"):
+        codec.decode(ArrayRecord({"h": huge}), SEED, {"h": np.full(16, 3e38, np.float32)})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.zeros((3, 4), np.float32),
+        np.array(1.5, np.float32),
+        np.arange(10, dtype=np.int64),
+        np.ones((2, 0)),
+        np.array([True, False]),
+        np.arange(6, dtype=">f4").reshape(2, 3),
+        np.asfortranarray(np.ones((3, 2), np.float16)),
+    ],
+)
+def test_numpy_array_holds_the_bytes_np_save_writes(value):
+    fast, flower = numpy_array(value), Array(np.require(value, requirements="C"))
+    assert (fast.data, fast.dtype, fast.shape, fast.stype) == (flower.data, flower.dtype, flower.shape, flower.stype)
+    np.testing.assert_array_equal(fast.numpy(), value)

@@ -32,6 +32,12 @@ def _torch_threads_kept() -> Iterator[None]:
             torch.set_num_threads(torch_threads)
 
 
+def current_kernel_threads() -> int:
+    """How many threads the calling thread's kernels may use now."""
+    with _torch_threads_kept():
+        return numba.get_num_threads()
+
+
 def set_kernel_threads(n: int) -> int:
     """Let the calling thread's kernels use at most ``n`` threads (at least 1); returns the count set."""
     count = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))

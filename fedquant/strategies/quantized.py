@@ -65,7 +65,7 @@ from fedquant.strategies.metric_screen import (
     conform,
     vote_schema,
 )
-from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply, decode_threads
 from fedquant.strategies.side_info import needs_side_info
 from fedquant.strategies.update_bounds import (
     restore_dtypes,
@@ -505,7 +505,8 @@ class QuantizedStrategy(Strategy):
             return None
         try:
             codec = self.decode_plan.reply_codec(server_round, assignment, self.min_numel)
-            return decode_reply(reply.content, plan.received(node_id), codec, plan.seeds[node_id])
+            with decode_threads(len(plan.sent)):  # one kernel thread per reply when a round has many
+                return decode_reply(reply.content, plan.received(node_id), codec, plan.seeds[node_id])
         except RejectedReply as err:
             self._reject(server_round, node_id, (REASON_PAYLOAD, str(err)), plan.traffic)
             return None

@@ -86,6 +86,18 @@ def exercise_wire(sizes: tuple[int, ...]) -> None:
         elias.elias_omega_lengths(values)
 
 
+def exercise_norms(sizes: tuple[int, ...]) -> None:
+    """The server's sum-of-squares kernels (:mod:`fedquant.codecs.kernels.norms`), serial and parallel."""
+    import numpy as np
+
+    from fedquant.codecs.kernels.norms import add_sum_squares, sum_squares
+
+    for n in sizes:
+        x = np.ones(n, np.float32)
+        sum_squares(x)
+        add_sum_squares(x, x, np.empty_like(x))
+
+
 def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
     """Compile every spec of :func:`warm_specs`; returns the ``(spec, error)`` of those that failed."""
     from fedquant.codecs.kernels.common import PARALLEL_MIN
@@ -101,6 +113,10 @@ def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
         failed.append(("wire coders", f"{type(err).__name__}: {err}"))
     if verbose:
         print(f"{'wire coders':32s} {time.perf_counter() - t0:6.1f} s", flush=True)
+    try:
+        exercise_norms(sizes)
+    except Exception as err:
+        failed.append(("update norms", f"{type(err).__name__}: {err}"))
     for spec in warm_specs():
         t0 = time.perf_counter()
         try:

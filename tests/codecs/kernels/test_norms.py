@@ -1,0 +1,70 @@
+"""The server's float64-accumulated sums of squares of float32 tensors (fedquant/codecs/kernels/norms.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fedquant.codecs.kernels.common import PARALLEL_MIN, TWIN_MAX
+from fedquant.codecs.kernels.norms import add_sum_squares, sum_squares
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _exact(x: np.ndarray) -> float:
+    """The correctly rounded sum of the float64 squares (math.fsum)."""
+    return math.fsum((x.astype(np.float64) ** 2).tolist())
+
+
+def _adversarial(n: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    gauss = rng.standard_normal(n).astype(np.float32)
+    mixed = gauss * np.float32(1e-30)
+    mixed[::997] = np.float32(3e38)  # huge outliers among tiny values: float32 squares overflow, float64 do not
+    spread = (gauss * np.exp2(rng.integers(-140, 120, n))).astype(np.float32)  # every float32 exponent, denormals too
+    return {
+        "gauss": gauss,
+        "near-max": np.full(n, F32_MAX, np.float32) * np.sign(gauss).astype(np.float32),
+        "tiny": np.full(n, 1e-40, np.float32),  # denormal float32: its square underflows float32, not float64
+        "mixed": mixed,
+        "spread": spread,
+    }
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4097, (1 << 21) + 3])
+def test_sum_squares_matches_the_exact_float64_sum_on_adversarial_inputs(n):
+    for kind, x in _adversarial(n, n).items():
+        got, exact = sum_squares(x), _exact(x)
+        assert math.isfinite(got), kind
+        assert got == pytest.approx(exact, rel=1e-12, abs=0.0), kind
+        # what the float32 shortcut would report: off by orders of magnitude, or not finite
+        if kind in ("near-max", "tiny", "mixed") and n:
+            with np.errstate(over="ignore", under="ignore"):
+                float32_sum = float(np.sum(x * x, dtype=np.float32))
+            assert not abs(float32_sum - exact) <= 1e-3 * exact, kind  # also true for Inf and NaN
+
+
+def test_serial_parallel_and_twin_versions_agree():
+    x = _adversarial(PARALLEL_MIN + 12345, 3)["spread"]
+    exact = _exact(x)
+    for version in (sum_squares.serial, sum_squares.parallel, sum_squares.twin):
+        assert version(x) == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [5, PARALLEL_MIN + 7, TWIN_MAX + 9])
+def test_add_sum_squares_writes_the_float32_sum_and_counts_non_finite_results(n):
+    rng = np.random.default_rng(n)
+    base = rng.standard_normal(n).astype(np.float32)
+    update = rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)
+    out = np.empty(n, np.float32)
+    squares, nonfinite = add_sum_squares(base, update, out)
+    np.testing.assert_array_equal(out, base + update)  # the same float32 additions, bit for bit
+    assert squares == pytest.approx(_exact(update), rel=1e-12) and nonfinite == 0
+    base[:3] = F32_MAX
+    update[:3] = np.float32(F32_MAX)  # overflows to +Inf
+    update[3] = np.nan
+    squares, nonfinite = add_sum_squares(base, update, out)
+    assert nonfinite == 4 and not np.isfinite(out[:4]).any()
+    assert add_sum_squares.twin(base, update, np.empty_like(out))[1] == 4
