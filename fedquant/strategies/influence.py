@@ -21,6 +21,7 @@ from fedquant.strategies.admission import (
     REASON_PAYLOAD,
     AdmissionRules,
     MedianReference,
+    Reference,
 )
 from fedquant.strategies.metric_screen import weights_of, write_weights
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply
@@ -117,9 +118,10 @@ class InfluenceBounds:
         return self.rules.norm_verdict(norm, reference)
 
     # ------------------------------------------------------------------ float updates
-    def norm_reference(self, current: Sequence[float]) -> float | None:
-        """The reference norm given this round's ``current`` norms (None when no relative rule is on)."""
-        return self.norms.value(current) if self.rules.relative_norms else None
+    def norm_reference(self, current: Sequence[float]) -> Reference | None:
+        """The reference norm (and the spread of the norms) given this round's ``current`` norms (None
+        when no relative rule is on)."""
+        return self.norms.reference(current) if self.rules.relative_norms else None
 
     def norm_split(self, norms: Sequence[float]) -> float | None:
         """How far apart the upper and lower halves of a vote's norms lie (median of each), when that is
@@ -135,7 +137,7 @@ class InfluenceBounds:
         return None
 
     def judge_update(
-        self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: float | None
+        self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: Reference | None
     ) -> tuple[str | None, DecodedReply, list[str]]:
         """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply,
         clipped to ``clip_factor x reference`` if needed (``clipped == ["update-norm"]``)."""
@@ -185,7 +187,7 @@ class InfluenceBounds:
         if self.rules.weight_reject_factor is None or weights_of(list(records.values()), self.weight_key) is None:
             return {}
         weights = {n: r[self.weight_key] for n, r in records.items()}
-        reference = self.weights[kind].value(list(weights.values()))
+        reference = self.weights[kind].reference(list(weights.values()))
         problems = {n: self.rules.weight_outlier(w, reference, self.weight_key) for n, w in weights.items()}
         return {n: p for n, p in problems.items() if p is not None}
 
