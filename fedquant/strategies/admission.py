@@ -72,11 +72,14 @@ strategy in Flower's ``DifferentialPrivacyServerSideFixedClipping``, which works
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from logging import WARNING
 
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
+from flwr.supercore import log
 
 from fedquant.metrics.robust import describe, finite
 
@@ -192,6 +195,11 @@ class AdmissionRules:
     warn_rejected_share : float
         Log a warning when a round rejects at least this share of its replies (default 0.3); the
         share is reported as ``rejected-share`` every round.
+    warn_rule_share : float
+        Log a warning when one rule rejects more than this share of a round's replies (default
+        0.05: a rule calibrated on honest spread rejects far less of an honest round, so more
+        means attackers or a rule that does not fit the federation); the largest share one rule
+        rejected is reported as ``rejected-rule-max-share`` every train round.
 
     Examples
     --------
@@ -219,6 +227,7 @@ class AdmissionRules:
     max_list_length: int = 1024
     metric_trim: float = 0.25
     warn_rejected_share: float = 0.3
+    warn_rule_share: float = 0.05
 
     def __post_init__(self) -> None:
         names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
@@ -240,6 +249,7 @@ class AdmissionRules:
         if self.metric_trim >= 0.5:
             raise ValueError(f"metric_trim must be in [0, 0.5), got {self.metric_trim!r}")
         _positive("warn_rejected_share", self.warn_rejected_share)
+        _positive("warn_rule_share", self.warn_rule_share)
         if (
             isinstance(self.max_list_length, bool)
             or not isinstance(self.max_list_length, int)
@@ -477,6 +487,31 @@ def cap_shares(weights: Sequence[float], share: float) -> list[float]:
                 out[i] = x
             return out
     return [min(weights)] * n
+
+
+#: The train metric: the largest share of the round's replies that one rule rejected.
+REJECTED_RULE_MAX_SHARE = "rejected-rule-max-share"
+
+
+def warn_rule_shares(
+    server_round: int, kind: str, reasons: Sequence[str], replies: int, limit: float
+) -> tuple[float, int]:
+    """``(largest share, warnings)``: the largest share of ``replies`` one reason in ``reasons`` rejected,
+    and how many reasons rejected more than ``limit`` of them (each logged as a warning)."""
+    if not replies or not reasons:
+        return 0.0, 0
+    counts = Counter(reasons)
+    warned = 0
+    for reason, count in sorted(counts.items()):
+        if count > limit * replies:
+            warned += 1
+            log(
+                WARNING,
+                "QuantizedStrategy: round %s: the %s rule rejected %d of %d %s replies (%.0f%%, above %.0f%%): honest "
+                "clients may be dropped (see AdmissionRules) or a part of the federation is attacking",
+                server_round, reason, count, replies, kind, 100 * count / replies, 100 * limit,
+            )  # fmt: skip
+    return max(counts.values()) / replies, warned
 
 
 def single_metric_record(content: RecordDict) -> MetricRecord | None:

@@ -19,7 +19,7 @@ from fedquant.clients import quantize_mod
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
 from fedquant.strategies.admission import MedianReference, Reference, weighted_median
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
-from tests.strategies.test_attacks import SEED, _scaled
+from tests.strategies.test_attacks import SEED, _round, _scaled, _warned, _wrap
 
 A, B = 101, 102
 
@@ -103,3 +103,17 @@ def test_the_reject_bound_widens_with_honest_spread_only():
     assert "exceeds 10 x" in rules.check_norm(100.0, tight)
     assert rules.weight_outlier(11.0, tight, "num-examples") is not None
     assert AdmissionRules(norm_spread=None).check_norm(2 * math.exp(3), Reference(1.0, 1.0)) is not None
+
+
+# ---------------------------------------------------------------------------------------------- diagnostics
+def test_a_rule_rejecting_more_than_5_percent_of_a_round_warns_and_is_reported(flwr_log):
+    """1 of 10 at 100 x the honest norm: the norm rule rejects 10% of the round (above 5%, below the
+    30% of ``warn_rejected_share``): a warning naming the rule, ``rejected-rule-max-share`` 0.1."""
+    _, honest = _round(_wrap())
+    assert honest["rejected-rule-max-share"] == 0.0 and not _warned(flwr_log, "rule rejected")
+    _, metrics = _round(_wrap(), tamper=_scaled({101}, 100.0))
+    assert metrics["rejected-update-norm"] == 1 and metrics["rejected-rule-max-share"] == pytest.approx(0.1)
+    assert _warned(flwr_log, "the update-norm rule rejected 1 of 10 train replies")
+    assert metrics["admission-warnings"] >= 1
+    _, quiet = _round(_wrap(admission=AdmissionRules(warn_rule_share=0.2)), tamper=_scaled({101}, 100.0))
+    assert quiet["admission-warnings"] == 0
