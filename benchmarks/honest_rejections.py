@@ -12,9 +12,10 @@ non-IID) at 10 of 100 and 100 of 1,000 clients per round (one local epoch, as ``
 measured the issue's ~15%), digits with a Dirichlet(0.5) partition (20 clients, 10 per round), and
 Flower's default federation (digits, 2 clients, 1 per round, 20 rounds). Columns: replies that
 carried content, rejections per rule (``update-norm``, ``num-examples``, every reason together),
-the rate of the worst rule, replies clipped per rule, and the largest ``update-norm-max-ratio`` of
-any round (largest admitted norm over the round's median). Exits 1 when any setting rejects more
-than ``--max-rate`` (0.5%) of its honest replies by one rule. Usage::
+the rate of the worst of the rules calibrated here (``--rules``: the norm and the weight rule),
+replies clipped per rule, and the largest max/median of a round's decoded update norms (before
+any rule). Exits 1 when any setting rejects more than ``--max-rate`` (0.5%) of its honest replies
+by one of ``--rules``. Usage::
 
     python -m benchmarks.honest_rejections            # every setting (about 10 CPU minutes)
     python -m benchmarks.honest_rejections --quick    # fewer rounds, the 1,000-client setting once
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated run seeds")
     parser.add_argument("--only", default="", help="run the settings whose name contains this text")
     parser.add_argument("--max-rate", type=float, default=0.005, help="largest honest rejection rate per rule")
+    parser.add_argument("--rules", default="update-norm,num-examples",
+                        help="the rules held to --max-rate (comma-separated reasons)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [measure(setting, seed, Path(tmp)) for seed in seeds]
         sums = {k: sum(r.get(k, 0) for r in runs) for k in runs[0] if k != "max-ratio"}
         ratio = max(r["max-ratio"] for r in runs)
-        per_rule = {k: v for k, v in sums.items() if k.startswith("rejected-") and k != "rejected-replies"}
+        per_rule = {f"rejected-{rule}": sums.get(f"rejected-{rule}", 0) for rule in args.rules.split(",")}
         worst = max(per_rule, key=per_rule.get)
         rate = per_rule[worst] / max(sums["replies"], 1)
         print(f"| {setting.name} | {args.seeds} | {sums['replies']} | {sums['rejected-update-norm']} | "
