@@ -45,8 +45,8 @@ per reason, in ``rejected-<reason>``; clipped ones in ``clipped-<reason>``.
 decoded so far, across decode groups, one vote each) and the history (the values admitted in the
 previous round and the previous round's reference, together half a round's votes). It stays within
 the range of honest values as long as attackers hold at most half of that pool: with an honest
-history, up to 3/4 of the round (exactly half of it: the history breaks the tie); in the first
-round (no history), a strict minority. The history never outvotes a round that agrees with itself,
+history, fewer than 3/4 of the round (at exactly half, the history decides); in the first round
+(no history), a strict minority. The history never outvotes a round that agrees with itself,
 so a single reply per round is its own reference (no relative norm bound there: use
 ``max_update_norm`` or Flower's DP clipping). Above that the median is theirs: a majority of zero
 updates gets every honest update rejected, a majority of large ones raises the bound (a warning
@@ -378,7 +378,7 @@ class MedianReference:
     round admits nothing, so the reference never came back (7 of 20 honest replies lost).
     With ``history_weight`` h < 1 the current values move the median when more than ``(1 + h) / 2``
     of them agree (a single reply is its own reference), and ``a`` attackers of ``m`` replies
-    move it only when ``a > (1 + h) m / 2`` (3/4 of the round for h = 0.5) while the history is
+    move it only when ``a >= (1 + h) m / 2`` (3/4 of the round for h = 0.5) while the history is
     honest; in round 1 (no history), a strict majority.
 
     This is the one seam of the relative rules: a recalibrated rule replaces this class
