@@ -163,6 +163,13 @@ class AdmissionRules:
         sizes and their distance from the model, far more on non-IID data with LEAF-sized clients
         than on equal IID ones, and a bound of a fixed factor rejected ~15% of honest replies there.
         None: the fixed factor alone.
+    norm_per_weight : bool
+        Scale the reject bound of an update (not the clip) by ``max(1, w / w_ref)``, its reply's
+        weight over the round's reference weight (default True): a client with k times the data
+        takes about k times the local steps and moves honestly up to k times further (on Synthetic
+        with LEAF's sizes most clients take one clipped step, norm lr, and the largest 56, where no
+        spread of the norms alone tells them from an attacker). A large weight claim buys no
+        influence: the weight is clipped (``weight_factor``) and the update too (``clip_factor``).
     clip_factor : float or None
         Scale down a decoded update whose L2 norm exceeds this multiple of the reference norm to
         that norm (default 2; keeps its direction); None: off.
@@ -213,10 +220,11 @@ class AdmissionRules:
     max_weight: float | None = 1e9
     weight_factor: float | None = 3.0
     weight_reject_factor: float | None = 10.0
-    weight_spread: float | None = 3.0
+    weight_spread: float | None = 5.0
     max_weight_share: float | None = 0.5
     norm_factor: float | None = 10.0
-    norm_spread: float | None = 3.0
+    norm_spread: float | None = 5.0
+    norm_per_weight: bool = True
     clip_factor: float | None = 2.0
     max_update_norm: float | None = None
     reject_opposing: bool = True
@@ -325,13 +333,19 @@ class AdmissionRules:
         return [w if w < float(orig) else orig for w, orig in zip(out, weights, strict=True)]
 
     # ------------------------------------------------------------------ update norms
-    def norm_verdict(self, norm: float, reference: float | Reference | None) -> tuple[str | None, float]:
+    def norm_verdict(
+        self, norm: float, reference: float | Reference | None, weight_ratio: float = 1.0
+    ) -> tuple[str | None, float]:
         """``(sentence, scale)``: a sentence when the update is to be rejected, else the factor to scale it by.
 
         ``scale`` is 1.0 unless ``clip_factor`` clips the update to ``clip_factor x reference``. A
         :class:`Reference` widens ``norm_factor`` by ``norm_spread``; a float is used as it is.
+        ``weight_ratio`` (the reply's weight over the reference weight) widens it with
+        ``norm_per_weight``.
         """
         reference, factor = widened(reference, self.norm_factor, self.norm_spread)
+        if factor is not None and self.norm_per_weight and math.isfinite(weight_ratio):
+            factor *= max(1.0, weight_ratio)
         if not math.isfinite(norm):
             return "the update's L2 norm is not finite", 1.0
         if self.max_update_norm is not None and norm > self.max_update_norm:

@@ -58,6 +58,7 @@ class InfluenceBounds:
         self.integer_changes = MedianReference()
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
+        self.round_weight: dict[str, float | None] = {}  # per kind, the round's reference weight
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -137,11 +138,16 @@ class InfluenceBounds:
         return None
 
     def judge_update(
-        self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: Reference | None
+        self,
+        decoded: DecodedReply,
+        received: Mapping[str, np.ndarray],
+        reference: Reference | None,
+        record: MetricRecord | None = None,
     ) -> tuple[str | None, DecodedReply, list[str]]:
         """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply,
-        clipped to ``clip_factor x reference`` if needed (``clipped == ["update-norm"]``)."""
-        problem, scale = self.rules.norm_verdict(decoded.update_norm, reference)
+        clipped to ``clip_factor x reference`` if needed (``clipped == ["update-norm"]``). ``record``,
+        the reply's metrics, gives its weight (``norm_per_weight``)."""
+        problem, scale = self.rules.norm_verdict(decoded.update_norm, reference, self.weight_ratio(record))
         if problem is not None or scale >= 1:
             return problem, decoded, []
         return None, clip_update(decoded, received, scale), [REASON_NORM]
@@ -182,12 +188,23 @@ class InfluenceBounds:
         return f"its update points against the round's consensus (cosine {cosine:.3g})"
 
     # ------------------------------------------------------------------ weights
+    def weight_ratio(self, record: MetricRecord | None) -> float:
+        """A train reply's weight over the round's reference weight (1.0 when either is unknown)."""
+        reference = self.round_weight.get("train")
+        weights = weights_of([record], self.weight_key) if record is not None else None
+        return float(weights[0]) / reference if weights and reference else 1.0
+
     def screen_weights(self, records: Mapping[int, MetricRecord], kind: str) -> dict[int, str]:
-        """Per node, a sentence for the weights above ``weight_reject_factor`` x the round's reference."""
-        if self.rules.weight_reject_factor is None or weights_of(list(records.values()), self.weight_key) is None:
+        """Per node, a sentence for the weights above ``weight_reject_factor`` x the round's reference
+        (which is kept for :meth:`weight_ratio`)."""
+        self.round_weight[kind] = None
+        if weights_of(list(records.values()), self.weight_key) is None:
             return {}
         weights = {n: r[self.weight_key] for n, r in records.items()}
         reference = self.weights[kind].reference(list(weights.values()))
+        self.round_weight[kind] = reference.value if reference is not None and reference.value > 0 else None
+        if self.rules.weight_reject_factor is None:
+            return {}
         problems = {n: self.rules.weight_outlier(w, reference, self.weight_key) for n, w in weights.items()}
         return {n: p for n, p in problems.items() if p is not None}
 

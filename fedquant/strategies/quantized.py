@@ -408,7 +408,8 @@ class QuantizedStrategy(Strategy):
         accepted: set[int] = set()
 
         def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> DecodedReply | None:
-            problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
+            record = single_metric_record(by_node[node_id].content)
+            problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference, record)
             if problem is not None:
                 self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
                 return None

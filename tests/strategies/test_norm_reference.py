@@ -88,7 +88,7 @@ def test_weighted_median_is_numpys_median_for_equal_weights():
 
 def test_the_reject_bound_widens_with_honest_spread_only():
     """Honest log norms with sigma 1 (the spread of LEAF-sized clients): 10 x the median rejects 1.1%
-    (P(z > ln 10) for sigma 1); the bound widened to exp(3 s) rejects about P(z > 3) = 0.13%. With
+    (P(z > ln 10) for sigma 1); the bound widened to exp(5 s) rejects about P(z > 5) (3e-7). With
     no spread (equal clients) the bound stays 10 x the median, and 100 x is rejected."""
     rng = np.random.default_rng(5)
     rules = AdmissionRules()
@@ -103,6 +103,7 @@ def test_the_reject_bound_widens_with_honest_spread_only():
     assert "exceeds 10 x" in rules.check_norm(100.0, tight)
     assert rules.weight_outlier(11.0, tight, "num-examples") is not None
     assert AdmissionRules(norm_spread=None).check_norm(2 * math.exp(3), Reference(1.0, 1.0)) is not None
+    assert AdmissionRules().check_norm(2 * math.exp(3), Reference(1.0, 1.0)) is None
 
 
 # ---------------------------------------------------------------------------------------------- diagnostics
@@ -117,3 +118,15 @@ def test_a_rule_rejecting_more_than_5_percent_of_a_round_warns_and_is_reported(f
     assert metrics["admission-warnings"] >= 1
     _, quiet = _round(_wrap(admission=AdmissionRules(warn_rule_share=0.2)), tamper=_scaled({101}, 100.0))
     assert quiet["admission-warnings"] == 0
+
+
+def test_the_reject_bound_grows_with_the_replys_weight_but_the_clip_does_not():
+    """Synthetic with LEAF sizes: most clients take one clipped SGD step (norm = lr, identical, so the
+    norms have no spread), the largest 56 steps; 900 examples against a reference weight of 12 moved
+    60 x the reference norm honestly. The bound follows the weight ratio; the clip stays c x r."""
+    rules, reference = AdmissionRules(), Reference(0.053, 0.0)
+    assert "exceeds 10 x" in rules.norm_verdict(60 * 0.053, reference)[0]
+    problem, scale = rules.norm_verdict(60 * 0.053, reference, weight_ratio=900 / 12)
+    assert problem is None and scale == pytest.approx(2 / 60)
+    assert rules.norm_verdict(60 * 0.053, reference, weight_ratio=0.1)[0] is not None  # small weights: no tighter
+    assert AdmissionRules(norm_per_weight=False).norm_verdict(3.18, reference, weight_ratio=75)[0] is not None
