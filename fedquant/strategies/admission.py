@@ -147,8 +147,11 @@ class AdmissionRules:
         ``weight_factor`` times a typical share. Widened by ``weight_spread``. None: off.
     weight_spread : float or None
         Widen the weight reject bound to ``exp(weight_spread x s)`` times the reference where that
-        is more than ``weight_reject_factor`` (default 3.0), ``s`` the robust spread of the round's
-        log weights (LEAF's client sizes are lognormal with sigma 2); None: the fixed factor alone.
+        is more than ``weight_reject_factor`` (default 8.0), ``s`` the robust spread of the round's
+        log weights; None: the fixed factor alone. Loose on purpose: LEAF's sizes (lognormal, sigma
+        2, at least 5) put honest clients 80 x a 10-client round's median while ``s`` of such a
+        round is about 0.7, and the weight clip (``weight_factor``, ``max_weight_share``), not
+        this bound, is what limits a client's share.
     max_weight_share : float or None
         Clip weights so that no reply holds more than this share of the round's total (default
         0.5: no single reply outweighs all others); None: off. With ``n`` replies a share below
@@ -158,7 +161,7 @@ class AdmissionRules:
         10), widened by ``norm_spread``; None switches the rule off.
     norm_spread : float or None
         Widen the reject bound to ``exp(norm_spread x s)`` times the reference where that is more
-        than ``norm_factor`` (default 3.0), ``s`` the robust spread of the log norms the
+        than ``norm_factor`` (default 5.0), ``s`` the robust spread of the log norms the
         reference is taken over (:class:`Reference`): honest norms spread with the clients' data
         sizes and their distance from the model, far more on non-IID data with LEAF-sized clients
         than on equal IID ones, and a bound of a fixed factor rejected ~15% of honest replies there.
@@ -220,7 +223,7 @@ class AdmissionRules:
     max_weight: float | None = 1e9
     weight_factor: float | None = 3.0
     weight_reject_factor: float | None = 10.0
-    weight_spread: float | None = 5.0
+    weight_spread: float | None = 8.0
     max_weight_share: float | None = 0.5
     norm_factor: float | None = 10.0
     norm_spread: float | None = 5.0
