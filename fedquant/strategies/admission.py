@@ -18,16 +18,18 @@ reason               rule                                                       
                      type than its key carries in the round; NaN/Inf
 ``num-examples``     the weight (``num-examples``, or the inner strategy's              ``check_weight``,
                      ``weighted_by_key``) is missing, a list, not finite, <= 0, above   ``max_weight``,
-                     ``max_weight`` or ``weight_reject_factor`` x the round's           ``weight_reject_factor``
-                     reference weight; **clipped** to ``weight_factor`` x the           ``weight_factor``,
+                     ``max_weight`` or ``weight_reject_factor`` x the round's           ``weight_reject_factor``,
+                     reference weight (widened by the spread, ``weight_spread``);       ``weight_spread``,
+                     **clipped** to ``weight_factor`` x the                             ``weight_factor``,
                      reference and to a ``max_weight_share`` of the round's total       ``max_weight_share``
 ``payload``          the payload or the arrays do not decode (see the codecs)           always on
 ``non-float``        a bool entry differs from the round's majority (or, without one,   ``check_non_float``
                      from what was sent); integer entries follow the update-norm rule
                      against their own reference
 ``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` x the         ``norm_factor``,
-                     reference norm, or ``max_update_norm``; **clipped** to             ``max_update_norm``,
-                     ``clip_factor`` x the reference above that                         ``clip_factor``
+                     reference norm (widened to ``exp(norm_spread x s)`` x it, ``s``    ``norm_spread``,
+                     the robust spread of the log norms), or ``max_update_norm``;       ``max_update_norm``,
+                     **clipped** to ``clip_factor`` x the reference above that          ``clip_factor``
 ``direction``        the update points against the round's consensus: its cosine with   ``reject_opposing``,
                      the sum of the first vote's updates (itself included) is below     ``opposing_margin``,
                      ``-opposing_margin``; or the client's updates have pointed         ``persistent_opposition``
@@ -40,14 +42,18 @@ Rejected replies are logged with the node id and the reason, counted in ``reject
 per reason, in ``rejected-<reason>``; clipped ones in ``clipped-<reason>``.
 
 **References a minority cannot move.** Relative bounds are multiples of a reference
-(:class:`MedianReference`): the median of this round's values (the norms of the replies decoded
-so far, across decode groups), the values admitted in the previous round, and the previous
-round's reference, which breaks ties. It stays within the range of honest values as long as
-attackers hold at most half of that pool, so in a round where the same clients attack every
-round, at most half of the round's replies (5 of 10; the first round has no history, there a
-strict minority). Above that the median is theirs: a majority of zero updates gets every honest
-update rejected, a majority of large ones raises the bound (a warning and ``rejected-share`` tell
-the user when a round rejects much).
+(:class:`MedianReference`): the weighted median of this round's values (the norms of the replies
+decoded so far, across decode groups, one vote each) and the history (the values admitted in the
+previous round and the previous round's reference, together half a round's votes). It stays within
+the range of honest values as long as attackers hold at most half of that pool: with an honest
+history, fewer than 3/4 of the round (at exactly half, the history decides); in the first round
+(no history), a strict minority. The history never outvotes a round that agrees with itself,
+so a single reply per round is its own reference (no relative norm bound there: use
+``max_update_norm`` or Flower's DP clipping). Above that the median is theirs: a majority of zero
+updates gets every honest update rejected, a majority of large ones raises the bound (a warning
+and ``rejected-share`` tell the user when a round rejects much). The reject bounds widen with the
+robust spread of the same pool (median absolute deviation of the log values, :class:`Reference`),
+which a minority moves no further than the spread of the honest values.
 
 **One client's influence on a FedAvg round.** After the rules, a reply's weight share is at most
 ``s = min(max_weight_share, f w / (f w + W))`` (``f = weight_factor``, ``w`` the reference weight,
@@ -67,11 +73,14 @@ strategy in Flower's ``DifferentialPrivacyServerSideFixedClipping``, which works
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from logging import WARNING
 
 import numpy as np
 from flwr.app import MetricRecord, RecordDict
+from flwr.supercore import log
 
 from fedquant.metrics.robust import describe, finite
 from fedquant.strategies.direction import PersistenceRule
@@ -137,14 +146,35 @@ class AdmissionRules:
     weight_reject_factor : float or None
         Drop a reply whose weight exceeds this multiple of the reference weight (default 10): a
         claim that large is not a client of this federation; clipping it would still hand it
-        ``weight_factor`` times a typical share. None: off.
+        ``weight_factor`` times a typical share. Widened by ``weight_spread``. None: off.
+    weight_spread : float or None
+        Widen the weight reject bound to ``exp(weight_spread x s)`` times the reference where that
+        is more than ``weight_reject_factor`` (default 8.0), ``s`` the robust spread of the round's
+        log weights; None: the fixed factor alone. Loose on purpose: LEAF's sizes (lognormal, sigma
+        2, at least 5) put honest clients 80 x a 10-client round's median while ``s`` of such a
+        round is about 0.7, and the weight clip (``weight_factor``, ``max_weight_share``), not
+        this bound, is what limits a client's share.
     max_weight_share : float or None
         Clip weights so that no reply holds more than this share of the round's total (default
         0.5: no single reply outweighs all others); None: off. With ``n`` replies a share below
         ``1 / n`` is met by equal weights.
     norm_factor : float or None
         Drop a decoded update whose L2 norm exceeds this multiple of the reference norm (default
-        10); None switches the rule off.
+        10), widened by ``norm_spread``; None switches the rule off.
+    norm_spread : float or None
+        Widen the reject bound to ``exp(norm_spread x s)`` times the reference where that is more
+        than ``norm_factor`` (default 5.0), ``s`` the robust spread of the log norms the
+        reference is taken over (:class:`Reference`): honest norms spread with the clients' data
+        sizes and their distance from the model, far more on non-IID data with LEAF-sized clients
+        than on equal IID ones, and a bound of a fixed factor rejected ~15% of honest replies there.
+        None: the fixed factor alone.
+    norm_per_weight : bool
+        Scale the reject bound of an update (not the clip) by ``max(1, w / w_ref)``, its reply's
+        weight over the round's reference weight (default True): a client with k times the data
+        takes about k times the local steps and moves honestly up to k times further (on Synthetic
+        with LEAF's sizes most clients take one clipped step, norm lr, and the largest 56, where no
+        spread of the norms alone tells them from an attacker). A large weight claim buys no
+        influence: the weight is clipped (``weight_factor``) and the update too (``clip_factor``).
     clip_factor : float or None
         Scale down a decoded update whose L2 norm exceeds this multiple of the reference norm to
         that norm (default 2; keeps its direction); None: off.
@@ -177,6 +207,11 @@ class AdmissionRules:
     warn_rejected_share : float
         Log a warning when a round rejects at least this share of its replies (default 0.3); the
         share is reported as ``rejected-share`` every round.
+    warn_rule_share : float
+        Log a warning when one rule rejects more than this share of a round's replies (default
+        0.05: a rule calibrated on honest spread rejects far less of an honest round, so more
+        means attackers or a rule that does not fit the federation); the largest share one rule
+        rejected is reported as ``rejected-rule-max-share`` every train round.
     persistent_opposition : PersistenceRule or None
         Drop (reason ``direction``) the updates of a client whose updates point against the sum of
         the round's others persistently across rounds: a CUSUM per node id of its leave-one-out
@@ -195,8 +230,11 @@ class AdmissionRules:
     max_weight: float | None = 1e9
     weight_factor: float | None = 3.0
     weight_reject_factor: float | None = 10.0
+    weight_spread: float | None = 8.0
     max_weight_share: float | None = 0.5
     norm_factor: float | None = 10.0
+    norm_spread: float | None = 5.0
+    norm_per_weight: bool = True
     clip_factor: float | None = 2.0
     max_update_norm: float | None = None
     reject_opposing: bool = True
@@ -207,10 +245,13 @@ class AdmissionRules:
     max_list_length: int = 1024
     metric_trim: float = 0.25
     warn_rejected_share: float = 0.3
+    warn_rule_share: float = 0.05
     persistent_opposition: PersistenceRule | None = PersistenceRule()
 
     def __post_init__(self) -> None:
         names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
+        for name in ("norm_spread", "weight_spread"):
+            _positive(name, getattr(self, name), inclusive=True)
         for name in names:
             _positive(name, getattr(self, name))
         for name in ("norm_factor", "weight_factor", "weight_reject_factor", "clip_factor"):
@@ -227,6 +268,7 @@ class AdmissionRules:
         if self.metric_trim >= 0.5:
             raise ValueError(f"metric_trim must be in [0, 0.5), got {self.metric_trim!r}")
         _positive("warn_rejected_share", self.warn_rejected_share)
+        _positive("warn_rule_share", self.warn_rule_share)
         if self.persistent_opposition is not None and not isinstance(self.persistent_opposition, PersistenceRule):
             raise ValueError(f"persistent_opposition must be a PersistenceRule, got {self.persistent_opposition!r}")
         if (
@@ -283,12 +325,13 @@ class AdmissionRules:
             return f"'{weight_key}' = {describe(value)} exceeds the cap of {self.max_weight:g}"
         return None
 
-    def weight_outlier(self, value: float, reference: float | None, weight_key: str) -> str | None:
-        """A sentence when a weight exceeds ``weight_reject_factor`` x the reference, else None."""
-        factor = self.weight_reject_factor
+    def weight_outlier(self, value: float, reference: float | Reference | None, weight_key: str) -> str | None:
+        """A sentence when a weight exceeds ``weight_reject_factor`` (widened by ``weight_spread``) x the
+        reference, else None."""
+        reference, factor = widened(reference, self.weight_reject_factor, self.weight_spread)
         if factor is None or reference is None or not reference > 0 or not value > factor * reference:
             return None
-        return f"'{weight_key}' = {describe(value)} exceeds {factor:g} x the reference weight {reference:.4g}"
+        return f"'{weight_key}' = {describe(value)} exceeds {factor:.3g} x the reference weight {reference:.4g}"
 
     def bound_weights(self, weights: Sequence[float], reference: float | None) -> list[float]:
         """The weights after ``weight_factor`` (against ``reference``) and ``max_weight_share``.
@@ -304,54 +347,108 @@ class AdmissionRules:
         return [w if w < float(orig) else orig for w, orig in zip(out, weights, strict=True)]
 
     # ------------------------------------------------------------------ update norms
-    def norm_verdict(self, norm: float, reference: float | None) -> tuple[str | None, float]:
+    def norm_verdict(
+        self, norm: float, reference: float | Reference | None, weight_ratio: float = 1.0
+    ) -> tuple[str | None, float]:
         """``(sentence, scale)``: a sentence when the update is to be rejected, else the factor to scale it by.
 
-        ``scale`` is 1.0 unless ``clip_factor`` clips the update to ``clip_factor x reference``.
+        ``scale`` is 1.0 unless ``clip_factor`` clips the update to ``clip_factor x reference``. A
+        :class:`Reference` widens ``norm_factor`` by ``norm_spread``; a float is used as it is.
+        ``weight_ratio`` (the reply's weight over the reference weight) widens it with
+        ``norm_per_weight``.
         """
+        reference, factor = widened(reference, self.norm_factor, self.norm_spread)
+        if factor is not None and self.norm_per_weight and math.isfinite(weight_ratio):
+            factor *= max(1.0, weight_ratio)
         if not math.isfinite(norm):
             return "the update's L2 norm is not finite", 1.0
         if self.max_update_norm is not None and norm > self.max_update_norm:
             return f"update L2 norm {norm:.4g} exceeds max_update_norm {self.max_update_norm:.4g}", 1.0
         if reference is None:
             return None, 1.0
-        if self.norm_factor is not None and norm > self.norm_factor * reference:
-            return f"update L2 norm {norm:.4g} exceeds {self.norm_factor:g} x the reference norm {reference:.4g}", 1.0
+        if factor is not None and norm > factor * reference:
+            return f"update L2 norm {norm:.4g} exceeds {factor:.3g} x the reference norm {reference:.4g}", 1.0
         if self.clip_factor is not None and norm > self.clip_factor * reference:
             return None, self.clip_factor * reference / norm
         return None, 1.0
 
-    def check_norm(self, norm: float, reference: float | None) -> str | None:
+    def check_norm(self, norm: float, reference: float | Reference | None) -> str | None:
         """A sentence when an update of L2 norm ``norm`` is to be dropped, else None (clipping aside)."""
         return self.norm_verdict(norm, reference)[0]
 
 
-class MedianReference:
-    """A reference value (norm, weight) that a minority of the round cannot move.
+@dataclass(frozen=True)
+class Reference:
+    """A round's reference for a relative rule: the value and the spread of the values around it.
 
-    :meth:`value` is the median of the given current values, the values admitted in the previous
-    round (:meth:`end_round`) and the previous round's reference. The previous reference breaks
-    ties: with exactly half of the pool from attackers, the median is still an honest value or the
-    previous reference. This is the one seam of the relative rules: a recalibrated rule replaces
-    this class (``QuantizedStrategy`` builds one per quantity).
+    ``log_spread`` is the robust scale (1.4826 x the median absolute deviation) of the log values
+    the reference was taken over: how far apart honest clients of this federation lie. The
+    reject bounds widen with it (``norm_spread``, ``weight_spread``); 0.0 where it is unknown.
     """
 
-    def __init__(self) -> None:
+    value: float
+    log_spread: float = 0.0
+
+
+class MedianReference:
+    """A reference value (norm, weight) that a minority of the round cannot move, and that follows the round.
+
+    :meth:`value` is the weighted median of the given current values (weight 1 each) and the
+    history: the values admitted in the previous round (:meth:`end_round`) and the previous
+    round's reference, which together weigh ``history_weight`` x the number of current values.
+
+    Why the history weighs less than the round: it is there so that exactly half of a round
+    cannot move the reference (the history breaks the tie), not to outvote a round that agrees
+    with itself. When it weighed as much as the round (the previous admitted values and the
+    previous reference, one vote each), one reply per round could never outvote two stale
+    values: on Flower's default federation (2 clients, 1 per round) a client's update after the
+    other client's rounds (60 x the other's converged norm, honestly) was rejected, and a rejected
+    round admits nothing, so the reference never came back (7 of 20 honest replies lost).
+    With ``history_weight`` h < 1 the current values move the median when more than ``(1 + h) / 2``
+    of them agree (a single reply is its own reference), and ``a`` attackers of ``m`` replies
+    move it only when ``a >= (1 + h) m / 2`` (3/4 of the round for h = 0.5) while the history is
+    honest; in round 1 (no history), a strict majority.
+
+    This is the one seam of the relative rules: a recalibrated rule replaces this class
+    (``InfluenceBounds`` builds one per quantity).
+    """
+
+    def __init__(self, history_weight: float = 0.5) -> None:
+        if not 0 < history_weight < 1:
+            raise ValueError(f"history_weight must be in (0, 1), got {history_weight!r}")
+        self.history_weight = history_weight
         self.previous: list[float] = []
         self.tie_breaker: float | None = None
 
     def __repr__(self) -> str:
         return f"MedianReference(previous={len(self.previous)} values, tie_breaker={self.tie_breaker})"
 
-    def pool(self, current: Sequence[float]) -> list[float]:
-        """What the median is taken over."""
-        extra = [] if self.tie_breaker is None else [self.tie_breaker]
-        return [float(v) for v in current if math.isfinite(v)] + self.previous + extra
+    def pool(self, current: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, weights)`` the median is taken over: the current values, then the history."""
+        now = [float(v) for v in current if math.isfinite(v)]
+        past = self.previous + ([] if self.tie_breaker is None else [self.tie_breaker])
+        each = self.history_weight * len(now) / len(past) if now and past else 1.0
+        values = np.array(now + past, dtype=np.float64)
+        weights = np.array([1.0] * len(now) + [each] * len(past), dtype=np.float64)
+        return values, weights
 
     def value(self, current: Sequence[float]) -> float | None:
         """The reference for this round given its ``current`` values (None without any value)."""
-        pool = self.pool(current)
-        return float(np.median(pool)) if pool else None
+        values, weights = self.pool(current)
+        return weighted_median(values, weights) if values.size else None
+
+    def reference(self, current: Sequence[float]) -> Reference | None:
+        """:meth:`value` with the robust spread of the log values of the same pool (zeros left out)."""
+        values, weights = self.pool(current)
+        if not values.size:
+            return None
+        center = weighted_median(values, weights)
+        positive = values > 0
+        spread = 0.0
+        if center > 0 and positive.any():
+            deviations = np.abs(np.log(values[positive]) - math.log(center))
+            spread = MAD_TO_SIGMA * weighted_median(deviations, weights[positive])
+        return Reference(center, spread)
 
     def end_round(self, admitted: Sequence[float]) -> None:
         """Remember the values admitted this round (after clipping) for the next one."""
@@ -360,6 +457,36 @@ class MedianReference:
             return
         self.tie_breaker = self.value(admitted)
         self.previous = admitted
+
+
+#: 1.4826 x the median absolute deviation estimates the standard deviation of normal data.
+MAD_TO_SIGMA = 1.4826
+
+
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value where the cumulative weight (in value order) reaches half the total.
+
+    Where it reaches half exactly at a value, the mean of that value and the next: with equal
+    weights this is ``np.median``.
+    """
+    order = np.argsort(values, kind="stable")
+    ordered, cumulative = values[order], np.cumsum(weights[order])
+    half = cumulative[-1] / 2
+    i = int(np.searchsorted(cumulative, half * (1 - 1e-12)))
+    if i + 1 < ordered.size and abs(cumulative[i] - half) <= 1e-12 * cumulative[-1]:
+        return float((ordered[i] + ordered[i + 1]) / 2)
+    return float(ordered[i])
+
+
+def widened(
+    reference: float | Reference | None, factor: float | None, spread: float | None
+) -> tuple[float | None, float | None]:
+    """``(reference value, reject factor)``: ``factor`` widened to ``exp(spread x log_spread)`` where that is larger."""
+    if not isinstance(reference, Reference):
+        return reference, factor
+    if factor is not None and spread is not None:
+        factor = max(factor, math.exp(min(spread * reference.log_spread, 700.0)))
+    return reference.value, factor
 
 
 def cap_shares(weights: Sequence[float], share: float) -> list[float]:
@@ -388,6 +515,31 @@ def cap_shares(weights: Sequence[float], share: float) -> list[float]:
                 out[i] = x
             return out
     return [min(weights)] * n
+
+
+#: The train metric: the largest share of the round's replies that one rule rejected.
+REJECTED_RULE_MAX_SHARE = "rejected-rule-max-share"
+
+
+def warn_rule_shares(
+    server_round: int, kind: str, reasons: Sequence[str], replies: int, limit: float
+) -> tuple[float, int]:
+    """``(largest share, warnings)``: the largest share of ``replies`` one reason in ``reasons`` rejected,
+    and how many reasons rejected more than ``limit`` of them (each logged as a warning)."""
+    if not replies or not reasons:
+        return 0.0, 0
+    counts = Counter(reasons)
+    warned = 0
+    for reason, count in sorted(counts.items()):
+        if count > limit * replies:
+            warned += 1
+            log(
+                WARNING,
+                "QuantizedStrategy: round %s: the %s rule rejected %d of %d %s replies (%.0f%%, above %.0f%%): honest "
+                "clients may be dropped (see AdmissionRules) or a part of the federation is attacking",
+                server_round, reason, count, replies, kind, 100 * count / replies, 100 * limit,
+            )  # fmt: skip
+    return max(counts.values()) / replies, warned
 
 
 def single_metric_record(content: RecordDict) -> MetricRecord | None:

@@ -21,6 +21,7 @@ from fedquant.strategies.admission import (
     REASON_PAYLOAD,
     AdmissionRules,
     MedianReference,
+    Reference,
 )
 from fedquant.strategies.direction import DirectionHistory
 from fedquant.strategies.metric_screen import weights_of, write_weights
@@ -61,6 +62,7 @@ class InfluenceBounds:
         self.voters = 0  # how many updates that sum holds
         persistence = rules.persistent_opposition
         self.directions = DirectionHistory(persistence) if persistence is not None else None
+        self.round_weight: dict[str, float | None] = {}  # per kind, the round's reference weight
 
     def __repr__(self) -> str:
         return f"InfluenceBounds(norms={self.norms!r})"
@@ -121,9 +123,10 @@ class InfluenceBounds:
         return self.rules.norm_verdict(norm, reference)
 
     # ------------------------------------------------------------------ float updates
-    def norm_reference(self, current: Sequence[float]) -> float | None:
-        """The reference norm given this round's ``current`` norms (None when no relative rule is on)."""
-        return self.norms.value(current) if self.rules.relative_norms else None
+    def norm_reference(self, current: Sequence[float]) -> Reference | None:
+        """The reference norm (and the spread of the norms) given this round's ``current`` norms (None
+        when no relative rule is on)."""
+        return self.norms.reference(current) if self.rules.relative_norms else None
 
     def norm_split(self, norms: Sequence[float]) -> float | None:
         """How far apart the upper and lower halves of a vote's norms lie (median of each), when that is
@@ -139,11 +142,16 @@ class InfluenceBounds:
         return None
 
     def judge_update(
-        self, decoded: DecodedReply, received: Mapping[str, np.ndarray], reference: float | None
+        self,
+        decoded: DecodedReply,
+        received: Mapping[str, np.ndarray],
+        reference: Reference | None,
+        record: MetricRecord | None = None,
     ) -> tuple[str | None, DecodedReply, list[str]]:
         """``(sentence, reply, clipped)``: a sentence when the update is rejected, else the reply,
-        clipped to ``clip_factor x reference`` if needed (``clipped == ["update-norm"]``)."""
-        problem, scale = self.rules.norm_verdict(decoded.update_norm, reference)
+        clipped to ``clip_factor x reference`` if needed (``clipped == ["update-norm"]``). ``record``,
+        the reply's metrics, gives its weight (``norm_per_weight``)."""
+        problem, scale = self.rules.norm_verdict(decoded.update_norm, reference, self.weight_ratio(record))
         if problem is not None or scale >= 1:
             return problem, decoded, []
         return None, clip_update(decoded, received, scale), [REASON_NORM]
@@ -198,12 +206,23 @@ class InfluenceBounds:
         return f"its update points against the round's consensus (cosine {cosine:.3g})"
 
     # ------------------------------------------------------------------ weights
+    def weight_ratio(self, record: MetricRecord | None) -> float:
+        """A train reply's weight over the round's reference weight (1.0 when either is unknown)."""
+        reference = self.round_weight.get("train")
+        weights = weights_of([record], self.weight_key) if record is not None else None
+        return float(weights[0]) / reference if weights and reference else 1.0
+
     def screen_weights(self, records: Mapping[int, MetricRecord], kind: str) -> dict[int, str]:
-        """Per node, a sentence for the weights above ``weight_reject_factor`` x the round's reference."""
-        if self.rules.weight_reject_factor is None or weights_of(list(records.values()), self.weight_key) is None:
+        """Per node, a sentence for the weights above ``weight_reject_factor`` x the round's reference
+        (which is kept for :meth:`weight_ratio`)."""
+        self.round_weight[kind] = None
+        if weights_of(list(records.values()), self.weight_key) is None:
             return {}
         weights = {n: r[self.weight_key] for n, r in records.items()}
-        reference = self.weights[kind].value(list(weights.values()))
+        reference = self.weights[kind].reference(list(weights.values()))
+        self.round_weight[kind] = reference.value if reference is not None and reference.value > 0 else None
+        if self.rules.weight_reject_factor is None:
+            return {}
         problems = {n: self.rules.weight_outlier(w, reference, self.weight_key) for n, w in weights.items()}
         return {n: p for n, p in problems.items() if p is not None}
 

@@ -49,8 +49,10 @@ from fedquant.strategies.admission import (
     REASON_UNEXPECTED,
     REASON_WEIGHT,
     REASONS,
+    REJECTED_RULE_MAX_SHARE,
     AdmissionRules,
     single_metric_record,
+    warn_rule_shares,
     weight_key_of,
 )
 from fedquant.strategies.budget import UploadBudget
@@ -341,6 +343,9 @@ class QuantizedStrategy(Strategy):
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
             arrays, metrics = None, None
         self.cumulative_uplink_bytes += plan.traffic.uplink_bytes
+        reasons, limit = plan.traffic.rejected_reasons, self.admission.warn_rule_share
+        rule_share, rule_warnings = warn_rule_shares(server_round, "train", reasons, plan.traffic.replies, limit)
+        plan.traffic.admission_warnings += rule_warnings
         own = plan.traffic.metrics(
             self.cumulative_uplink_bytes,
             self.uplink_bandwidth is not None,
@@ -353,6 +358,7 @@ class QuantizedStrategy(Strategy):
         )
         metrics = MetricRecord() if metrics is None else metrics
         own[AGGREGATION_FAILED] = int(failed)
+        own[REJECTED_RULE_MAX_SHARE] = rule_share
         own[ZERO_NORM_DROPPED] = zero_dropped
         for key, value in {**own, **both_ways, **self.decode_plan.round_metrics(server_round)}.items():
             metrics[key] = value
@@ -402,7 +408,8 @@ class QuantizedStrategy(Strategy):
         accepted: set[int] = set()
 
         def judge(node_id: int, decoded: DecodedReply, reference: float | None) -> DecodedReply | None:
-            problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference)
+            record = single_metric_record(by_node[node_id].content)
+            problem, decoded, clipped = self.bounds.judge_update(decoded, plan.received(node_id), reference, record)
             if problem is not None:
                 self._reject(server_round, node_id, (REASON_NORM, problem), traffic)
                 return None
