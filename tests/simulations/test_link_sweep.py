@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from fedquant.metrics.links import link_metrics
 from simulations.link_sweep import LinkRow, cumulative, parse_variant, summarize_links, write_link_results
+from simulations.link_times import link_metrics
 
 ROUNDS = [
     {"round": 0, "accuracy": 0.1},
