@@ -56,3 +56,22 @@ def test_link_metrics_are_the_slowest_clients():
 def test_a_dead_link_takes_forever_instead_of_crashing():
     metrics = link_metrics({1: 10}, {1: 10}, lambda n: 0.0, lambda n: float("nan"))
     assert metrics["simulated-download-seconds"] == math.inf and metrics["simulated-round-seconds"] == math.inf
+
+
+def test_link_times_as_an_extra_stage_report_the_slowest_download():
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedquant.clients import quantize_mod
+    from fedquant.strategies import QuantizedStrategy
+    from simulations.link_times import LinkTimes
+    from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
+
+    down = {101: 1000.0, 102: 250.0, 103: 4000.0}
+    strategy = QuantizedStrategy(
+        FedAvg(min_available_nodes=3), "qsgd", min_numel=MIN_NUMEL, extra_stages=[LinkTimes(down.__getitem__)]
+    )
+    grid = InProcessGrid(make_client_app([quantize_mod]), 3)
+    metrics = strategy.start(grid, initial_arrays(), num_rounds=1).train_metrics_clientapp[1]
+    per_message = metrics["downlink-bytes"] / 3  # the same model to every node
+    assert metrics["simulated-download-seconds"] == pytest.approx(per_message / 250.0)
+    assert metrics["simulated-round-seconds"] == pytest.approx(per_message / 250.0)  # no uplink speeds given
