@@ -75,3 +75,24 @@ def test_link_times_as_an_extra_stage_report_the_slowest_download():
     per_message = metrics["downlink-bytes"] / 3  # the same model to every node
     assert metrics["simulated-download-seconds"] == pytest.approx(per_message / 250.0)
     assert metrics["simulated-round-seconds"] == pytest.approx(per_message / 250.0)  # no uplink speeds given
+
+
+def test_the_app_reports_link_times_with_a_downlink_profile(tmp_path):
+    from simulations.client_app import app as client_app
+    from simulations.history import load_history
+    from simulations.server_app import run_server
+    from tests.flower_fakes import InProcessGrid
+
+    quick = {"model": "logreg", "local_epochs": 1, "min_local_steps": 2, "codec": "qsgd"}
+    run = run_server(
+        InProcessGrid(client_app, 2), {}, rounds=2, out_dir=str(tmp_path), uplink="fixed:mbps=1",
+        downlink="fixed:mbps=4", **quick,
+    )  # fmt: skip
+    trained = [r for r in load_history(run.folder)["rounds"] if r["round"] > 0]
+    assert len(trained) == 2
+    for row in trained:  # fixed speeds and one model for all: the slowest client is any of them
+        per_message = row["simulated-download-seconds"] * 4e6 / 8  # 4 Mbit/s
+        assert 0 < per_message <= row["downlink-bytes"] and row["downlink-bytes"] % round(per_message) == 0
+        assert row["simulated-round-seconds"] == pytest.approx(
+            row["simulated-download-seconds"] + row["simulated-upload-seconds"]
+        )
