@@ -30,7 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from fedquant.metrics.links import SIMULATED_ROUND_SECONDS
+from simulations.link_times import SIMULATED_ROUND_SECONDS
 from simulations.server_app import run_server
 from simulations.settings import SimSettings
 from simulations.task import limit_threads

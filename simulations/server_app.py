@@ -27,6 +27,7 @@ from simulations.data import load_test_set
 from simulations.divergence import DIVERGED_COLUMN, DivergenceMonitor
 from simulations.federation_check import data_warnings
 from simulations.history import RunHistory, reserve_run_dir, run_dir_name
+from simulations.link_times import LinkTimes
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
 from simulations.node_directory import PartitionDirectory
@@ -80,7 +81,8 @@ class RecordingStrategy(QuantizedStrategy):
         downlink: UplinkProfile | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, uplink_bandwidth=uplink, downlink_bandwidth=downlink, **kwargs)
+        links = [LinkTimes(downlink, uplink)] if downlink is not None else []
+        super().__init__(*args, uplink_bandwidth=uplink, extra_stages=links, **kwargs)
         self.history = history
         self.directory = directory
         self.last_train_metrics: dict[int, dict[str, Any]] = {}

@@ -17,7 +17,6 @@ from fedquant.metrics.bandwidth import (
     dense_float32_bytes,
 )
 from fedquant.metrics.history import HistoryRecorder, result_rows
-from fedquant.metrics.links import SIMULATED_DOWNLOAD_SECONDS, SIMULATED_ROUND_SECONDS
 
 __all__ = [
     "BITS_PER_PARAM",
@@ -29,8 +28,6 @@ __all__ = [
     "DOWNLINK_MSE",
     "QUANTIZATION_MSE",
     "REJECTED_REPLIES",
-    "SIMULATED_DOWNLOAD_SECONDS",
-    "SIMULATED_ROUND_SECONDS",
     "SIMULATED_UPLOAD_SECONDS",
     "UPLINK_BYTES",
     "UPLINK_BYTES_DENSE",

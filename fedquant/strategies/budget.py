@@ -45,6 +45,20 @@ CHOSEN_SETTING_MAX = "chosen-setting-max"
 COARSEST_FRACTION = "chosen-coarsest-fraction"
 
 
+@dataclasses.dataclass(frozen=True)
+class BudgetChoice:
+    """What :meth:`UploadBudget.choose` decided for one round, kept with the round until ``observe``."""
+
+    assignments: dict[int, ClientAssignment]
+    predicted: dict[int, float]  # node id -> predicted bytes, before the learned correction
+    coarsest: dict[int, bool]  # node id -> at its ladder's end
+
+    @property
+    def chosen(self) -> dict[int, str]:
+        """Node id -> the spec of the setting it got."""
+        return {n: a.codec.spec for n, a in self.assignments.items()}
+
+
 class UploadBudget:
     """Chooses per-client codec settings so uploads meet a deadline and/or a per-round byte budget.
 
@@ -88,9 +102,6 @@ class UploadBudget:
         self._prior: dict[tuple[str, tuple], int] = {}
         self._ratios: dict[str, deque[float]] = {}
         self.window = window
-        self.chosen: dict[int, dict[int, str]] = {}  # round -> node id -> codec spec
-        self._predicted: dict[int, dict[int, float]] = {}  # round -> node id -> predicted bytes
-        self._coarsest: dict[int, dict[int, bool]] = {}  # round -> node id -> at its ladder's end
 
     def __repr__(self) -> str:
         return f"UploadBudget(deadline_seconds={self.deadline_seconds}, bytes_budget={self.bytes_budget})"
@@ -104,9 +115,7 @@ class UploadBudget:
         ratios = self._ratios.get(codec.spec)
         return self._prior[key] * (max(ratios) if ratios else 1.0)
 
-    def choose(
-        self, server_round: int, assignments: Mapping[int, ClientAssignment], model: ArrayRecord
-    ) -> dict[int, ClientAssignment]:
+    def choose(self, assignments: Mapping[int, ClientAssignment], model: ArrayRecord) -> BudgetChoice:
         """Each node's assignment with the setting of its codec's family that fits the constraints."""
         ladders, sizes, index = {}, {}, {}
         for node_id, assignment in assignments.items():
@@ -128,33 +137,32 @@ class UploadBudget:
                 largest = max(coarsenable, key=lambda n: (sizes[n][index[n]], -n))
                 index[largest] += 1
         out = {n: dataclasses.replace(a, codec=ladders[n][index[n]]) for n, a in assignments.items()}
-        self.chosen[server_round] = {n: a.codec.spec for n, a in out.items()}
-        self._predicted[server_round] = {n: sizes[n][index[n]] / self._correction(out[n].codec) for n in out}
-        self._coarsest[server_round] = {n: index[n] == len(ladders[n]) - 1 for n in out}
-        return out
+        return BudgetChoice(
+            out,
+            {n: sizes[n][index[n]] / self._correction(out[n].codec) for n in out},
+            {n: index[n] == len(ladders[n]) - 1 for n in out},
+        )
 
     def _correction(self, codec: Codec) -> float:
         ratios = self._ratios.get(codec.spec)
         return max(ratios) if ratios else 1.0
 
     def observe(
-        self, server_round: int, reply_bytes: Mapping[int, int], admitted: Container[int] | None = None
+        self, choice: BudgetChoice, reply_bytes: Mapping[int, int], admitted: Container[int] | None = None
     ) -> dict[str, float]:
         """Learn from the bytes of the admitted replies; the round's controller metrics (over all replies).
 
         Parameters
         ----------
-        server_round : int
-            The round.
+        choice : BudgetChoice
+            What :meth:`choose` decided for the round.
         reply_bytes : mapping of int to int
             Per replying node, the bytes its reply's ArrayRecords hold.
         admitted : container of int, optional
             The nodes whose replies the admission rules let in (default: all): only they teach
             the size model, so a rejected reply of any size cannot coarsen everyone's setting.
         """
-        chosen = self.chosen.pop(server_round, {})
-        predicted = self._predicted.pop(server_round, {})
-        coarsest = self._coarsest.pop(server_round, {})
+        chosen, predicted, coarsest = choice.chosen, choice.predicted, choice.coarsest
         observed: dict[str, list[float]] = {}
         for node_id, spec in chosen.items():
             if node_id in reply_bytes and predicted.get(node_id) and (admitted is None or node_id in admitted):

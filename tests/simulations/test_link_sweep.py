@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from fedquant.metrics.links import link_metrics
 from simulations.link_sweep import LinkRow, cumulative, parse_variant, summarize_links, write_link_results
+from simulations.link_times import link_metrics
 
 ROUNDS = [
     {"round": 0, "accuracy": 0.1},
@@ -56,3 +56,43 @@ def test_link_metrics_are_the_slowest_clients():
 def test_a_dead_link_takes_forever_instead_of_crashing():
     metrics = link_metrics({1: 10}, {1: 10}, lambda n: 0.0, lambda n: float("nan"))
     assert metrics["simulated-download-seconds"] == math.inf and metrics["simulated-round-seconds"] == math.inf
+
+
+def test_link_times_as_an_extra_stage_report_the_slowest_download():
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedquant.clients import quantize_mod
+    from fedquant.strategies import QuantizedStrategy
+    from simulations.link_times import LinkTimes
+    from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
+
+    down = {101: 1000.0, 102: 250.0, 103: 4000.0}
+    strategy = QuantizedStrategy(
+        FedAvg(min_available_nodes=3), "qsgd", min_numel=MIN_NUMEL, extra_stages=[LinkTimes(down.__getitem__)]
+    )
+    grid = InProcessGrid(make_client_app([quantize_mod]), 3)
+    metrics = strategy.start(grid, initial_arrays(), num_rounds=1).train_metrics_clientapp[1]
+    per_message = metrics["downlink-bytes"] / 3  # the same model to every node
+    assert metrics["simulated-download-seconds"] == pytest.approx(per_message / 250.0)
+    assert metrics["simulated-round-seconds"] == pytest.approx(per_message / 250.0)  # no uplink speeds given
+
+
+def test_the_app_reports_link_times_with_a_downlink_profile(tmp_path):
+    from simulations.client_app import app as client_app
+    from simulations.history import load_history
+    from simulations.server_app import run_server
+    from tests.flower_fakes import InProcessGrid
+
+    quick = {"model": "logreg", "local_epochs": 1, "min_local_steps": 2, "codec": "qsgd"}
+    run = run_server(
+        InProcessGrid(client_app, 2), {}, rounds=2, out_dir=str(tmp_path), uplink="fixed:mbps=1",
+        downlink="fixed:mbps=4", **quick,
+    )  # fmt: skip
+    trained = [r for r in load_history(run.folder)["rounds"] if r["round"] > 0]
+    assert len(trained) == 2
+    for row in trained:  # fixed speeds and one model for all: the slowest client is any of them
+        per_message = row["simulated-download-seconds"] * 4e6 / 8  # 4 Mbit/s
+        assert 0 < per_message <= row["downlink-bytes"] and row["downlink-bytes"] % round(per_message) == 0
+        assert row["simulated-round-seconds"] == pytest.approx(
+            row["simulated-download-seconds"] + row["simulated-upload-seconds"]
+        )

@@ -103,7 +103,7 @@ class DigestStrategy(QuantizedStrategy):
 
     def configure_train(self, server_round, arrays, config, grid):
         messages = super().configure_train(server_round, arrays, config, grid)
-        for node_id, model in self._rounds[server_round].sent.items():
+        for node_id, model in self._rounds.peek("train", server_round).sent.items():
             self.server_digests[server_round, node_id] = _digest(model)
         return messages
 

@@ -233,7 +233,7 @@ def test_ndqsg_outlier_in_the_first_group_never_becomes_side_information():
     roles = {m.metadata.dst_node_id: m.content["config"][KEY_ROLE] for m in messages}
     attacker = min(node for node, role in roles.items() if role == "p1")
     replies = grid.send_and_receive(messages)
-    p1_codec = strategy._rounds[1].assignments[attacker].codec.spec
+    p1_codec = strategy._rounds.peek("train", 1).assignments[attacker].codec.spec
     forged = [_poisoned(p1_codec)(r) if r.metadata.src_node_id == attacker else r for r in replies]
     arrays, metrics = strategy.aggregate_train(1, forged)
     assert metrics["rejected-update-norm"] == 1

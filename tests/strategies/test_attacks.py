@@ -291,7 +291,7 @@ def _p1_forger(strategy, nodes, make_update):
         for r in replies:
             node = r.metadata.src_node_id
             if node in nodes:
-                spec = strategy._rounds[1].assignments[node].codec.spec
+                spec = strategy._rounds.peek("train", 1).assignments[node].codec.spec
                 r = _forge(r, make_update(node), spec, messages)
             out.append(r)
         return out
@@ -590,9 +590,9 @@ def test_the_budget_correction_is_one_value_per_round():
     model = initial_arrays()
     budget = UploadBudget(bytes_budget=10**9, min_numel=MIN_NUMEL)
     nodes = list(range(101, 111))
-    budget.choose(1, {n: ClientAssignment(codec) for n in nodes}, model)
+    choice = budget.choose({n: ClientAssignment(codec) for n in nodes}, model)
     prior = RecordCodec(codec, MIN_NUMEL).predict_bytes(model)
     sizes = {n: prior for n in nodes}
     sizes[nodes[-1]] = 5 * prior  # the last to arrive
-    budget.observe(1, sizes)
+    budget.observe(choice, sizes)
     assert budget.predict(codec, model) == pytest.approx(prior)

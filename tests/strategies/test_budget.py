@@ -11,7 +11,8 @@ from fedquant.codecs import get_codec
 from fedquant.protocol import KEY_CODEC
 from fedquant.records import RecordCodec
 from fedquant.strategies import QuantizedStrategy
-from fedquant.strategies.budget import UploadBudget
+from fedquant.strategies.budget import BudgetChoice, UploadBudget
+from fedquant.strategies.decode_plan import ClientAssignment
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, global_loss, initial_arrays, make_client_app
 
 NUM_NODES = 4
@@ -138,8 +139,7 @@ def test_observed_bytes_refine_the_size_model():
     budget = UploadBudget(bytes_budget=10**9)
     codec = get_codec("qsgd:levels=4")
     prior = budget.predict(codec, initial_arrays())
-    budget.chosen[1], budget._predicted[1] = {7: codec.spec}, {7: prior}  # noqa: SLF001 - a round by hand
-    budget.observe(1, {7: int(prior * 1.5)})
+    budget.observe(BudgetChoice({7: ClientAssignment(codec)}, {7: prior}, {7: False}), {7: int(prior * 1.5)})
     assert budget.predict(codec, initial_arrays()) == pytest.approx(int(prior * 1.5), rel=1e-6)
 
 

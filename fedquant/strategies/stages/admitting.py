@@ -1,0 +1,101 @@
+"""Admission stage: each decoded update's norm and direction judged against the round's honest majority."""
+
+from __future__ import annotations
+
+from logging import WARNING
+
+from flwr.supercore import log
+
+from fedquant.metrics.bandwidth import RoundTraffic, record_numel
+from fedquant.strategies.admission import REASON_DIRECTION, REASON_NORM, single_metric_record
+from fedquant.strategies.decode_plan import DecodedClient, DecodePlan
+from fedquant.strategies.influence import InfluenceBounds
+from fedquant.strategies.metric_screen import conform
+from fedquant.strategies.reply_decoder import DecodedReply
+from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
+
+
+class Admitting:
+    """Admits decoded replies, alone against the updates admitted before them or as one vote.
+
+    The decoding stage calls it once per decoded reply (:meth:`admit_one`) or once per vote
+    (:meth:`admit_vote`); an accepted reply gets its dense arrays, teaches the decode plan, and
+    is added to ``state.accepted``.
+    """
+
+    def __init__(self, bounds: InfluenceBounds, decode_plan: DecodePlan) -> None:
+        self.bounds = bounds
+        self.decode_plan = decode_plan
+
+    def start(self, state: TrainRound) -> None:
+        """Begin the round's norm and direction bookkeeping."""
+        self.bounds.start_round()
+
+    def finish(self, state: TrainRound) -> None:
+        """End the round: the admitted norms become the next round's reference."""
+        self.bounds.end_round(state.traffic.update_norms)
+
+    def reference(self, state: TrainRound) -> float | None:
+        """The norm reference of the updates admitted so far (None before any)."""
+        return self.bounds.norm_reference(state.traffic.update_norms)
+
+    def admit_one(self, state: TrainRound, node_id: int, decoded: DecodedReply, reference: float | None) -> None:
+        """Judge one update against ``reference`` (the updates admitted before it) and accept it or not."""
+        if (judged := self._judge(state, node_id, decoded, reference)) is not None:
+            self._accept(state, node_id, judged, in_vote=False)
+
+    def admit_vote(self, state: TrainRound, pending: list[tuple[int, DecodedReply]]) -> None:
+        """Judge a vote's updates against the reference they set together, then accept the survivors."""
+        norms = [d.update_norm for _, d in pending]
+        self._warn_norm_split(state.server_round, norms, state.traffic)
+        group_reference = self.bounds.norm_reference(norms)
+        judged = [
+            (n, d) for n, d in ((n, self._judge(state, n, d, group_reference)) for n, d in pending) if d is not None
+        ]
+        self.bounds.set_consensus([d for _, d in judged], [state.received(n) for n, _ in judged])
+        for node_id, decoded in judged:
+            self._accept(state, node_id, decoded, in_vote=True)
+
+    def _judge(
+        self, state: TrainRound, node_id: int, decoded: DecodedReply, reference: float | None
+    ) -> DecodedReply | None:
+        record = single_metric_record(state.screened[node_id].content)
+        problem, decoded, clipped = self.bounds.judge_update(decoded, state.received(node_id), reference, record)
+        if problem is not None:
+            state.reject(node_id, (REASON_NORM, problem))
+            return None
+        state.traffic.clipped_reasons += clipped
+        return decoded
+
+    def _accept(self, state: TrainRound, node_id: int, decoded: DecodedReply, in_vote: bool) -> None:
+        server_round, traffic = state.server_round, state.traffic
+        problem = self.bounds.opposition(node_id, decoded, state.received(node_id), in_vote)
+        if problem is not None:
+            state.reject(node_id, (REASON_DIRECTION, problem))
+            return
+        reply = state.screened[node_id]
+        traffic.update_norms.append(decoded.update_norm)
+        client = DecodedClient(
+            node_id,
+            state.assignments[node_id],
+            decoded.updates,
+            state.bytes_of[node_id],
+            record_numel(state.sent[node_id]),
+        )
+        self.decode_plan.accepted(server_round, client)
+        reply.content[decoded.record_name] = decoded.arrays
+        conform(single_metric_record(reply.content), state.schema)
+        state.accepted[id(reply)] = reply
+
+    def _warn_norm_split(self, server_round: int, norms: list[float], traffic: RoundTraffic) -> None:
+        """A warning when a vote's update norms fall into two groups too far apart for the norm rule."""
+        split = self.bounds.norm_split(norms)
+        if split is None:
+            return
+        traffic.admission_warnings += 1
+        log(
+            WARNING,
+            "%s: round %s: the update norms split into two groups %.3g x apart; the norm rule cannot tell "
+            "which is honest (more than half of the vote may be attacking)",
+            LOG_PREFIX, server_round, split,
+        )  # fmt: skip

@@ -1,0 +1,48 @@
+"""Aggregation stage: the admitted replies, weights bounded, handed to the inner strategy under a guard."""
+
+from __future__ import annotations
+
+from logging import WARNING
+
+from flwr.app import Message
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from fedquant.metrics.bandwidth import AGGREGATION_FAILED, ZERO_NORM_DROPPED
+from fedquant.strategies.admission import REASON_WEIGHT, AdmissionRules, single_metric_record
+from fedquant.strategies.influence import InfluenceBounds
+from fedquant.strategies.inner_guard import guarded_train, without_zero_norm_updates
+from fedquant.strategies.metric_screen import clamp_metrics
+from fedquant.strategies.stages.base import RoundStage
+from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
+from fedquant.strategies.update_bounds import restore_dtypes
+
+
+class Aggregation(RoundStage):
+    """Runs the wrapped strategy's ``aggregate_train`` on the survivors; fills ``state.arrays`` and
+    ``state.inner_metrics``. If no reply survived, the round returns no arrays (the model is kept)."""
+
+    def __init__(self, strategy: Strategy, admission: AdmissionRules, weight_key: str, bounds: InfluenceBounds) -> None:
+        self.strategy = strategy
+        self.admission = admission
+        self._weight_key = weight_key
+        self.bounds = bounds
+
+    def receive(self, state: TrainRound, replies: list[Message]) -> None:
+        """Bound the weights, drop zero-norm updates, aggregate, restore dtypes, clamp the metrics."""
+        server_round, admitted, schema = state.server_round, state.admitted, state.schema
+        records = [single_metric_record(r.content) for r in admitted]
+        clipped = self.bounds.bound_weights(records, "train")
+        state.traffic.clipped_reasons += [REASON_WEIGHT] * clipped
+        survivors = [r for r in replies if r.has_error()] + admitted
+        survivors, state.zero_dropped = without_zero_norm_updates(self.strategy, survivors, state.model)
+        if admitted:
+            arrays, metrics, state.failed = guarded_train(self.strategy, server_round, survivors)
+            state.arrays = restore_dtypes(arrays, state.dtypes)
+            state.inner_metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
+        else:
+            log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
+
+    def report(self, state: TrainRound) -> dict[str, int | float]:
+        """Whether the inner strategy failed, and how many zero-norm updates it was spared."""
+        return {AGGREGATION_FAILED: int(state.failed), ZERO_NORM_DROPPED: state.zero_dropped}

@@ -1,0 +1,105 @@
+"""The wrapper's options, checked once, and the built-in train stages in their order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flwr.serverapp.strategy import Strategy
+
+from fedquant.codecs import Codec, get_codec
+from fedquant.strategies.admission import AdmissionRules, weight_key_of
+from fedquant.strategies.budget import UploadBudget
+from fedquant.strategies.decode_plan import DecodePlan, default_plan
+from fedquant.strategies.downlink import DownlinkCompressor
+from fedquant.strategies.influence import InfluenceBounds
+from fedquant.strategies.stages.admitting import Admitting
+from fedquant.strategies.stages.aggregation import Aggregation
+from fedquant.strategies.stages.arrival import Arrival
+from fedquant.strategies.stages.assignment import Assignment
+from fedquant.strategies.stages.base import RoundStage
+from fedquant.strategies.stages.budgeting import Budgeting
+from fedquant.strategies.stages.decoding import Decoding
+from fedquant.strategies.stages.evaluation import Evaluation
+from fedquant.strategies.stages.recording import Recording
+from fedquant.strategies.stages.screening import Screening
+from fedquant.strategies.stages.sending import Downlink
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``QuantizedStrategy``'s options after their checks (see its docstring for each)."""
+
+    strategy: Strategy
+    codec: Codec
+    seed: int
+    min_numel: int
+    uplink_bandwidth: Callable[[int], float] | None
+    decode_plan: DecodePlan
+    client_mse: bool
+    admission: AdmissionRules
+    downlink: DownlinkCompressor | None
+    budget: UploadBudget | None
+    extra_stages: tuple[RoundStage, ...]
+
+    @classmethod
+    def check(cls, strategy, codec, seed, min_numel, uplink_bandwidth, decode_plan, client_mse, admission,
+              downlink_codec, downlink_full_codec, downlink_references, upload_deadline_seconds,
+              uplink_bytes_budget, extra_stages) -> Settings:  # fmt: skip
+        """Check the wrapper's arguments (ValueError naming the bad one) and build its parts."""
+        if not isinstance(strategy, Strategy):
+            raise ValueError(f"strategy must be a flwr.serverapp.strategy.Strategy, got {type(strategy).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
+            raise ValueError(f"min_numel must be a positive int, got {min_numel!r}")
+        if admission is not None and not isinstance(admission, AdmissionRules):
+            raise ValueError(f"admission must be an AdmissionRules, got {type(admission).__name__}")
+        if uplink_bandwidth is not None and not callable(uplink_bandwidth):
+            raise ValueError("uplink_bandwidth must be a callable node_id -> bytes per second")
+        if not all(isinstance(stage, RoundStage) for stage in extra_stages):
+            raise ValueError("extra_stages must hold RoundStage instances")
+        parsed = get_codec(codec)
+        if decode_plan is None:
+            decode_plan = default_plan(codec if isinstance(codec, str) else parsed.spec, parsed, seed)
+        downlink = (
+            None
+            if downlink_codec is None
+            else DownlinkCompressor(downlink_codec, downlink_full_codec, seed, min_numel, downlink_references)
+        )
+        budget = (
+            None
+            if upload_deadline_seconds is None and uplink_bytes_budget is None
+            else UploadBudget(
+                deadline_seconds=upload_deadline_seconds,
+                bandwidth=uplink_bandwidth,
+                bytes_budget=uplink_bytes_budget,
+                min_numel=min_numel,
+            )
+        )
+        admission = AdmissionRules() if admission is None else admission
+        return cls(strategy, parsed, seed, min_numel, uplink_bandwidth, decode_plan, bool(client_mse), admission,
+                   downlink, budget, tuple(extra_stages))  # fmt: skip
+
+
+def build_stages(
+    settings: Settings, client_seed: Callable[[int, int], int]
+) -> tuple[list[RoundStage], Evaluation, InfluenceBounds, Recording]:
+    """The train stages in the order a round walks them, the evaluate walk, and the parts both share."""
+    s = settings
+    weight_key = weight_key_of(s.strategy)
+    bounds = InfluenceBounds(s.admission, weight_key)
+    screening = Screening(s.admission, weight_key, bounds)
+    recording = Recording(s.admission, s.uplink_bandwidth is not None)
+    stages: list[RoundStage] = [
+        Assignment(s.codec, s.decode_plan, s.budget, client_seed, s.min_numel, s.client_mse),
+        Downlink(s.downlink),
+        Arrival(s.uplink_bandwidth),
+        screening,
+        Decoding(s.decode_plan, s.min_numel, Admitting(bounds, s.decode_plan)),
+        *([Budgeting(s.budget)] if s.budget is not None else []),
+        Aggregation(s.strategy, s.admission, weight_key, bounds),
+        recording,
+        *s.extra_stages,
+    ]
+    return stages, Evaluation(s.strategy, s.admission, weight_key, bounds, screening), bounds, recording
