@@ -12,7 +12,7 @@ non-IID) at 10 of 100 and 100 of 1,000 clients per round (one local epoch, as ``
 measured the issue's ~15%), digits with a Dirichlet(0.5) partition (20 clients, 10 per round), and
 Flower's default federation (digits, 2 clients, 1 per round, 20 rounds). Columns: replies that
 carried content, rejections per rule (``update-norm``, ``num-examples``, every reason together),
-the rate of the worst of the rules calibrated here (``--rules``: the norm and the weight rule),
+the rate of the worst of the rules held here (``--rules``: the norm, weight and direction rules),
 replies clipped per rule, and the largest max/median of a round's decoded update norms (before
 any rule). Exits 1 when any setting rejects more than ``--max-rate`` (0.5%) of its honest replies
 by one of ``--rules``. Usage::
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated run seeds")
     parser.add_argument("--only", default="", help="run the settings whose name contains this text")
     parser.add_argument("--max-rate", type=float, default=0.005, help="largest honest rejection rate per rule")
-    parser.add_argument("--rules", default="update-norm,num-examples",
+    parser.add_argument("--rules", default="update-norm,num-examples,direction",
                         help="the rules held to --max-rate (comma-separated reasons)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -247,10 +247,14 @@ def _without(nodes):
     return lambda replies, _m: [r for r in replies if r.metadata.src_node_id not in nodes]
 
 
+SINGLE_ROUND_DIRECTION = AdmissionRules(reject_opposing=True)  # off by default: see test_direction.py
+
+
 def test_a_sign_flipped_update_is_rejected():
     """One client sending its own update x -1 (honest norm and weight, inside every bound) pulled the
-    model back by a tenth of a round's step, every round."""
-    arrays, metrics = _round(_wrap(), tamper=_scaled({ATTACKER}, -1.0))
+    model back by a tenth of a round's step, every round. The single-round rule rejects it in its
+    first round; the default persistence rule from a later one (test_direction.py)."""
+    arrays, metrics = _round(_wrap(admission=SINGLE_ROUND_DIRECTION), tamper=_scaled({ATTACKER}, -1.0))
     assert metrics["rejected-direction"] == 1 and metrics["rejected-replies"] == 1
     honest, _ = _round(_wrap(), tamper=_without({ATTACKER}))
     assert _distance(arrays, honest) < 1e-6
@@ -261,12 +265,12 @@ def test_sign_flips_are_rejected_up_to_a_minority_and_a_majority_sets_the_direct
     nobody is rejected (``rho (n - 2k + 1) > 1`` cannot hold); 6 of 10 turn it: the 4 honest updates are
     rejected and the round warns, as expected without an honest majority."""
     minority = {101, 102, 103, 104}
-    _, metrics = _round(_wrap(), tamper=_scaled(minority, -1.0))
+    _, metrics = _round(_wrap(admission=SINGLE_ROUND_DIRECTION), tamper=_scaled(minority, -1.0))
     assert metrics["rejected-direction"] == 4 and metrics["rejected-replies"] == 4
-    _, metrics = _round(_wrap(), tamper=_scaled(minority | {105}, -1.0))
+    _, metrics = _round(_wrap(admission=SINGLE_ROUND_DIRECTION), tamper=_scaled(minority | {105}, -1.0))
     assert metrics["rejected-direction"] == 0
     majority = {101, 102, 103, 104, 105, 106}
-    _, metrics = _round(_wrap(), tamper=_scaled(majority, -1.0))
+    _, metrics = _round(_wrap(admission=SINGLE_ROUND_DIRECTION), tamper=_scaled(majority, -1.0))
     assert metrics["rejected-direction"] == 4 and metrics["rejected-replies"] == 4
     assert _warned(flwr_log, "admission rejected 4 of 10 train replies")
 

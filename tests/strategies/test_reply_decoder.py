@@ -6,7 +6,7 @@ import numba
 import pytest
 from flwr.serverapp.strategy import FedAvg
 
-import fedquant.strategies.quantized as quantized_module
+import fedquant.strategies.stages.decoding as decoding_stage
 from fedquant.clients import quantize_mod
 from fedquant.codecs.threads import current_kernel_threads, kernel_threads
 from fedquant.strategies import QuantizedStrategy
@@ -43,7 +43,7 @@ def test_the_strategy_decodes_a_round_of_many_replies_on_one_thread(monkeypatch,
         seen.append(current_kernel_threads())
         return decode_reply(*args, **kwargs)
 
-    monkeypatch.setattr(quantized_module, "decode_reply", watched)
+    monkeypatch.setattr(decoding_stage, "decode_reply", watched)
     grid = InProcessGrid(make_client_app([quantize_mod]), nodes)
     inner = FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes)
     strategy = QuantizedStrategy(inner, "qsgd:levels=4", seed=3, min_numel=MIN_NUMEL)
