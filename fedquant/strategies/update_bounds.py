@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedquant.codecs.kernels.norms import cosine_terms
 from fedquant.records import RecordError, check_plain_entry
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, single_array_record
 
@@ -167,13 +168,10 @@ def consensus_cosine(
     keys = [k for k in update if k in consensus and consensus[k].shape == update[k].shape]
     dot = square = own = 0.0
     for k in keys:
-        u = update[k].ravel().astype(np.float64)
-        c = consensus[k].ravel()
-        if self_weight:
-            c = c + self_weight * u
-        dot += float(np.dot(u, c))
-        square += float(np.dot(c, c))
-        own += float(np.dot(u, u))
+        u = np.ascontiguousarray(update[k], dtype=np.float32).ravel()
+        c = np.ascontiguousarray(consensus[k], dtype=np.float64).ravel()
+        terms = cosine_terms(u, c, float(self_weight))
+        dot, square, own = dot + terms[0], square + terms[1], own + terms[2]
     if not (square > 0 and own > 0):
         return None
     return dot / math.sqrt(square * own)

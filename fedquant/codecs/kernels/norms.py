@@ -9,7 +9,8 @@ terms). These kernels read float32 and square and add in float64 registers, by b
 then added pairwise), so the result matches the float64 reference to ~1e-12 relative at any
 size, never overflows (``2**31`` squares of the largest float32 fit a float64) and keeps tiny
 values. :func:`add_sum_squares` also writes ``received + update`` in the same pass and counts
-the non-finite sums.
+the non-finite sums; :func:`cosine_terms` gives the three inner products of an update's cosine
+with the round's consensus (the direction rules) without the float64 copies NumPy would make.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def _add_sum_squares_twin(base: np.ndarray, update: np.ndarray, out: np.ndarray)
     with np.errstate(over="ignore", invalid="ignore"):
         np.add(base, update, out=out)
     return _sum_squares_twin(update), int(out.size - np.count_nonzero(np.isfinite(out)))
+
+
+def _cosine_terms_twin(update: np.ndarray, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:
+    u = update.astype(np.float64)
+    c = consensus + weight * u if weight else consensus
+    return float(np.dot(u, c)), float(np.dot(c, c)), float(np.dot(u, u))
 
 
 @parallel_kernel(twin=_sum_squares_twin)
@@ -69,3 +76,28 @@ def add_sum_squares(base, update, out):
         partial[b] = acc
         bad[b] = nonfinite
     return partial.sum(), bad.sum()
+
+
+@parallel_kernel(twin=_cosine_terms_twin)
+def cosine_terms(update, consensus, weight):
+    """``(<u, c'>, <c', c'>, <u, u>)`` with ``c' = consensus + weight x update``: ``update`` float32,
+    ``consensus`` float64, both 1-D of one length; float64 by blocks, no temporary arrays."""
+    n = update.size
+    blocks = (n + BLOCK - 1) // BLOCK
+    dots = np.zeros(blocks, np.float64)
+    squares = np.zeros(blocks, np.float64)
+    owns = np.zeros(blocks, np.float64)
+    for b in prange(blocks):
+        dot = 0.0
+        square = 0.0
+        own = 0.0
+        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
+            u = np.float64(update[i])
+            c = consensus[i] + weight * u
+            dot += u * c
+            square += c * c
+            own += u * u
+        dots[b] = dot
+        squares[b] = square
+        owns[b] = own
+    return dots.sum(), squares.sum(), owns.sum()

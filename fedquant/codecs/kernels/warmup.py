@@ -90,12 +90,13 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
     """The server's sum-of-squares kernels (:mod:`fedquant.codecs.kernels.norms`), serial and parallel."""
     import numpy as np
 
-    from fedquant.codecs.kernels.norms import add_sum_squares, sum_squares
+    from fedquant.codecs.kernels.norms import add_sum_squares, cosine_terms, sum_squares
 
     for n in sizes:
         x = np.ones(n, np.float32)
         sum_squares(x)
         add_sum_squares(x, x, np.empty_like(x))
+        cosine_terms(x, x.astype(np.float64), -1.0)
 
 
 def warm(*, verbose: bool = True) -> list[tuple[str, str]]:

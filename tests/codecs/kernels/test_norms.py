@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedquant.codecs.kernels.common import PARALLEL_MIN, TWIN_MAX
-from fedquant.codecs.kernels.norms import add_sum_squares, sum_squares
+from fedquant.codecs.kernels.norms import add_sum_squares, cosine_terms, sum_squares
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -68,3 +68,20 @@ def test_add_sum_squares_writes_the_float32_sum_and_counts_non_finite_results(n)
     squares, nonfinite = add_sum_squares(base, update, out)
     assert nonfinite == 4 and not np.isfinite(out[:4]).any()
     assert add_sum_squares.twin(base, update, np.empty_like(out))[1] == 4
+
+
+@pytest.mark.parametrize("n", [0, 1, 4097, PARALLEL_MIN + 11])
+@pytest.mark.parametrize("weight", [1.0, -1.0, 0.0])
+def test_cosine_terms_are_the_exact_inner_products_of_the_update_and_the_shifted_consensus(n, weight):
+    # The direction rules' three inner products, against math.fsum of the float64 products (the
+    # NumPy expression they replace made two float64 copies of every update).
+    rng = np.random.default_rng(n + 7)
+    update = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    consensus = rng.standard_normal(n) * 1e3
+    u = update.astype(np.float64)
+    c = consensus + weight * u
+    exact = (math.fsum((u * c).tolist()), math.fsum((c * c).tolist()), math.fsum((u * u).tolist()))
+    for version in (cosine_terms, cosine_terms.serial, cosine_terms.parallel, cosine_terms.twin):
+        got = version(update, consensus, weight)
+        for value, want, scale in zip(got, exact, (math.sqrt(exact[1] * exact[2]), exact[1], exact[2]), strict=True):
+            assert abs(value - want) <= 1e-12 * scale + 1e-300
