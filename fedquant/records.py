@@ -335,6 +335,8 @@ def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Arra
     Raises :class:`RecordError` when the sum overflows the reference's dtype.
     """
     flat = update.reshape(-1)
+    if flat.size != reference.size:  # the fused kernel indexes both by the update's length, unchecked
+        raise RecordError(f"'{name}': the update holds {flat.size} elements, the received tensor {reference.size}")
     if reference.dtype == np.float32:
         header = npy_header(reference.dtype, reference.shape)
         value = np.empty(reference.shape, np.float32)

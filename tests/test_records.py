@@ -18,7 +18,7 @@ from fedquant.protocol import (
     payload_array,
     tensor_seed,
 )
-from fedquant.records import RecordCodec, RecordError, numpy_array
+from fedquant.records import RecordCodec, RecordError, _rebuilt, numpy_array
 
 SEED = 77
 
@@ -220,3 +220,15 @@ def test_numpy_array_holds_the_bytes_np_save_writes(value):
     fast, flower = numpy_array(value), Array(np.require(value, requirements="C"))
     assert (fast.data, fast.dtype, fast.shape, fast.stype) == (flower.data, flower.dtype, flower.shape, flower.stype)
     np.testing.assert_array_equal(fast.numpy(), value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_an_update_of_another_length_than_the_received_tensor_is_refused_before_the_kernel(dtype):
+    # The codecs check the decoded length, but the fused rebuild kernel indexes the received tensor
+    # by the update's length without bounds checks: the seam refuses a mismatch itself.
+    received = np.zeros((4, 8), dtype)
+    for length in (31, 33):
+        with pytest.raises(RecordError, match="elements"):
+            _rebuilt("w", received, np.ones(length, np.float32))
+    array, squares = _rebuilt("w", received, np.ones((4, 8), np.float32))
+    assert squares == 32.0 and array.numpy().shape == (4, 8)
