@@ -83,7 +83,10 @@ def _train_and_encode(
                             f"the grid {grid.numel}")  # fmt: skip
     # The ClientApp sees a plain train message: the model and the inner strategy's config.
     msg.content = RecordDict({k: v for k, v in content.items() if k not in (RECORD, GRID_RECORD)})
-    reply = call_next(msg, ctxt)
+    try:
+        reply = call_next(msg, ctxt)
+    finally:
+        msg.content = content  # the request is the caller's; leave it as it came
     if reply.has_error():
         raise ProtocolError(f"collect: the ClientApp failed: {reply.error.reason}")
     if len(reply.content.array_records) != 1:

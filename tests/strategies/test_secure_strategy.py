@@ -1,0 +1,365 @@
+"""Secure rounds end to end in process: the real ``QuantizedStrategy(secure_aggregation=...)`` and
+the real ``quantize_mod`` over an in-process Grid (no Ray), with dropouts and forged replies.
+
+The expected model is rebuilt from what the clients really encoded (their integer vectors,
+recorded by wrapping ``encode_update``), so "the model is received + the decoded mean" is checked
+exactly, not within a tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message
+from flwr.common.serde import recorddict_to_proto
+from flwr.serverapp.strategy import FedAvg
+
+import fedquant.clients.secure as client_secure
+from fedquant.clients import quantize_mod
+from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
+from fedquant.metrics import HistoryRecorder
+from fedquant.secagg import SecAggConfig
+from fedquant.secagg.messages import MASKED_RECORD, RECORD, STAGES
+from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, KEY_DITHER_SEED, add_flat, float_layout
+from fedquant.strategies import QuantizedStrategy
+from fedquant.testing.secagg_fuzz import mutate
+from tests.flower_fakes import InProcessGrid, global_loss, initial_arrays, make_client_app
+
+NUM_NODES = 6
+CONFIG = SecAggConfig(clip=10.0)  # threshold 0.6 of 6 holders: 4
+
+
+class SecureGrid(InProcessGrid):
+    """InProcessGrid that assigns message ids (as the SuperLink does), drops nodes after a stage,
+    forges replies per stage, and keeps everything the server received."""
+
+    def __init__(self, num_nodes=NUM_NODES, drop_after=None, tamper=None) -> None:
+        super().__init__(make_client_app([quantize_mod]), num_nodes)
+        self.drop_after = dict(drop_after or {})
+        self.forge = tamper
+        self.received: list[tuple[str, Message]] = []  # (stage, reply) of every protocol reply
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        kept = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            record = message.content.config_records.get(RECORD)
+            stage = record["stage"] if record is not None else None
+            last = self.drop_after.get(message.metadata.dst_node_id)
+            if stage is not None and last is not None and STAGES.index(stage) > STAGES.index(last):
+                continue
+            kept.append((stage, message))
+        replies = super().send_and_receive([m for _, m in kept], timeout=timeout)
+        out = []
+        for (stage, message), reply in zip(kept, replies):
+            if stage is not None and self.forge is not None:
+                reply = self.forge(stage, message, reply)
+                if reply is None:
+                    continue
+            if stage is not None:
+                self.received.append((stage, reply))
+            out.append(reply)
+        return out
+
+
+@pytest.fixture
+def encodings(monkeypatch):
+    """Every client's EncodedUpdate, keyed by its dither seed (the real function, recorded)."""
+    seen = {}
+    real = client_secure.encode_update
+
+    def recording(update, grid, dither_seed, **kw):
+        seen[dither_seed] = enc = real(update, grid, dither_seed, **kw)
+        return enc
+
+    monkeypatch.setattr(client_secure, "encode_update", recording)
+    return seen
+
+
+def _strategy(config=CONFIG, **kw) -> QuantizedStrategy:
+    return QuantizedStrategy(FedAvg(min_available_nodes=NUM_NODES), "fp32", seed=5, secure_aggregation=config, **kw)
+
+
+def _collect_requests(grid: SecureGrid) -> list[Message]:
+    return [m for m in grid.sent if RECORD in m.content.config_records and GRID_RECORD in m.content.config_records]
+
+
+def _expected_model(grid: SecureGrid, encodings, model: ArrayRecord, survivors: list[int]) -> dict[str, np.ndarray]:
+    """received + decode(sum of the survivors' integer vectors mod 2^b) (what the server must produce)."""
+    requests = {m.metadata.dst_node_id: m for m in _collect_requests(grid)}
+    sum_grid = SumGrid.from_config(requests[survivors[0]].content.config_records[GRID_RECORD], GRID_PREFIX)
+    seeds = [requests[n].content.config_records[GRID_RECORD][KEY_DITHER_SEED] for n in survivors]
+    total = sum(encodings[s].integers for s in seeds) % sum_grid.modulus
+    units = sum(encodings[s].weight_units for s in seeds)
+    mean = decode_sum(total.astype(np.uint32), sum_grid, seeds, units).numpy()
+    received = {name: a.numpy() for name, a in model.items()}
+    return add_flat(received, mean, float_layout(model))
+
+
+def _survivors(grid: SecureGrid) -> list[int]:
+    return sorted(r.metadata.src_node_id for s, r in grid.received if s == "collect" and not r.has_error())
+
+
+def test_secure_round_gives_received_plus_the_exact_decoded_mean(encodings):
+    grid = SecureGrid()
+    strategy = _strategy()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0 and metrics["secagg-survivors"] == NUM_NODES
+    expected = _expected_model(grid, encodings, initial_arrays(), _survivors(grid))
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
+    assert len(encodings) == NUM_NODES  # every client encoded once, at collect
+
+
+def test_secure_rounds_train_the_model():
+    grid = SecureGrid()
+    result = _strategy().start(grid=grid, initial_arrays=initial_arrays(), num_rounds=4)
+    assert global_loss(result.arrays, NUM_NODES) < 0.8 * global_loss(initial_arrays(), NUM_NODES)
+    assert all(result.train_metrics_clientapp[r]["secagg-failed"] == 0 for r in range(1, 5))
+
+
+def test_two_clients_dropping_after_share_keys_still_complete(encodings):
+    grid = SecureGrid(drop_after={102: "share-keys", 105: "share-keys"})
+    result = _strategy().start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0
+    assert metrics["secagg-survivors"] == 4 and metrics["secagg-dropped"] == 2
+    assert metrics["secagg-dropped-after-sharing"] == 2
+    assert _survivors(grid) == [101, 103, 104, 106]
+    expected = _expected_model(grid, encodings, initial_arrays(), _survivors(grid))
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
+
+
+def test_below_the_threshold_the_round_fails_cleanly_and_keeps_the_model():
+    grid = SecureGrid(drop_after={102: "share-keys", 104: "share-keys", 105: "share-keys"})
+    strategy = _strategy()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    for r in (1, 2):
+        assert result.train_metrics_clientapp[r]["secagg-failed"] == 1
+        assert result.train_metrics_clientapp[r]["secagg-survivors"] == 0
+    assert "fewer than the threshold" in strategy.secure_failures[1]
+    assert len(result.arrays) == 0  # no round returned arrays: Flower kept the initial model
+    round_two = [m for m in _collect_requests(grid) if m.metadata.group_id == "secagg-2"]
+    assert round_two
+    for message in round_two:  # and round 2 trained from it
+        for name, array in initial_arrays().items():
+            np.testing.assert_array_equal(message.content.array_records["arrays"][name].numpy(), array.numpy())
+
+
+def test_a_failed_round_before_collect_sends_no_train_message():
+    grid = SecureGrid(drop_after={n: "advertise" for n in (101, 102, 103)})
+    strategy = _strategy()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-failed"] == 1
+    assert not _collect_requests(grid)
+    assert "share-keys" in strategy.secure_failures[1]
+
+
+def _evil_encoder(monkeypatch, strategy, node, **changes):
+    """Node ``node`` ignores the clip: it encodes 1e4 times its update on a grid without the clip."""
+    real = client_secure.encode_update
+    evil_seed = strategy.client_seed(1, node)
+
+    def encode(update, grid, dither_seed, **kw):
+        if dither_seed != evil_seed:
+            return real(update, grid, dither_seed, **kw)
+        enc = real(update * changes.get("scale", 1.0), dataclasses.replace(grid, clip=1e30), dither_seed, **kw)
+        return dataclasses.replace(enc, weight_units=changes.get("units", enc.weight_units))
+
+    monkeypatch.setattr(client_secure, "encode_update", encode)
+
+
+def test_a_client_ignoring_the_clip_is_caught_by_the_aggregate_norm_check(monkeypatch):
+    strategy = _strategy()
+    _evil_encoder(monkeypatch, strategy, 103, scale=1e4)
+    result = strategy.start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-failed"] == 1
+    assert "exceeds clip + error bound" in strategy.secure_failures[1]
+    assert len(result.arrays) == 0  # the round returned no arrays: the model is kept
+
+
+def test_honest_rounds_pass_the_aggregate_norm_check_with_a_tight_clip():
+    # Clip below the honest updates' norms: every client clips, and the decoded mean stays
+    # within clip + the error bound (the check cannot reject honest rounds).
+    strategy = _strategy(SecAggConfig(clip=0.05))
+    result = strategy.start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=3)
+    for r in (1, 2, 3):
+        metrics = result.train_metrics_clientapp[r]
+        assert metrics["secagg-failed"] == 0
+        assert metrics["secagg-aggregate-norm"] <= 0.05 * 1.05
+
+
+def test_a_misreported_weight_fails_the_round(monkeypatch):
+    strategy = _strategy()
+    _evil_encoder(monkeypatch, strategy, 104, units=(1 << 31))
+    result = strategy.start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-failed"] == 1
+    assert "weight total" in strategy.secure_failures[1]
+
+
+def _wire(message: Message) -> int:
+    return len(recorddict_to_proto(message.content).SerializeToString())
+
+
+def test_history_metrics_count_every_stage_from_real_message_bytes(tmp_path):
+    grid = SecureGrid(drop_after={106: "share-keys"})
+    recorder = HistoryRecorder(tmp_path)
+    strategy = _strategy(recorder=recorder)
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=2)
+    numel = sum(n for _, n in float_layout(initial_arrays()))
+    round_two = [(s, r) for s, r in grid.received[len(grid.received) // 2 :]]
+    for r in (1, 2):
+        metrics = result.train_metrics_clientapp[r]
+        assert metrics["secagg-survivors"] == 5 and metrics["secagg-dropped"] == 1
+        assert metrics["uplink-bytes"] == sum(metrics[f"secagg-uplink-bytes-{s}"] for s in STAGES)
+        assert metrics["bits-per-param"] == pytest.approx(8 * metrics["uplink-bytes"] / (NUM_NODES * numel))
+        assert metrics["secagg-bits"] >= CONFIG.bits + 3
+    for stage in STAGES:  # every reply of round 2, counted here from its serialized bytes
+        want = sum(_wire(m) for s, m in round_two if s == stage and not m.has_error())
+        assert result.train_metrics_clientapp[2][f"secagg-uplink-bytes-{stage}"] == want > 0
+    m2 = result.train_metrics_clientapp[2]
+    assert m2["cumulative-uplink-bytes"] == result.train_metrics_clientapp[1]["uplink-bytes"] + m2["uplink-bytes"]
+    assert m2["secagg-downlink-bytes"] == sum(m2[f"secagg-downlink-bytes-{s}"] for s in STAGES) > 0
+    assert strategy.cumulative_uplink_bytes == m2["cumulative-uplink-bytes"]
+    rows = recorder.rows
+    assert [row["train/secagg-uplink-bytes-collect"] for row in rows] == [
+        result.train_metrics_clientapp[r]["secagg-uplink-bytes-collect"] for r in (1, 2)
+    ]
+
+
+def test_the_server_receives_only_masked_inputs_at_collect():
+    grid = SecureGrid()
+    _strategy().start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    collect = [r for s, r in grid.received if s == "collect"]
+    assert len(collect) == NUM_NODES
+    for reply in collect:
+        assert set(reply.content.keys()) == {RECORD, MASKED_RECORD}  # no metrics, no arrays, no client info
+        assert set(reply.content.array_records[MASKED_RECORD].keys()) == {"update", "weight"}
+    assert all(not r.content.metric_records for _, r in grid.received if not r.has_error())
+
+
+def test_only_collect_reaches_the_train_function_and_it_sees_a_plain_train_message():
+    from flwr.clientapp import ClientApp
+
+    from tests import flower_fakes
+
+    seen = []
+
+    def train(msg, context):
+        seen.append(sorted(msg.content.keys()))
+        return flower_fakes.train(msg, context)
+
+    app = ClientApp(mods=[quantize_mod])
+    app.train()(train)
+    app.evaluate()(flower_fakes.evaluate)
+    grid = SecureGrid()
+    grid.app = app
+    _strategy().start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    assert seen == [["arrays", "config"]] * NUM_NODES  # once per client, no protocol record in it
+    assert len([s for s, _ in grid.received]) == 4 * NUM_NODES
+
+
+def _replay(state):
+    """Forge: at the chosen stage, the victim answers with its reply of the previous stage."""
+
+    def forge(stage, request, reply):
+        node = request.metadata.dst_node_id
+        if node == state["victim"] and not reply.has_error():
+            if stage == state["stage"] and state.get("previous") is not None:
+                return state["previous"]
+            state["previous"] = reply
+        return reply
+
+    return forge
+
+
+@pytest.mark.parametrize("stage", ["share-keys", "collect", "unmask"])
+def test_a_replayed_reply_is_a_dropout(stage):
+    state = {"victim": 103, "stage": stage}
+    grid = SecureGrid(tamper=_replay(state))
+    strategy = _strategy()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0
+    if stage == "unmask":  # its input is already summed; its shares are not needed
+        assert metrics["secagg-survivors"] == NUM_NODES
+    else:
+        assert metrics["secagg-survivors"] == NUM_NODES - 1
+
+
+FUZZ_CASES = 36
+
+
+def test_fuzzed_replies_through_the_stage_never_crash_hang_or_move_the_model_silently():
+    """Each case mutates one reply of one node at one stage with secagg_fuzz's mutators."""
+    outcomes = {"completed": 0, "failed": 0}
+    baseline = initial_arrays()
+    for case in range(FUZZ_CASES):
+        rng = np.random.default_rng([19, case])
+        stage = STAGES[case % len(STAGES)]
+        victim = 101 + int(rng.integers(NUM_NODES))
+
+        def forge(s, request, reply, stage=stage, victim=victim, rng=rng):
+            if s != stage or request.metadata.dst_node_id != victim or reply.has_error():
+                return reply
+            _, content, _ = mutate(rng, reply.content)
+            return Message(content, reply_to=request)
+
+        strategy = _strategy()
+        start = time.perf_counter()
+        result = strategy.start(grid=SecureGrid(tamper=forge), initial_arrays=baseline, num_rounds=1)
+        assert time.perf_counter() - start < 30, f"case {case} ({stage}) was slow"
+        metrics = result.train_metrics_clientapp[1]
+        if metrics["secagg-failed"]:
+            outcomes["failed"] += 1
+            assert len(result.arrays) == 0, f"case {case} ({stage}): a failed round returned arrays"
+        else:
+            outcomes["completed"] += 1
+            assert metrics["secagg-survivors"] >= 4
+            assert metrics["secagg-aggregate-norm"] <= CONFIG.clip * 1.5
+            assert np.isfinite(result.arrays["fc.weight"].numpy()).all()
+    assert outcomes["completed"] > FUZZ_CASES // 2  # one bad node in six is outvoted or dropped
+
+
+def test_wrong_length_masked_input_is_a_dropout():
+    def forge(stage, request, reply):
+        if stage == "collect" and request.metadata.dst_node_id == 101:
+            content = reply.content
+            arr = content.array_records[MASKED_RECORD]["update"]
+            from flwr.app import Array
+
+            content.array_records[MASKED_RECORD]["update"] = Array(
+                dtype="uint8", shape=(len(arr.data) - 1,), stype=arr.stype, data=arr.data[:-1]
+            )
+        return reply
+
+    result = _strategy().start(grid=SecureGrid(tamper=forge), initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0 and metrics["secagg-survivors"] == NUM_NODES - 1
+    assert metrics["secagg-dropped-after-sharing"] == 1
+
+
+def test_secure_aggregation_refuses_downlink_compression_and_budgets():
+    with pytest.raises(ValueError, match="downlink_codec"):
+        _strategy(downlink_codec="qsgd:levels=16")
+    with pytest.raises(ValueError, match="upload budget"):
+        _strategy(uplink_bytes_budget=10_000)
+    with pytest.raises(ValueError, match="SecAggConfig"):
+        QuantizedStrategy(FedAvg(), "fp32", secure_aggregation={"bits": 2})
+
+
+def test_the_threshold_weight_total_bound_is_survivors_times_the_scale():
+    # honest weights are at most WEIGHT_SCALE each: the bound the stage checks cannot reject them
+    cfg = SecAggConfig(clip=10.0, max_examples=50)
+    result = _strategy(cfg).start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0
+    assert metrics["secagg-weight-total"] == pytest.approx(NUM_NODES * 1.0)  # 96 examples each, capped at 50
+    assert metrics["secagg-weight-total"] * WEIGHT_SCALE <= NUM_NODES * WEIGHT_SCALE
