@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedquant.clients import quantize_mod
 from fedquant.clients.quantize_mod import encode_device
 from fedquant.protocol import STATE_TRANSFORMS_KEY
 from fedquant.rng import derive_seed
+from fedquant.secagg.messages import RECORD as SECAGG_RECORD
 from simulations import vce_dispatch
 from simulations.data import TensorData, load_partition
 from simulations.models import build_model
@@ -24,7 +25,23 @@ from simulations.placement import worker_identity
 from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY
 from simulations.task import evaluate, limit_threads, pick_device, train
 
-app = ClientApp(mods=[quantize_mod])
+
+def secagg_dropout_mod(msg: Message, context: Context, call_next) -> Message:
+    """FAULT INJECTION (run config ``secagg-dropouts = k``): partitions ``0..k-1`` drop after key sharing.
+
+    At the collect stage of a secure round they answer with an error reply instead of their masked
+    input, as a client that crashed after sharing its keys; the server removes their masks.
+    """
+    record = msg.content.config_records.get(SECAGG_RECORD)
+    if record is not None and record.get("stage") == "collect":
+        cfg = msg.content.config_records.get("config")
+        k = int(cfg.get("secagg-dropouts", 0)) if cfg is not None else 0
+        if int(context.node_config.get("partition-id", -1)) < k:
+            return Message(Error(code=0, reason="secagg-dropouts: fault injection"), reply_to=msg)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[secagg_dropout_mod, quantize_mod])
 FEDERATION_STATE = "fedquant-federation"  # ConfigRecord in context.state: the federation last trained for
 # In the simulation engine's process (loaded there before it dispatches): dispatch messages in time
 # independent of the number of registered nodes. A no-op in Ray workers and SuperNodes.

@@ -190,6 +190,7 @@ def run_server(
         upload_deadline_seconds=settings.upload_deadline_seconds or None,
         uplink_bytes_budget=settings.uplink_bytes_budget or None,
         directory=directory,
+        secure_aggregation=settings.secagg_config(),
     )
     monitor = DivergenceMonitor(test.num_classes)
     history.save()  # the folder says "running" from the start

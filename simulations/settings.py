@@ -64,6 +64,13 @@ class SimSettings:
     downlink_codec: str = "none"
     upload_deadline_seconds: float = 0.0
     uplink_bytes_budget: int = 0
+    secagg: bool = False
+    secagg_threshold: float = 0.6
+    secagg_bits: int = 2
+    secagg_clip: float = 1.0
+    secagg_neighbours: int = 0
+    secagg_noise_multiplier: float = 0.0
+    secagg_dropouts: int = 0
     out_dir: str = "results"
     run_name: str = ""
     overwrite: bool = False
@@ -117,8 +124,34 @@ class SimSettings:
                 f"upload-deadline-seconds={self.upload_deadline_seconds!r}: needs an uplink profile, "
                 'e.g. uplink="lognormal:median=2,sigma=1" (the deadline is set against each client\'s speed)'
             )
+        if self.secagg:
+            builds("secagg-threshold", lambda: self.secagg_config(), "a fraction in (0.5, 1] or an int >= 2 "
+                   "(and secagg-bits 0..24, secagg-clip > 0, secagg-neighbours 0 or >= 2, "
+                   "secagg-noise-multiplier >= 0)")  # fmt: skip
+            if not _is_none(self.downlink_codec):
+                found.append(f"downlink-codec={self.downlink_codec!r}: secagg=true sends the dense model; use none")
+            if self.upload_deadline_seconds > 0 or self.uplink_bytes_budget > 0:
+                found.append("secagg=true: upload-deadline-seconds and uplink-bytes-budget must be 0")
+        check("secagg-dropouts", self.secagg_dropouts >= 0, "an int >= 0 (fault injection: clients that drop after "
+              "sharing keys)")  # fmt: skip
         check("out-dir", bool(self.out_dir.strip()), "a folder path (relative to where the server runs)")
         return found
+
+    def secagg_config(self):
+        """The :class:`~fedquant.secagg.SecAggConfig` of ``secagg-*`` (None when ``secagg`` is false)."""
+        if not self.secagg:
+            return None
+        from fedquant.secagg import SecAggConfig
+
+        t = self.secagg_threshold
+        threshold = int(t) if t >= 2 and float(t).is_integer() else float(t)
+        return SecAggConfig(
+            threshold=threshold,
+            bits=self.secagg_bits,
+            clip=self.secagg_clip,
+            neighbours=self.secagg_neighbours or None,
+            noise_multiplier=self.secagg_noise_multiplier,
+        )
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any], **overrides: Any) -> SimSettings:
