@@ -13,6 +13,7 @@ from flwr.common.constant import ErrorCode
 from flwr.supercore import log
 
 from fedquant.clients.downlink import DownlinkError, decode_train_message
+from fedquant.clients.secure import is_secure, secure_step
 from fedquant.clients.state import FiniteState, store_state
 from fedquant.codecs import Codec, get_codec
 from fedquant.codecs.threads import kernel_threads
@@ -75,12 +76,19 @@ def quantize_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     trains on float arrays and the update is computed against that model; the reply reports the
     id of the model the client now holds (``fedquant.downlink-reference``).
 
+    A TRAIN message holding the ``fedquant.secagg`` ConfigRecord is one stage of a secure round
+    (``QuantizedStrategy(secure_aggregation=...)``): the mod answers it with the client's
+    protocol state machine, kept in ``context.state``, and calls the ClientApp only at the
+    collect stage, whose reply carries the masked update alone (:mod:`fedquant.clients.secure`).
+
     Notes
     -----
     Put it last among mods that change the trained arrays (e.g. after a clipping mod), since it
     turns them into payloads. The reply must carry exactly one ArrayRecord with the keys of the
     one received; otherwise the mod answers with an error reply, as Flower's DP mods do.
     """
+    if is_secure(msg):  # a SecAgg+ stage: only collect trains (see fedquant.clients.secure)
+        return secure_step(msg, ctxt, call_next)
     config = _fedquant_config(msg)
     if config is None:
         return call_next(msg, ctxt)

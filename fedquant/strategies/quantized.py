@@ -14,11 +14,13 @@ from fedquant.codecs import Codec
 from fedquant.metrics.history import EVALUATE_PREFIX, TRAIN_PREFIX, HistoryRecorder
 from fedquant.protocol import DEFAULT_MIN_NUMEL
 from fedquant.rng import derive_seed
-from fedquant.strategies.admission import AdmissionRules
+from fedquant.secagg.config import SecAggConfig
+from fedquant.strategies.admission import AdmissionRules, weight_key_of
 from fedquant.strategies.decode_plan import DecodePlan
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES
 from fedquant.strategies.inner_guard import guarded_train
 from fedquant.strategies.stages import RoundLedger, RoundStage, Settings, TrainRound, build_stages, write_messages
+from fedquant.strategies.stages.secure import SecureAggregation
 from fedquant.strategies.stages.state import LOG_PREFIX
 
 
@@ -68,6 +70,15 @@ class QuantizedStrategy(Strategy):
     extra_stages : sequence of RoundStage
         Stages run after the built-in ones (their metrics join the round's), e.g. simulated
         link times (``simulations.link_times.LinkTimes``).
+    secure_aggregation : SecAggConfig, optional
+        Aggregate the train updates with SecAgg+ over the summable integer codec: the server
+        learns only their weighted mean (:mod:`fedquant.strategies.stages.secure`,
+        ``docs/secure-aggregation.md``). The secure round replaces screening, decoding, admission
+        and per-reply aggregation, and ``codec`` is not used for the train uplink; it cannot be
+        combined with ``downlink_codec`` or an upload budget.
+    secure_stage_timeout : float or None
+        Seconds each of the secure round's extra round trips (advertise, share-keys, unmask)
+        waits for replies (default 600; the collect stage runs under Flower's own timeout).
 
     Examples
     --------
@@ -91,17 +102,29 @@ class QuantizedStrategy(Strategy):
         upload_deadline_seconds: float | None = None,
         uplink_bytes_budget: int | None = None,
         extra_stages: Sequence[RoundStage] = (),
+        secure_aggregation: SecAggConfig | None = None,
+        secure_stage_timeout: float | None = 600.0,
     ) -> None:
         super().__init__()
         settings = Settings.check(
             strategy, codec, seed, min_numel, uplink_bandwidth, decode_plan, client_mse, admission, downlink_codec,
             downlink_full_codec, downlink_references, upload_deadline_seconds, uplink_bytes_budget, extra_stages,
+            secure_aggregation,
         )  # fmt: skip
         self.strategy, self.codec, self.seed, self.min_numel = strategy, settings.codec, seed, min_numel
         self.uplink_bandwidth, self.recorder, self.client_mse = uplink_bandwidth, recorder, settings.client_mse
         self.decode_plan, self.admission = settings.decode_plan, settings.admission
         self.downlink, self.budget = settings.downlink, settings.budget
         self.stages, self.evaluation, self.bounds, self.recording = build_stages(settings, self.client_seed)
+        self.secure = settings.secure_aggregation
+        self.secure_stage = None
+        if self.secure is not None:
+            self.secure_stage = SecureAggregation(
+                strategy, self.secure, seed, self.client_seed, weight_key_of(strategy), secure_stage_timeout
+            )
+            # sending the model, arrival, screening, decoding, admission and aggregation all read
+            # single replies; under secure aggregation there are none to read
+            self.stages = [self.secure_stage, *settings.extra_stages]
         self._rounds = RoundLedger()
 
     def __repr__(self) -> str:
@@ -119,13 +142,21 @@ class QuantizedStrategy(Strategy):
         log(INFO, "\t│\t├── Admission: %r", self.admission)
         log(INFO, "\t│\t├── Downlink: %s", repr(self.downlink) if self.downlink else "dense")
         log(INFO, "\t│\t├── Upload budget: %s", repr(self.budget) if self.budget else "no")
+        log(INFO, "\t│\t├── Secure aggregation: %s", repr(self.secure) if self.secure else "no")
         log(INFO, "\t│\t└── Simulated uplink bandwidth: %s", "yes" if self.uplink_bandwidth else "no")
         self.strategy.summary()
 
     @property
     def cumulative_uplink_bytes(self) -> int:
         """Uplink bytes of every train round so far."""
+        if self.secure_stage is not None:
+            return self.secure_stage.cumulative_uplink_bytes
         return self.recording.cumulative_uplink_bytes
+
+    @property
+    def secure_failures(self) -> dict[int, str]:
+        """Round -> why its secure aggregation failed (empty without secure aggregation)."""
+        return dict(self.secure_stage.failures) if self.secure_stage is not None else {}
 
     def client_seed(self, server_round: int, node_id: int) -> int:
         """The codec seed of ``node_id`` in ``server_round``; override to key clients by something stabler."""
@@ -136,10 +167,11 @@ class QuantizedStrategy(Strategy):
     ) -> Iterable[Message]:
         """Configure the next round of training: the inner strategy's messages, each with its codec and seed."""
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
-        state = TrainRound(server_round, model=arrays)
+        state = TrainRound(server_round, model=arrays, grid=grid)
         for stage in self.stages:
             stage.configure(state, messages)
-        write_messages(state, messages)
+        if self.secure is None:  # the secure stage writes its own collect requests
+            write_messages(state, messages)
         self._rounds.open("train", server_round, state)
         return messages
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from flwr.serverapp.strategy import Strategy
 
 from fedquant.codecs import Codec, get_codec
+from fedquant.secagg.config import SecAggConfig
 from fedquant.strategies.admission import AdmissionRules, weight_key_of
 from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import DecodePlan, default_plan
@@ -41,11 +42,12 @@ class Settings:
     downlink: DownlinkCompressor | None
     budget: UploadBudget | None
     extra_stages: tuple[RoundStage, ...]
+    secure_aggregation: SecAggConfig | None = None
 
     @classmethod
     def check(cls, strategy, codec, seed, min_numel, uplink_bandwidth, decode_plan, client_mse, admission,
               downlink_codec, downlink_full_codec, downlink_references, upload_deadline_seconds,
-              uplink_bytes_budget, extra_stages) -> Settings:  # fmt: skip
+              uplink_bytes_budget, extra_stages, secure_aggregation=None) -> Settings:  # fmt: skip
         """Check the wrapper's arguments (ValueError naming the bad one) and build its parts."""
         if not isinstance(strategy, Strategy):
             raise ValueError(f"strategy must be a flwr.serverapp.strategy.Strategy, got {type(strategy).__name__}")
@@ -59,6 +61,15 @@ class Settings:
             raise ValueError("uplink_bandwidth must be a callable node_id -> bytes per second")
         if not all(isinstance(stage, RoundStage) for stage in extra_stages):
             raise ValueError("extra_stages must hold RoundStage instances")
+        if secure_aggregation is not None:
+            if not isinstance(secure_aggregation, SecAggConfig):
+                raise ValueError(f"secure_aggregation must be a SecAggConfig, got {type(secure_aggregation).__name__}")
+            if downlink_codec is not None:
+                raise ValueError("secure_aggregation cannot be combined with downlink_codec (the update is summed "
+                                 "against the dense model every client receives)")  # fmt: skip
+            if upload_deadline_seconds is not None or uplink_bytes_budget is not None:
+                raise ValueError("secure_aggregation cannot be combined with an upload budget (every client "
+                                 "encodes on the round's one grid)")  # fmt: skip
         parsed = get_codec(codec)
         if decode_plan is None:
             decode_plan = default_plan(codec if isinstance(codec, str) else parsed.spec, parsed, seed)
@@ -79,7 +90,7 @@ class Settings:
         )
         admission = AdmissionRules() if admission is None else admission
         return cls(strategy, parsed, seed, min_numel, uplink_bandwidth, decode_plan, bool(client_mse), admission,
-                   downlink, budget, tuple(extra_stages))  # fmt: skip
+                   downlink, budget, tuple(extra_stages), secure_aggregation)  # fmt: skip
 
 
 def build_stages(

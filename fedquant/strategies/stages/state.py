@@ -52,6 +52,9 @@ class TrainRound:
     inner_metrics: MetricRecord | None = None
     failed: bool = False
     zero_dropped: int = 0
+    # secure aggregation (:mod:`.secure`): the Grid of configure_train, for the protocol's extra round trips
+    grid: object = None
+    secure: object = None
 
     def received(self, node_id: int) -> dict[str, np.ndarray]:
         """The arrays sent to ``node_id`` as NumPy, deserialized once per distinct ArrayRecord."""
