@@ -189,3 +189,22 @@ def test_two_rounds_over_a_real_superlink(deployment):
     listing = deployment.flwr("ls", "fq-test", "--run-id", str(summary["run-id"]), "--format", "json")
     traffic = json.loads(listing.stdout)["runs"][0]["network-traffic"]
     _reconcile_bytes(traffic, summary["framed"], rows)
+
+
+def test_two_secure_rounds_over_a_real_superlink(deployment):
+    """SecAgg+ over Flower's real transport: four message stages per round, client state in ``Context.state``."""
+    summary, rows, _ = deployment.run("secure", "secagg=true")
+    numel = 64 * 16 + 16  # fc.weight and fc.bias; rht's blocks (512, 512, 16) add no padding
+    for row in rows:
+        assert row["train/secagg-failed"] == 0, row
+        assert row["train/secagg-survivors"] == NUM_NODES
+        assert row["train/secagg-dropped"] == 0
+        bits = row["train/secagg-bits"]
+        assert bits >= 2 + 1  # quantizer bits + ceil(log2 2) at least
+        # The masked input is ceil(D b / 8) bytes per client plus its record's keys and headers.
+        masked = row["train/secagg-uplink-bytes-collect"] / NUM_NODES
+        assert -(-numel * bits // 8) <= masked <= -(-numel * bits // 8) + 1024, (masked, bits)
+        for stage in ("advertise", "share-keys", "unmask"):
+            assert row[f"train/secagg-uplink-bytes-{stage}"] > 0, stage
+    # Flower's loop sent one train message (the collect request) per node and round, and got one reply each.
+    assert all(f["replies"] == f["train-messages"] == NUM_NODES for f in summary["framed"].values())
