@@ -73,42 +73,49 @@ def _reconcile_bytes(traffic: dict, framed: dict, rows: list[dict]) -> None:
     assert 0 <= traffic["outbound-bytes"] - framed_down <= per_message * sent, (framed_down, traffic)
 
 
-def test_two_rounds_over_a_real_superlink(tmp_path):
-    link_port = free_port()
-    flwr_home = tmp_path / "flwr"
-    flwr_home.mkdir()
-    (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "fq-test"\n\n[superlink.fq-test]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n'
-    )
-    out_dir = tmp_path / "out"
-    env = dict(os.environ)
-    env.update(
-        FLWR_HOME=str(flwr_home),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-        PATH=os.pathsep.join([str(BIN), env.get("PATH", "")]),
-    )
-    logs = {"superlink": tmp_path / "superlink.log"}
-    processes: list[subprocess.Popen] = []
+class Deployment:
+    """A SuperLink and ``NUM_NODES`` SuperNodes on 127.0.0.1; :meth:`run` submits the app once."""
 
-    def start(name: str, args: list[str]) -> None:
-        logs[name] = tmp_path / f"{name}.log"
-        with logs[name].open("w") as log:
-            processes.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
-
-    try:
-        start(
-            "superlink", [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link_port)]
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.link_port = free_port()
+        flwr_home = tmp_path / "flwr"
+        flwr_home.mkdir()
+        (flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fq-test"\n\n[superlink.fq-test]\naddress = "127.0.0.1:{self.link_port}"\n'
+            "insecure = true\n"
         )
-        wait_while_progressing(lambda: port_open(link_port), START_TIMEOUT_S, "the SuperLink port", logs)
+        self.env = dict(os.environ)
+        self.env.update(
+            FLWR_HOME=str(flwr_home),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), self.env.get("PYTHONPATH")])),
+            FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+            PATH=os.pathsep.join([str(BIN), self.env.get("PATH", "")]),
+        )
+        self.logs = {"superlink": tmp_path / "superlink.log"}
+        self.processes: list[subprocess.Popen] = []
+
+    def _start(self, name: str, args: list[str]) -> None:
+        self.logs[name] = self.tmp_path / f"{name}.log"
+        with self.logs[name].open("w") as log:
+            self.processes.append(
+                subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp_path)
+            )
+
+    def start(self) -> None:
+        port = self.link_port
+        self._start(
+            "superlink", [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port)]
+        )
+        wait_while_progressing(lambda: port_open(port), START_TIMEOUT_S, "the SuperLink port", self.logs)
         for i in range(NUM_NODES):
-            start(
+            self._start(
                 f"supernode-{i}",
                 [
                     str(BIN / "flower-supernode"),
                     "--insecure",
                     "--superlink",
-                    f"127.0.0.1:{link_port}",
+                    f"127.0.0.1:{port}",
                     "--port",
                     str(free_port()),
                     "--node-config",
@@ -116,52 +123,88 @@ def test_two_rounds_over_a_real_superlink(tmp_path):
                 ],
             )
         wait_while_progressing(
-            lambda: logs["superlink"].read_text().count("Activated node_id") >= NUM_NODES,
+            lambda: self.logs["superlink"].read_text().count("Activated node_id") >= NUM_NODES,
             START_TIMEOUT_S,
             "both SuperNodes to connect",
-            logs,
+            self.logs,
         )
-        submit = subprocess.run(
-            [str(BIN / "flwr"), "run", str(APP_DIR), "fq-test", "--run-config", f'out-dir="{out_dir}"'],
-            env=env,
-            cwd=tmp_path,
+
+    def flwr(self, *args: str) -> subprocess.CompletedProcess:
+        """``flwr <args>`` against this SuperLink; fails the test on a non-zero exit."""
+        done = subprocess.run(
+            [str(BIN / "flwr"), *args],
+            env=self.env,
+            cwd=self.tmp_path,
             capture_output=True,
             text=True,
             timeout=scaled(START_TIMEOUT_S),
         )
-        assert submit.returncode == 0, f"flwr run failed:\n{submit.stdout}\n{submit.stderr}"
-        summary_path = out_dir / "summary.json"
-        wait_while_progressing(summary_path.exists, RUN_TIMEOUT_S, "the run to finish", logs)
+        assert done.returncode == 0, f"flwr {args[0]} failed:\n{done.stdout}\n{done.stderr}"
+        return done
 
+    def run(self, name: str, run_config: str = "") -> tuple[dict, list[dict], Path]:
+        """Submit the app, wait for its summary; the summary, the history rows and the out dir."""
+        out_dir = self.tmp_path / name
+        self.flwr("run", str(APP_DIR), "fq-test", "--run-config", f'out-dir="{out_dir}" {run_config}'.strip())
+        summary_path = out_dir / "summary.json"
+        wait_while_progressing(summary_path.exists, RUN_TIMEOUT_S, f"the {name} run to finish", self.logs)
         summary = json.loads(summary_path.read_text())
         rows = json.loads((out_dir / "history.json").read_text())
         assert summary["rounds"] == list(range(1, ROUNDS + 1))
         assert [row["round"] for row in rows] == list(range(1, ROUNDS + 1))
-        cumulative = 0
-        for row in rows:
-            uplink = row["train/uplink-bytes"]
-            cumulative += uplink
-            assert row["train/rejected-replies"] == 0
-            assert row["train/cumulative-uplink-bytes"] == cumulative
-            assert row["train/compression-ratio"] == pytest.approx(row["train/uplink-bytes-dense"] / uplink)
-            # QSGD with 4 levels (3 bits a weight) on a model whose 1024 weights are encoded and
-            # whose 16 biases are not: far below the dense float32 size.
-            assert row["train/compression-ratio"] > 4
-            assert row["train/quantization-mse"] > 0
-            assert row["train/downlink-bytes"] == row["train/uplink-bytes-dense"]  # float32 model both ways
-        assert (out_dir / "history.csv").read_text().startswith("round,")
         assert summary["final-loss"] < 0.95 * summary["initial-loss"], summary
-        listing = subprocess.run(
-            [str(BIN / "flwr"), "ls", "fq-test", "--run-id", str(summary["run-id"]), "--format", "json"],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=scaled(START_TIMEOUT_S),
-        )
-        assert listing.returncode == 0, f"flwr ls failed:\n{listing.stdout}\n{listing.stderr}"
-        traffic = json.loads(listing.stdout)["runs"][0]["network-traffic"]
-        _reconcile_bytes(traffic, summary["framed"], rows)
+        return summary, rows, out_dir
+
+    def shutdown(self) -> None:
+        stop(proc.pid for proc in self.processes)
+        assert all(proc.poll() is not None for proc in self.processes)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """One SuperLink and its SuperNodes for every test of this module (start-up costs tens of seconds)."""
+    running = Deployment(tmp_path_factory.mktemp("deployment"))
+    try:
+        running.start()
+        yield running
     finally:
-        stop(proc.pid for proc in processes)
-    assert all(proc.poll() is not None for proc in processes)
+        running.shutdown()
+
+
+def test_two_rounds_over_a_real_superlink(deployment):
+    summary, rows, out_dir = deployment.run("plain")
+    cumulative = 0
+    for row in rows:
+        uplink = row["train/uplink-bytes"]
+        cumulative += uplink
+        assert row["train/rejected-replies"] == 0
+        assert row["train/cumulative-uplink-bytes"] == cumulative
+        assert row["train/compression-ratio"] == pytest.approx(row["train/uplink-bytes-dense"] / uplink)
+        # QSGD with 4 levels (3 bits a weight) on a model whose 1024 weights are encoded and
+        # whose 16 biases are not: far below the dense float32 size.
+        assert row["train/compression-ratio"] > 4
+        assert row["train/quantization-mse"] > 0
+        assert row["train/downlink-bytes"] == row["train/uplink-bytes-dense"]  # float32 model both ways
+    assert (out_dir / "history.csv").read_text().startswith("round,")
+    listing = deployment.flwr("ls", "fq-test", "--run-id", str(summary["run-id"]), "--format", "json")
+    traffic = json.loads(listing.stdout)["runs"][0]["network-traffic"]
+    _reconcile_bytes(traffic, summary["framed"], rows)
+
+
+def test_two_secure_rounds_over_a_real_superlink(deployment):
+    """SecAgg+ over Flower's real transport: four message stages per round, client state in ``Context.state``."""
+    summary, rows, _ = deployment.run("secure", "secagg=true")
+    numel = 64 * 16 + 16  # fc.weight and fc.bias; rht's blocks (512, 512, 16) add no padding
+    for row in rows:
+        assert row["train/secagg-failed"] == 0, row
+        assert row["train/secagg-survivors"] == NUM_NODES
+        assert row["train/secagg-dropped"] == 0
+        bits = row["train/secagg-bits"]
+        assert bits >= 2 + 1  # quantizer bits + ceil(log2 2) at least
+        # The masked input is ceil(D b / 8) bytes per client plus its record's keys and headers.
+        masked = row["train/secagg-uplink-bytes-collect"] / NUM_NODES
+        assert -(-numel * bits // 8) <= masked <= -(-numel * bits // 8) + 1024, (masked, bits)
+        for stage in ("advertise", "share-keys", "unmask"):
+            assert row[f"train/secagg-uplink-bytes-{stage}"] > 0, stage
+    # Flower's loop sent one train message (the collect request) per node and round, and got one reply each.
+    assert all(f["replies"] == f["train-messages"] == NUM_NODES for f in summary["framed"].values())

@@ -1,5 +1,6 @@
 """ServerApp: FedAvg wrapped in ``QuantizedStrategy``; writes its history for the test to read.
 
+With ``secagg = true`` the rounds are secure (SecAgg+ over summable updates, ``SecAggConfig``).
 Client-side evaluation is off (each message starts a ClientApp process, which costs seconds);
 the ServerApp measures the global loss itself. Besides fedquant's metrics it records, per round,
 the bytes of Flower's own serialisation of the messages (``framed-*-bytes``: every object of the
@@ -19,6 +20,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedquant.metrics import HistoryRecorder
+from fedquant.secagg import SecAggConfig
 from fedquant.strategies import QuantizedStrategy
 from fq_deploy.task import global_loss, initial_arrays
 
@@ -63,12 +65,16 @@ def main(grid: Grid, context: Context) -> None:
     config = context.run_config
     out_dir = Path(str(config["out-dir"]))
     recorder = HistoryRecorder(out_dir)
+    secure = None
+    if bool(config["secagg"]):
+        secure = SecAggConfig(bits=int(config["secagg-bits"]), clip=float(config["secagg-clip"]))
     strategy = FramedBytesStrategy(
         FedAvg(fraction_evaluate=0.0, min_available_nodes=NUM_NODES, min_train_nodes=NUM_NODES),
         codec=str(config["codec"]),
         seed=0,
         min_numel=int(config["min-numel"]),
         recorder=recorder,
+        secure_aggregation=secure,
     )
     result = strategy.start(grid, initial_arrays(), num_rounds=int(config["num-server-rounds"]))
     summary = {
