@@ -4,6 +4,7 @@
     python -m simulations.sweep --preset separating --seeds 0,1,2      # the codec table's task
     python -m simulations.sweep --codecs fp32,qsgd:levels=4,orq:levels=4 --rounds 10 --seeds 0,1,2
     python -m simulations.sweep --set partitioning=dirichlet --set dirichlet-alpha=0.3
+    python -m simulations.sweep --codecs secagg,secagg:dropouts=2,eden:bits=2,fp32 --seeds 0-2   # secure arm
 
 All runs share ONE simulation (one Ray start, the same virtual clients): the ServerApp runs the
 federation once per codec x seed, seed by seed, from the same initial model per seed and with
@@ -151,6 +152,34 @@ def parse_seeds(text: str) -> list[int]:
 def run_slug(codec: str, seed: int) -> str:
     """File-name-safe name of one run (``ef+eden:bits=0.5`` seed 1 -> ``ef+eden-bits=0.5_seed1``)."""
     return re.sub(r"[^A-Za-z0-9_.+=-]+", "-", codec).strip("-") + f"_seed{seed}"
+
+
+SECURE_ARM = "secagg"
+
+
+def arm_overrides(entry: str) -> dict[str, Any]:
+    """The settings one sweep entry changes: a codec spec, or the secure-aggregation arm.
+
+    ``"qsgd:levels=4"`` -> ``{"codec": "qsgd:levels=4"}``; ``"secagg"`` turns secure aggregation
+    on (the uplink codec is then unused: the secure stage quantizes to integers itself), and
+    ``"secagg:bits=4,dropouts=2"`` also sets ``secagg-bits`` and ``secagg-dropouts`` (any
+    ``secagg-*`` run-config key, without its prefix).
+    """
+    name, _, params = entry.partition(":")
+    if name != SECURE_ARM:
+        return {"codec": entry}
+    overrides: dict[str, Any] = {"secagg": True}
+    for piece in filter(None, (p.strip() for p in params.split(","))):
+        key, sep, value = piece.partition("=")
+        if not sep:
+            raise RunConfigError([f"{entry!r}: {piece!r} is not key=value (e.g. secagg:bits=4,dropouts=2)"])
+        overrides["secagg_" + key.strip().replace("-", "_")] = value.strip()
+    return overrides
+
+
+def arm_settings(base: SimSettings, entry: str, **changes: Any) -> SimSettings:
+    """``base`` with one sweep entry (see :func:`arm_overrides`) and ``changes`` applied."""
+    return SimSettings.from_run_config(base.as_config(), **arm_overrides(entry), **changes)
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -381,7 +410,7 @@ class SweepPlan:
         problems = []
         for codec in dict.fromkeys(self.codecs):
             try:
-                base.replace(codec=codec)
+                arm_settings(base, codec)
             except RunConfigError as err:
                 problems.extend(err.problems)
         if problems:
@@ -398,7 +427,7 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
     base = plan.checked_settings(run_config)
     store = RunStore(plan.out)
     order = plan.runs()
-    stored = {(s, c): store.load(c, s, base.replace(seed=s, codec=c), plan.federation) for s, c in order}
+    stored = {(s, c): store.load(c, s, arm_settings(base, c, seed=s), plan.federation) for s, c in order}
     pending = sum(v is None for v in stored.values())
     if pending < len(order):
         log(
@@ -436,8 +465,8 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
                     grid,
                     base.as_config(),
                     directory=directory,
-                    codec=codec,
                     seed=seed,
+                    **arm_overrides(codec),
                     run_name=run_slug(codec, seed),
                     on_round=progress.hook(i, codec, seed),
                 )
@@ -453,7 +482,7 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
             record = store.save(
                 codec,
                 seed,
-                base.replace(seed=seed, codec=codec),
+                arm_settings(base, codec, seed=seed),
                 plan.federation,
                 history.rounds,
                 time.perf_counter() - t0,
@@ -576,7 +605,7 @@ def load_sweep(plan: SweepPlan) -> SweepResult:
     done: dict[tuple[str, int], dict[str, Any]] = {}
     errors: dict[str, list[str]] = {}
     for seed, codec in plan.runs():
-        record = store.load(codec, seed, base.replace(codec=codec, seed=seed), plan.federation)
+        record = store.load(codec, seed, arm_settings(base, codec, seed=seed), plan.federation)
         if record is None:
             errors.setdefault(codec, []).append(f"seed {seed}: no finished run")
         else:
@@ -590,7 +619,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--codecs",
         default=",".join(available_codecs()),
-        help="comma-separated codec specs (default: every codec fedquant has)",
+        help="comma-separated codec specs, and secagg[:bits=B,dropouts=K,...] for the secure-aggregation arm "
+        "(default: every codec fedquant has)",
     )
     parser.add_argument("--seeds", default="0", help="seeds, e.g. 0,1,2 or 0-4 (default 0)")
     parser.add_argument(
@@ -674,6 +704,8 @@ __all__ = [
     "PRESETS",
     "RunStore",
     "SweepPlan",
+    "arm_overrides",
+    "arm_settings",
     "SweepResult",
     "load_sweep",
     "make_sweep_app",

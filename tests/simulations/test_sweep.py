@@ -244,10 +244,30 @@ def test_error_feedback_residuals_never_leak_into_the_next_federation(tmp_path):
     assert _untimed(first.rounds) == _untimed(second.rounds)
 
 
+def test_the_secure_arm_runs_beside_codecs_and_survives_a_dropout(tmp_path):
+    every = {**SMALL, "fraction_train": 1.0}  # 4 of 4 clients: 3 survive one dropout, above 0.6 x 4
+    plan = SweepPlan(("secagg", "secagg:dropouts=1,bits=4", "qsgd:levels=4"), (0,), tmp_path, last_k=1,
+                     overrides=every)  # fmt: skip
+    result = run_plan(_grid(), {}, plan)
+    assert not result.errors and [r.codec for r in result.rows] == list(plan.codecs)
+    rounds = {c: json.loads(RunStore(tmp_path).path(c, 0).read_text())["rounds"][1:] for c in plan.codecs}  # trained
+    secure, dropping = rounds["secagg"], rounds["secagg:dropouts=1,bits=4"]
+    assert [r["secagg-survivors"] for r in secure] == [4, 4]
+    assert [(r["secagg-survivors"], r["secagg-dropped-after-sharing"]) for r in dropping] == [(3, 1)] * 2
+    # secagg-bits is the field width (quantizer bits + headroom for the sum): 2 more bits, 2 wider.
+    assert [r["secagg-bits"] - s["secagg-bits"] for r, s in zip(dropping, secure)] == [2, 2]
+    assert all("secagg-survivors" not in r for r in rounds["qsgd:levels=4"])
+    assert all(math.isfinite(r["accuracy"]) and r["uplink-bytes"] > 0 for rs in rounds.values() for r in rs)
+    with pytest.raises(RunConfigError, match="secagg-bitz"):
+        run_plan(_grid(), {}, SweepPlan(("secagg:bitz=4",), (0,), tmp_path, overrides=every))
+
+
 @pytest.mark.slow
 def test_small_sweep_through_the_simulation_engine(tmp_path):
-    result = run_sweep(["fp32", "qsgd:levels=4"], out=tmp_path, seeds=(0, 1), num_supernodes=4, last_k=1, **SMALL)
-    assert not result.errors and [len(r.seeds) for r in result.rows] == [2, 2]
+    # Ray, 4 virtual clients: two codecs and the secure arm (its advertise/share-keys rounds too).
+    result = run_sweep(["fp32", "qsgd:levels=4", "secagg"], out=tmp_path, seeds=(0, 1), num_supernodes=4, last_k=1,
+                       **{**SMALL, "fraction_train": 1.0})  # fmt: skip
+    assert not result.errors and [len(r.seeds) for r in result.rows] == [2, 2, 2]
     assert (tmp_path / "sweep.png").stat().st_size > 0 and (tmp_path / "sweep.pdf").stat().st_size > 0
     assert "| qsgd:levels=4 |" in (tmp_path / "sweep.md").read_text()
 
