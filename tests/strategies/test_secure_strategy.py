@@ -363,3 +363,48 @@ def test_the_threshold_weight_total_bound_is_survivors_times_the_scale():
     assert metrics["secagg-failed"] == 0
     assert metrics["secagg-weight-total"] == pytest.approx(NUM_NODES * 1.0)  # 96 examples each, capped at 50
     assert metrics["secagg-weight-total"] * WEIGHT_SCALE <= NUM_NODES * WEIGHT_SCALE
+
+
+def test_distributed_dp_adds_the_noise_it_accounts_for(monkeypatch):
+    # Each client adds discrete Gaussian noise to its integers; the server's mean error is the
+    # rounding plus the n clients' noise, E||err||^2 = error_scale^2, and its spread is that of a
+    # sum of ~independent squares: Var = 2 sum_k d_k (step_k^2 per_unit)^2 (Gaussian kurtosis).
+    from fedquant.strategies.secure_round import error_scale
+
+    config = dataclasses.replace(CONFIG, noise_multiplier=1.0)
+    seen = {}
+    real = client_secure.encode_update
+
+    def recording(update, grid, dither_seed, **kw):
+        encoded = real(update, grid, dither_seed, **kw)
+        seen[dither_seed] = (encoded, update.detach().reshape(-1).double().numpy())
+        return encoded
+
+    monkeypatch.setattr(client_secure, "encode_update", recording)
+    grid = SecureGrid()
+    result = _strategy(config).start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-survivors"] == NUM_NODES
+    request = _collect_requests(grid)[0].content.config_records[GRID_RECORD]
+    sum_grid = SumGrid.from_config(request, GRID_PREFIX)
+    assert sum_grid.noise_variance > 0
+    units = sum(e.weight_units for e, _ in seen.values())
+    true = sum((e.weight_units / units) * u * min(1.0, config.clip / e.norm) for e, u in seen.values())
+    decoded = np.concatenate([(result.arrays[n].numpy() - a.numpy()).reshape(-1) for n, a in initial_arrays().items()])
+    err2 = float(np.sum((decoded - true) ** 2))
+    expected = error_scale(sum_grid, NUM_NODES, units / WEIGHT_SCALE) ** 2
+    noiseless = error_scale(dataclasses.replace(sum_grid, noise_variance=0.0), NUM_NODES, units / WEIGHT_SCALE) ** 2
+    assert expected > 10 * noiseless  # the check below sees the noise, not the rounding
+    steps = np.asarray(sum_grid.steps, dtype=np.float64)
+    per_unit = expected / float(np.sum(sum_grid.real_elements_per_block() * steps**2))
+    sd = np.sqrt(2 * np.sum(sum_grid.real_elements_per_block() * (steps**2 * per_unit) ** 2))
+    assert abs(err2 - expected) < 6 * sd, (err2, expected, sd)
+
+
+def test_dp_epsilon_grows_with_every_round_and_is_reported_with_delta():
+    config = dataclasses.replace(CONFIG, noise_multiplier=1.0)
+    result = _strategy(config).start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=3)
+    metrics = [result.train_metrics_clientapp[r] for r in (1, 2, 3)]
+    eps = [m["dp-epsilon"] for m in metrics]
+    assert 0 < eps[0] < eps[1] < eps[2] < float("inf")
+    assert all(m["dp-delta"] == config.delta and 0 < m["dp-round-epsilon"] <= m["dp-epsilon"] for m in metrics)
+    assert all(m["secagg-failed"] == 0 for m in metrics)
