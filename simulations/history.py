@@ -31,7 +31,7 @@ FILES = ("history.json", "history.csv", "history.png")
 STATUSES = ("running", "finished", "failed", "stopped")
 # Settings always in a run folder's name (in this order); any other key appears when it differs
 # from its default. Keys that say where the run goes are never part of the name.
-NAME_KEYS = ("codec", "dataset", "partitioning", "seed")
+NAME_KEYS = ("codec", "dataset", "partitioning", "seed", "secagg")
 UNNAMED_KEYS = ("out-dir", "run-name", "overwrite")
 NAME_LIMIT = 150
 
@@ -39,7 +39,8 @@ NAME_LIMIT = 150
 def run_dir_name(settings: SimSettings, num_nodes: int | None = None) -> str:
     """Folder name of a run: ``run-name`` if set, else the settings that tell runs apart.
 
-    ``<codec>_<dataset>_<partitioning>_seed<seed>``, then ``<key>=<value>`` for every other
+    ``<codec>_<dataset>_<partitioning>_seed<seed>`` (``secagg`` for the codec under secure
+    aggregation), then ``<key>=<value>`` for every other
     setting that differs from its default, then ``<num_nodes>nodes``; characters other than
     letters, digits and ``_.+=-`` become ``-`` (``eden:bits=2`` gives ``eden-bits=2``). Names
     longer than ``NAME_LIMIT`` are cut and end in a hash of the whole name.
@@ -48,7 +49,7 @@ def run_dir_name(settings: SimSettings, num_nodes: int | None = None) -> str:
         name = settings.run_name
     else:
         s = settings
-        parts = [s.codec, s.dataset, s.partitioning, f"seed{s.seed}"]
+        parts = [s.uplink_name, s.dataset, s.partitioning, f"seed{s.seed}"]
         parts += [f"{k}={v}" for k, v in s.changed().items() if k not in (*NAME_KEYS, *UNNAMED_KEYS)]
         if num_nodes is not None:
             parts.append(f"{num_nodes}nodes")

@@ -237,7 +237,7 @@ def run_server(
     log(
         INFO,
         "fedquant: %s reached accuracy %.4f after %d rounds, %.3f MB uplink in total; results in %s",
-        settings.codec,
+        settings.uplink_name,
         final.get("accuracy", float("nan")),
         settings.rounds,
         (final.get("cumulative-uplink-bytes") or 0) / 1e6,

@@ -137,6 +137,11 @@ class SimSettings:
         check("out-dir", bool(self.out_dir.strip()), "a folder path (relative to where the server runs)")
         return found
 
+    @property
+    def uplink_name(self) -> str:
+        """What the replies carry: ``codec``, or ``secagg`` (the codec is unused under secure aggregation)."""
+        return "secagg" if self.secagg else self.codec
+
     def secagg_config(self):
         """The :class:`~fedquant.secagg.SecAggConfig` of ``secagg-*`` (None when ``secagg`` is false)."""
         if not self.secagg:

@@ -134,6 +134,19 @@ def test_the_default_runs_accuracy_is_what_the_measured_runs_wrote():
     assert [c / total for c in correct] == pytest.approx(finals, abs=1e-9)  # the test digits right, per seed
 
 
+def test_the_secure_aggregation_numbers_are_the_sweeps_and_the_benchmarks():
+    section = README.split("## Secure aggregation")[1].split("\n## ")[0]
+    sweep = {row[0]: row for row in _table((MEASURED / "secagg" / "sweep.md").read_text(), "| codec | bits/param |")}
+    secure, dropped, plain = sweep["secagg"], sweep["secagg:dropouts=2"], sweep["fp32"]
+    assert secure[-1] == dropped[-1] == plain[-1] == "0,1,2"  # three seeds each
+    for cell in (secure[4], plain[4], secure[5], secure[1].split(" ")[0], plain[1].split(" ")[0],
+                 dropped[1].split(" ")[0]):  # fmt: skip
+        assert cell.replace("-", "") in section.replace("-", ""), cell
+    benchmark = (ROOT / "docs" / "secure-aggregation.md").read_text()
+    legacy = re.search(r"Flower legacy (\d+\.\d+) \(", benchmark).group(1)
+    assert f"legacy SecAgg+: {legacy}" in section
+
+
 def test_the_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q\n" in ci and "python -m pytest -q                   # full suite" in README

@@ -56,6 +56,13 @@ def test_the_federation_size_and_only_changed_settings_are_in_the_name():
     assert len(long) <= 150
 
 
+def test_a_secure_run_is_named_by_what_its_replies_carry():
+    # Under secure aggregation the uplink codec is unused; naming the run after it misleads.
+    secure = SimSettings(secagg=True, secagg_dropouts=2)
+    assert run_dir_name(secure, 20) == "secagg_digits_iid_seed0_secagg-dropouts=2_20nodes"
+    assert secure.uplink_name == "secagg" and SimSettings().uplink_name == SimSettings().codec
+
+
 def test_an_existing_folder_is_never_reused_unless_asked(tmp_path):
     first = reserve_run_dir(tmp_path, "run")
     (first / "history.json").write_text("{}")
