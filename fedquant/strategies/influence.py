@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from flwr.app import Message, MetricRecord
 
+from fedquant.codecs.kernels.norms import add_scaled
 from fedquant.strategies.admission import (
     REASON_NON_FLOAT,
     REASON_NORM,
@@ -168,10 +169,9 @@ class InfluenceBounds:
         total: dict[str, np.ndarray] = {}
         for reply, sent in zip(decoded, received, strict=True):
             for name, update in float_update(reply, sent).items():
-                if name in total:
-                    total[name] += update
-                else:
-                    total[name] = update.astype(np.float64)
+                if name not in total:
+                    total[name] = np.zeros(update.shape, np.float64)
+                add_scaled(total[name].reshape(-1), np.ascontiguousarray(update).reshape(-1), 1.0)
         self.consensus, self.voters = total, len(decoded)
 
     def opposition(

@@ -9,8 +9,11 @@ terms). These kernels read float32 and square and add in float64 registers, by b
 then added pairwise), so the result matches the float64 reference to ~1e-12 relative at any
 size, never overflows (``2**31`` squares of the largest float32 fit a float64) and keeps tiny
 values. :func:`add_sum_squares` also writes ``received + update`` in the same pass and counts
-the non-finite sums; :func:`cosine_terms` gives the three inner products of an update's cosine
-with the round's consensus (the direction rules) without the float64 copies NumPy would make.
+the non-finite sums, :func:`checked_sum_squares` counts them without writing the sum (a server
+that aggregates the updates themselves never builds it); :func:`cosine_terms` gives the three
+inner products of an update's cosine with the round's consensus (the direction rules) and
+:func:`add_scaled` adds ``factor x update`` to a float64 sum (the consensus, the weighted mean of
+a round's updates), both without the float64 copies NumPy would make.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ def _add_sum_squares_twin(base: np.ndarray, update: np.ndarray, out: np.ndarray)
     with np.errstate(over="ignore", invalid="ignore"):
         np.add(base, update, out=out)
     return _sum_squares_twin(update), int(out.size - np.count_nonzero(np.isfinite(out)))
+
+
+def _checked_sum_squares_twin(base: np.ndarray, update: np.ndarray) -> tuple[float, int]:
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = base + update
+    return _sum_squares_twin(update), int(total.size - np.count_nonzero(np.isfinite(total)))
+
+
+def _add_scaled_twin(acc: np.ndarray, update: np.ndarray, factor: float) -> None:
+    acc += factor * update.astype(np.float64)
 
 
 def _cosine_terms_twin(update: np.ndarray, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:
@@ -76,6 +89,39 @@ def add_sum_squares(base, update, out):
         partial[b] = acc
         bad[b] = nonfinite
     return partial.sum(), bad.sum()
+
+
+@parallel_kernel(count_arg=1, twin=_checked_sum_squares_twin)
+def checked_sum_squares(base, update):
+    """``(sum(update**2), how many float32 base + update are not finite)`` (float32, 1-D, same
+    length), as :func:`add_sum_squares` returns them, without writing the sum."""
+    n = update.size
+    blocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(blocks, np.float64)
+    bad = np.zeros(blocks, np.int64)
+    for b in prange(blocks):
+        acc = 0.0
+        nonfinite = 0
+        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
+            u = update[i]
+            if not np.isfinite(base[i] + u):
+                nonfinite += 1
+            v = np.float64(u)
+            acc += v * v
+        partial[b] = acc
+        bad[b] = nonfinite
+    return partial.sum(), bad.sum()
+
+
+@parallel_kernel(count_arg=1, twin=_add_scaled_twin)
+def add_scaled(acc, update, factor):
+    """``acc += factor x update`` in place: ``acc`` float64, ``update`` float32, 1-D, one length.
+
+    Each element takes one float64 product and one addition, as NumPy's
+    ``acc += factor * update.astype(np.float64)`` does (bit for bit), without the copy.
+    """
+    for i in prange(update.size):
+        acc[i] += factor * np.float64(update[i])
 
 
 @parallel_kernel(twin=_cosine_terms_twin)

@@ -19,8 +19,8 @@ class Admitting:
     """Admits decoded replies, alone against the updates admitted before them or as one vote.
 
     The decoding stage calls it once per decoded reply (:meth:`admit_one`) or once per vote
-    (:meth:`admit_vote`); an accepted reply gets its dense arrays, teaches the decode plan, and
-    is added to ``state.accepted``.
+    (:meth:`admit_vote`); an accepted reply teaches the decode plan and is added to
+    ``state.accepted``, its update (as admitted: clipped if need be) to ``state.decoded``.
     """
 
     def __init__(self, bounds: InfluenceBounds, decode_plan: DecodePlan) -> None:
@@ -83,7 +83,7 @@ class Admitting:
             record_numel(state.sent[node_id]),
         )
         self.decode_plan.accepted(server_round, client)
-        reply.content[decoded.record_name] = decoded.arrays
+        state.decoded[id(reply)] = decoded
         conform(single_metric_record(reply.content), state.schema)
         state.accepted[id(reply)] = reply
 
