@@ -19,12 +19,17 @@ a round's updates), both without the float64 copies NumPy would make.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from fedquant.codecs.kernels.common import parallel_kernel
 
 #: Elements per block (one float64 partial sum each).
 BLOCK = 4096
+#: The fast-math flags of the sums within a block: reassociation (so that the loops vectorize
+#: into several partial sums, in an order fixed by the compiled code) and nothing that assumes
+#: finite values, so an Inf or NaN still shows in the result.
+REASSOCIATE = {"reassoc", "nsz", "contract"}
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 def _sum_squares_twin(x: np.ndarray) -> float:
@@ -53,6 +58,38 @@ def _cosine_terms_twin(update: np.ndarray, consensus: np.ndarray, weight: float)
     return float(np.dot(u, c)), float(np.dot(c, c)), float(np.dot(u, u))
 
 
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_squares(x, lo, hi):
+    """``sum(x[lo:hi]**2)`` in float64."""
+    acc = 0.0
+    seg = x[lo:hi]  # indices from 0 up: no negative-index wraparound to test, the loop vectorizes
+    for j in range(seg.size):
+        v = np.float64(seg[j])
+        acc += v * v
+    return acc
+
+
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_checked(base, update, out, lo, hi, write):
+    """``(sum(update[lo:hi]**2), how many float32 base + update are not finite)``, ``out`` written when ``write``.
+
+    Not finite is ``not |s| <= FLOAT32_MAX``, true for Inf and NaN (a comparison, which the
+    reassociation the sums are allowed does not touch).
+    """
+    acc = 0.0
+    nonfinite = 0
+    us, bs, outs = update[lo:hi], base[lo:hi], out[lo:hi]
+    for j in range(us.size):
+        u = us[j]
+        t = bs[j] + u
+        if write:
+            outs[j] = t
+        nonfinite += not abs(t) <= _F32_MAX
+        v = np.float64(u)
+        acc += v * v
+    return acc, nonfinite
+
+
 @parallel_kernel(twin=_sum_squares_twin)
 def sum_squares(x):
     """``sum(x**2)`` of a 1-D float32 array, accumulated in float64 by blocks."""
@@ -60,11 +97,7 @@ def sum_squares(x):
     blocks = (n + BLOCK - 1) // BLOCK
     partial = np.zeros(blocks, np.float64)
     for b in prange(blocks):
-        acc = 0.0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            v = np.float64(x[i])
-            acc += v * v
-        partial[b] = acc
+        partial[b] = _block_squares(x, b * BLOCK, min(n, (b + 1) * BLOCK))
     return partial.sum()
 
 
@@ -76,18 +109,7 @@ def add_sum_squares(base, update, out):
     partial = np.zeros(blocks, np.float64)
     bad = np.zeros(blocks, np.int64)
     for b in prange(blocks):
-        acc = 0.0
-        nonfinite = 0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            u = update[i]
-            s = base[i] + u
-            out[i] = s
-            if not np.isfinite(s):
-                nonfinite += 1
-            v = np.float64(u)
-            acc += v * v
-        partial[b] = acc
-        bad[b] = nonfinite
+        partial[b], bad[b] = _block_checked(base, update, out, b * BLOCK, min(n, (b + 1) * BLOCK), True)
     return partial.sum(), bad.sum()
 
 
@@ -100,16 +122,7 @@ def checked_sum_squares(base, update):
     partial = np.zeros(blocks, np.float64)
     bad = np.zeros(blocks, np.int64)
     for b in prange(blocks):
-        acc = 0.0
-        nonfinite = 0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            u = update[i]
-            if not np.isfinite(base[i] + u):
-                nonfinite += 1
-            v = np.float64(u)
-            acc += v * v
-        partial[b] = acc
-        bad[b] = nonfinite
+        partial[b], bad[b] = _block_checked(base, update, update, b * BLOCK, min(n, (b + 1) * BLOCK), False)
     return partial.sum(), bad.sum()
 
 
@@ -124,6 +137,21 @@ def add_scaled(acc, update, factor):
         acc[i] += factor * np.float64(update[i])
 
 
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_cosine(update, consensus, weight, lo, hi):
+    dot = 0.0
+    square = 0.0
+    own = 0.0
+    us, cs = update[lo:hi], consensus[lo:hi]
+    for j in range(us.size):
+        u = np.float64(us[j])
+        c = cs[j] + weight * u
+        dot += u * c
+        square += c * c
+        own += u * u
+    return dot, square, own
+
+
 @parallel_kernel(twin=_cosine_terms_twin)
 def cosine_terms(update, consensus, weight):
     """``(<u, c'>, <c', c'>, <u, u>)`` with ``c' = consensus + weight x update``: ``update`` float32,
@@ -134,16 +162,5 @@ def cosine_terms(update, consensus, weight):
     squares = np.zeros(blocks, np.float64)
     owns = np.zeros(blocks, np.float64)
     for b in prange(blocks):
-        dot = 0.0
-        square = 0.0
-        own = 0.0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            u = np.float64(update[i])
-            c = consensus[i] + weight * u
-            dot += u * c
-            square += c * c
-            own += u * u
-        dots[b] = dot
-        squares[b] = square
-        owns[b] = own
+        dots[b], squares[b], owns[b] = _block_cosine(update, consensus, weight, b * BLOCK, min(n, (b + 1) * BLOCK))
     return dots.sum(), squares.sum(), owns.sum()
