@@ -44,6 +44,10 @@ class Admitting:
         if (judged := self._judge(state, node_id, decoded, reference)) is not None:
             self._accept(state, node_id, judged, in_vote=False)
 
+    def add_to_vote(self, state: TrainRound, node_id: int, decoded: DecodedReply) -> None:
+        """A reply of the coming vote was decoded (its update joins the running consensus sum)."""
+        self.bounds.add_to_vote(decoded, state.received(node_id))
+
     def admit_vote(self, state: TrainRound, pending: list[tuple[int, DecodedReply]]) -> None:
         """Judge a vote's updates against the reference they set together, then accept the survivors."""
         norms = [d.update_norm for _, d in pending]

@@ -44,6 +44,7 @@ class Decoding(RoundStage):
                     continue
                 if not admitted_before:
                     pending.append((node_id, decoded))
+                    self.admitting.add_to_vote(state, node_id, decoded)
                 else:
                     self.admitting.admit_one(state, node_id, decoded, reference)
             if pending:
