@@ -27,7 +27,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg, Strategy
 
-from fedquant.codecs.kernels.norms import add_scaled
+from fedquant.codecs.kernels.norms import add_scaled, add_scaled_float32
 from fedquant.records import numpy_array
 from fedquant.strategies.reply_decoder import DecodedReply
 
@@ -77,23 +77,39 @@ def weighted_mean(
     """
     out: dict[str, np.ndarray] = {}
     for name, first in received[0].items():
-        acc = np.zeros(first.shape, np.float64)
-        flat = acc.reshape(-1)
+        acc: np.ndarray | None = None  # float64, flat
         base_shares: dict[int, list] = {}  # id(received model) -> [its entry, the shares of the replies sent it]
         dtype = None
         for reply, sent, share in zip(decoded, received, shares, strict=True):
             if name in reply.updates:
-                add_scaled(flat, reply.updates[name].numpy().reshape(-1), share)
+                acc = _add(acc, reply.updates[name].numpy().reshape(-1), share)
                 base_shares.setdefault(id(sent), [sent[name], 0.0])[1] += share
                 dtype = sent[name].dtype if dtype is None else dtype
             else:
                 value = reply.plain_values[name]
-                acc += share * value.astype(np.float64)
+                acc = _add(acc, value.astype(np.float64).reshape(-1), share)
                 dtype = value.dtype if dtype is None else dtype
-        for base, share in base_shares.values():
-            if base.dtype == np.float32:
-                add_scaled(flat, np.ascontiguousarray(base).reshape(-1), share)
-            else:
-                acc += share * base.astype(np.float64)
-        out[name] = acc.astype(_fedavg_dtype(dtype))
+        out[name] = _with_bases(acc, list(base_shares.values()), _fedavg_dtype(dtype)).reshape(first.shape)
     return ArrayRecord({name: numpy_array(value) for name, value in out.items()})
+
+
+def _add(acc: np.ndarray | None, values: np.ndarray, share: float) -> np.ndarray:
+    """``acc + share x values`` in float64, in place (the first term written, not added to zeros)."""
+    if acc is None:
+        return np.multiply(values, share, dtype=np.float64)
+    if values.dtype == np.float32:
+        add_scaled(acc, values, share)
+    else:
+        acc += share * values.astype(np.float64)
+    return acc
+
+
+def _with_bases(acc: np.ndarray, bases: list[list], dtype: np.dtype) -> np.ndarray:
+    """``acc + sum share x base`` over the received models, in ``dtype`` (one rounding)."""
+    if len(bases) == 1 and bases[0][0].dtype == np.float32 and dtype == np.float32:
+        out = np.empty(acc.size, np.float32)
+        add_scaled_float32(acc, np.ascontiguousarray(bases[0][0]).reshape(-1), bases[0][1], out)
+        return out
+    for base, share in bases:
+        acc = _add(acc, np.ascontiguousarray(base).reshape(-1), share)
+    return acc.astype(dtype)

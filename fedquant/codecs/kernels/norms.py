@@ -137,6 +137,18 @@ def add_scaled(acc, update, factor):
         acc[i] += factor * np.float64(update[i])
 
 
+def _add_scaled_float32_twin(acc: np.ndarray, base: np.ndarray, factor: float, out: np.ndarray) -> None:
+    out[...] = (acc + factor * base.astype(np.float64)).astype(np.float32)
+
+
+@parallel_kernel(count_arg=1, twin=_add_scaled_float32_twin)
+def add_scaled_float32(acc, base, factor, out):
+    """``out = float32(acc + factor x base)``: ``acc`` float64, ``base`` and ``out`` float32, 1-D, one
+    length (the last step of a weighted mean: the received model's share added, rounded once)."""
+    for i in prange(base.size):
+        out[i] = np.float32(acc[i] + factor * np.float64(base[i]))
+
+
 @njit(cache=True, fastmath=REASSOCIATE)
 def _block_cosine(update, consensus, weight, lo, hi):
     dot = 0.0

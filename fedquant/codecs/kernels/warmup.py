@@ -92,6 +92,7 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
 
     from fedquant.codecs.kernels.norms import (
         add_scaled,
+        add_scaled_float32,
         add_sum_squares,
         checked_sum_squares,
         cosine_terms,
@@ -104,6 +105,7 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         add_sum_squares(x, x, np.empty_like(x))
         checked_sum_squares(x, x)
         add_scaled(np.zeros(n), x, 0.5)
+        add_scaled_float32(np.zeros(n), x, 0.5, np.empty_like(x))
         cosine_terms(x, x.astype(np.float64), -1.0)
 
 
