@@ -29,6 +29,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedquant.codecs.kernels.norms import add_scaled, add_scaled_float32
 from fedquant.records import numpy_array
+from fedquant.strategies.admission import single_metric_record
 from fedquant.strategies.reply_decoder import DecodedReply
 
 
@@ -49,7 +50,7 @@ def without_arrays(reply: Message) -> Message:
 
 def fedavg_weights(replies: Sequence[Message], weight_key: str) -> list[float]:
     """The weight shares ``w_i / W`` FedAvg gives the replies (``aggregate_arrayrecords``'s arithmetic)."""
-    weights = [next(iter(r.content.metric_records.values()))[weight_key] for r in replies]
+    weights = [single_metric_record(r.content)[weight_key] for r in replies]
     total = sum(weights)
     return [w / total for w in weights]
 

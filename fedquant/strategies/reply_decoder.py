@@ -62,10 +62,10 @@ class DecodedReply:
 
 def single_array_record(content: RecordDict) -> tuple[str, ArrayRecord]:
     """The name and the record of a reply's one ArrayRecord; RejectedReply for none or several."""
-    records = content.array_records
-    if len(records) != 1:
+    records = [(name, record) for name, record in content.items() if isinstance(record, ArrayRecord)]
+    if len(records) != 1:  # (the content's items: content.array_records writes every record back)
         raise RejectedReply(f"expected exactly one ArrayRecord, found {len(records)}")
-    return next(iter(records.items()))
+    return records[0]
 
 
 def decode_reply(
@@ -121,6 +121,14 @@ def decode_threads_for(replies: int, available: int | None = None) -> int:
 
 @contextmanager
 def decode_threads(replies: int) -> Iterator[int]:
-    """Within the block, the codecs' kernels run on :func:`decode_threads_for` ``(replies)`` threads."""
-    with kernel_threads(decode_threads_for(replies)) as count:
-        yield count
+    """Within the block, the codecs' kernels run on :func:`decode_threads_for` ``(replies)`` threads,
+    and torch's intra-op threads (the decoders' reductions and casts) on no more."""
+    torch_threads = torch.get_num_threads()
+    try:
+        with kernel_threads(decode_threads_for(replies)) as count:
+            if count < torch_threads:
+                torch.set_num_threads(count)
+            yield count
+    finally:
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
