@@ -190,6 +190,12 @@ class InfluenceBounds:
                 _add_update(total, float_update(reply, sent))
         self.consensus, self.voters = total, len(decoded)
 
+    def take_consensus(self) -> dict[str, np.ndarray]:
+        """The round's consensus buffers (float64), forgotten here: the direction rules are done with
+        them once the round's replies are admitted, and the weighted mean can reuse their memory."""
+        consensus, self.consensus = self.consensus, {}
+        return consensus
+
     def opposition(
         self, node: int, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool
     ) -> str | None:

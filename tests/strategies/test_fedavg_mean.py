@@ -156,3 +156,17 @@ def test_weighted_mean_sums_every_received_model_and_keeps_fedavgs_dtypes():
     assert mean["n"].numpy().dtype == np.float64  # and an int64 entry becomes float64 (restore_dtypes rounds it)
     assert float(mean["n"].numpy()) == pytest.approx(sum(s * (4 + i) for i, s in enumerate(shares)))
     assert math.isclose(float(mean["h"].numpy()[0]), sum(s * (i + 0.5) for i, s in enumerate(shares)), rel_tol=1e-3)
+
+
+def test_weighted_mean_writes_into_the_scratch_buffers_it_is_given():
+    rng = np.random.default_rng(4)
+    model = {"w": rng.standard_normal((50, 100)).astype(np.float32)}
+    updates = [rng.standard_normal((50, 100)).astype(np.float32) for _ in range(3)]
+    decoded = [_decoded(u, {}) for u in updates]
+    shares = [0.2, 0.3, 0.5]
+    fresh = weighted_mean(decoded, [model] * 3, shares)
+    buffer = np.full((50, 100), np.nan)  # what the consensus left there must not count
+    scratch = {"w": buffer, "other": np.zeros(3)}
+    reused = weighted_mean(decoded, [model] * 3, shares, scratch)
+    np.testing.assert_array_equal(reused["w"].numpy(), fresh["w"].numpy())
+    assert "w" not in scratch and "other" in scratch and not np.isnan(buffer).any()

@@ -32,8 +32,10 @@ class Admitting:
         self.bounds.start_round()
 
     def finish(self, state: TrainRound) -> None:
-        """End the round: the admitted norms become the next round's reference."""
+        """End the round: the admitted norms become the next round's reference; the consensus
+        buffers go to ``state.scratch``."""
         self.bounds.end_round(state.traffic.update_norms)
+        state.scratch = self.bounds.take_consensus()
 
     def reference(self, state: TrainRound) -> float | None:
         """The norm reference of the updates admitted so far (None before any)."""

@@ -55,6 +55,7 @@ class Aggregation(RoundStage):
             survivors, state.zero_dropped = without_zero_norm_updates(self.strategy, failed + admitted, state.model)
             arrays, metrics, state.failed = guarded_train(self.strategy, server_round, survivors)
         state.decoded.clear()
+        state.scratch.clear()
         state.arrays = restore_dtypes(arrays, state.dtypes)
         state.inner_metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
 
@@ -71,7 +72,7 @@ class Aggregation(RoundStage):
         decoded = [state.decoded[id(r)] for r in admitted]
         received = [state.received(r.metadata.src_node_id) for r in admitted]
         with decode_threads(len(state.sent)):
-            return weighted_mean(decoded, received, shares), metrics
+            return weighted_mean(decoded, received, shares, state.scratch), metrics
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
         """Whether the inner strategy failed, and how many zero-norm updates it was spared."""

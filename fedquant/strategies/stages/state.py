@@ -48,6 +48,7 @@ class TrainRound:
     # decoding and admission
     accepted: dict[int, Message] = field(default_factory=dict)  # id(reply) -> reply, in the order accepted
     decoded: dict[int, DecodedReply] = field(default_factory=dict)  # id(reply) -> its update, as admitted
+    scratch: dict[str, np.ndarray] = field(default_factory=dict)  # float64 buffers admission is done with
     admitted: list[Message] = field(default_factory=list)
     # aggregation
     arrays: ArrayRecord | None = None
