@@ -27,7 +27,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedquant.codecs import Codec, get_codec
-from fedquant.codecs.kernels.norms import add_sum_squares, sum_squares
+from fedquant.codecs.kernels.norms import add_sum_squares, checked_sum_squares, sum_squares
 from fedquant.protocol import (
     DEFAULT_MIN_NUMEL,
     FLOAT_DTYPES,
@@ -88,7 +88,8 @@ class DecodedRecord:
     ----------
     arrays : ArrayRecord
         Dense arrays: ``base + decoded difference`` (in the base's dtype) or the decoded tensor
-        for payload entries, the plain entries unchanged.
+        for payload entries, the plain entries unchanged. Without the rebuild
+        (``decode(..., rebuild=False)``) only the entries that are not in ``updates``.
     updates : dict of str to torch.Tensor
         The decoded differences to the base (float32), of the payload entries (empty without a base).
     squared_norms : dict of str to float
@@ -257,13 +258,21 @@ class RecordCodec:
 
     # ------------------------------------------------------------------ decode
     def decode(
-        self, wire: ArrayRecord, seed: int, base: Mapping[str, Array | np.ndarray] | None = None
+        self,
+        wire: ArrayRecord,
+        seed: int,
+        base: Mapping[str, Array | np.ndarray] | None = None,
+        *,
+        rebuild: bool = True,
     ) -> DecodedRecord:
         """Rebuild the dense record a wire record stands for.
 
         Payload entries (:func:`~fedquant.protocol.is_payload`) are decoded, at their base's shape
         and added to it when there is a base; the others are kept. An untrusted record is first
-        checked against its base with :meth:`check_layout`.
+        checked against its base with :meth:`check_layout`. With ``rebuild=False`` the decoded
+        differences are kept in ``updates`` without ``base + difference`` in ``arrays`` (a
+        caller that aggregates the differences themselves), checked all the same: the sum is
+        computed, not stored, and must not overflow.
 
         Raises
         ------
@@ -290,7 +299,10 @@ class RecordCodec:
                         array.data, tensor_seed(seed, name), shape=reference.shape, dtype=torch.float32
                     )
                     updates[name] = update
-                    out[name], squared_norms[name] = _rebuilt(name, reference, update.numpy())
+                    if rebuild:
+                        out[name], squared_norms[name] = _rebuilt(name, reference, update.numpy())
+                    else:
+                        squared_norms[name] = checked_squares(name, reference, update.numpy())
                     continue
             except RecordError:
                 raise
@@ -327,6 +339,33 @@ class RecordCodec:
         return plain
 
 
+def _flat_update(name: str, reference: np.ndarray, update: np.ndarray) -> np.ndarray:
+    flat = update.reshape(-1)
+    if flat.size != reference.size:  # the fused kernels index both by the update's length, unchecked
+        raise RecordError(f"'{name}': the update holds {flat.size} elements, the received tensor {reference.size}")
+    return flat
+
+
+def checked_squares(name: str, reference: np.ndarray, update: np.ndarray) -> float:
+    """``sum(update**2)`` (float64) after checking that ``reference + update`` fits the reference's
+    dtype, as :func:`rebuilt_array` would compute it (:class:`RecordError` when it overflows)."""
+    flat = _flat_update(name, reference, update)
+    if reference.dtype == np.float32:
+        squares, nonfinite = checked_sum_squares(np.ascontiguousarray(reference).reshape(-1), flat)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected just below
+            value = (reference.astype(np.float32) + update).astype(reference.dtype, copy=False)
+        squares, nonfinite = sum_squares(flat), int(value.size - np.count_nonzero(np.isfinite(value)))
+    if nonfinite:
+        raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
+    return float(squares)
+
+
+def rebuilt_array(name: str, reference: np.ndarray, update: np.ndarray) -> Array:
+    """``reference + update`` in the reference's dtype as an Array (:func:`_rebuilt` without the norm)."""
+    return _rebuilt(name, reference, update)[0]
+
+
 def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Array, float]:
     """``reference + update`` in the reference's dtype as an Array, and ``sum(update**2)`` (float64).
 
@@ -334,9 +373,7 @@ def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Arra
     that writes the sum straight into the Array's bytes; other dtypes add in float32 and cast.
     Raises :class:`RecordError` when the sum overflows the reference's dtype.
     """
-    flat = update.reshape(-1)
-    if flat.size != reference.size:  # the fused kernel indexes both by the update's length, unchecked
-        raise RecordError(f"'{name}': the update holds {flat.size} elements, the received tensor {reference.size}")
+    flat = _flat_update(name, reference, update)
     if reference.dtype == np.float32:
         header = npy_header(reference.dtype, reference.shape)
         value = np.empty(reference.shape, np.float32)

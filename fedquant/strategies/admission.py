@@ -546,9 +546,13 @@ def warn_rule_shares(
 
 
 def single_metric_record(content: RecordDict) -> MetricRecord | None:
-    """The reply's MetricRecord when it holds exactly one, else None."""
-    records = content.metric_records
-    return next(iter(records.values())) if len(records) == 1 else None
+    """The reply's MetricRecord when it holds exactly one, else None.
+
+    Read from the content's items: Flower's ``content.metric_records`` builds a view that writes
+    every record back into the content, a cost paid several times per reply and round.
+    """
+    records = [record for record in content.values() if isinstance(record, MetricRecord)]
+    return records[0] if len(records) == 1 else None
 
 
 def weight_key_of(strategy: object) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from flwr.app import Message, MetricRecord
 
+from fedquant.codecs.kernels.norms import add_scaled
 from fedquant.strategies.admission import (
     REASON_NON_FLOAT,
     REASON_NORM,
@@ -60,6 +61,8 @@ class InfluenceBounds:
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
         self.voters = 0  # how many updates that sum holds
+        self._running: dict[str, np.ndarray] = {}  # the sum of the vote's updates as they were decoded
+        self._summed: list[DecodedReply] = []  # the updates in it, in order
         persistence = rules.persistent_opposition
         self.directions = DirectionHistory(persistence) if persistence is not None else None
         self.round_weight: dict[str, float | None] = {}  # per kind, the round's reference weight
@@ -159,20 +162,39 @@ class InfluenceBounds:
     def start_round(self) -> None:
         """Forget the previous round's consensus."""
         self.consensus, self.voters = {}, 0
+        self._running, self._summed = {}, []
+
+    def _directions_on(self) -> bool:
+        return self.rules.reject_opposing or self.directions is not None
+
+    def add_to_vote(self, decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> None:
+        """Add a decoded update of the vote to a running sum, while it is still in cache: the
+        consensus when the vote's judged updates are exactly those added (no reply rejected or
+        clipped by the norm rule), summed in the same order as :meth:`set_consensus` would."""
+        if self._directions_on():
+            _add_update(self._running, float_update(decoded, received))
+            self._summed.append(decoded)
 
     def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
         """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
         so a minority moves it by at most its clipped share)."""
-        if not (self.rules.reject_opposing or self.directions is not None) or not decoded:
+        running, summed = self._running, self._summed
+        self._running, self._summed = {}, []
+        if not self._directions_on() or not decoded:
             return
-        total: dict[str, np.ndarray] = {}
-        for reply, sent in zip(decoded, received, strict=True):
-            for name, update in float_update(reply, sent).items():
-                if name in total:
-                    total[name] += update
-                else:
-                    total[name] = update.astype(np.float64)
+        if len(summed) == len(decoded) and all(a is b for a, b in zip(summed, decoded, strict=True)):
+            total = running
+        else:
+            total = {}
+            for reply, sent in zip(decoded, received, strict=True):
+                _add_update(total, float_update(reply, sent))
         self.consensus, self.voters = total, len(decoded)
+
+    def take_consensus(self) -> dict[str, np.ndarray]:
+        """The round's consensus buffers (float64), forgotten here: the direction rules are done with
+        them once the round's replies are admitted, and the weighted mean can reuse their memory."""
+        consensus, self.consensus = self.consensus, {}
+        return consensus
 
     def opposition(
         self, node: int, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool
@@ -241,3 +263,12 @@ class InfluenceBounds:
         """Remember the round's admitted update norms (after clipping) for the next reference."""
         if self.rules.relative_norms:
             self.norms.end_round(admitted_norms)
+
+
+def _add_update(total: dict[str, np.ndarray], update: Mapping[str, np.ndarray]) -> None:
+    """``total += update`` entry by entry, in float64 (the first update is copied in)."""
+    for name, value in update.items():
+        if name in total:
+            add_scaled(total[name].reshape(-1), np.ascontiguousarray(value).reshape(-1), 1.0)
+        else:
+            total[name] = value.astype(np.float64)

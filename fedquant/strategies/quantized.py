@@ -29,8 +29,10 @@ class QuantizedStrategy(Strategy):
 
     Use ``quantize_mod`` on the clients. ``configure_train`` adds to each client's ConfigRecord
     its codec spec, seed and encoding threshold (keys in :mod:`fedquant.protocol`);
-    ``aggregate_train`` checks and decodes every reply, rebuilds ``received + decoded update``,
-    hands the survivors to the wrapped strategy and adds the round's bandwidth metrics. Each
+    ``aggregate_train`` checks and decodes every reply, hands the survivors to the wrapped
+    strategy (as ``received + decoded update``, or, for an inner strategy that aggregates as
+    FedAvg does, without their arrays and with the weighted mean of the updates as its result:
+    :mod:`~fedquant.strategies.fedavg_mean`) and adds the round's bandwidth metrics. Each
     step is a round stage (:mod:`fedquant.strategies.stages`). Evaluate messages pass unchanged;
     their replies go through the same admission rules.
 

@@ -1,4 +1,4 @@
-"""Check and decode one untrusted train reply into a dense ArrayRecord (server side)."""
+"""Check and decode one untrusted train reply into its update (server side)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.codecs.threads import current_kernel_threads, kernel_threads
-from fedquant.records import RecordCodec, RecordError
+from fedquant.records import RecordCodec, RecordError, rebuilt_array
 
 
 class RejectedReply(Exception):
@@ -21,35 +21,51 @@ class RejectedReply(Exception):
 
 @dataclass
 class DecodedReply:
-    """A reply rebuilt as dense arrays.
+    """A reply decoded: the updates of its encoded entries, its other entries as they travelled.
 
     Attributes
     ----------
     record_name : str
         Key of the reply's ArrayRecord (kept when the record is replaced).
-    arrays : ArrayRecord
-        Dense arrays: ``received + decoded update`` for encoded entries, the trained values for
-        the others.
+    plain : dict of str to Array
+        The entries that travel as they are (the trained values), in the record's order.
+    plain_values : dict of str to numpy.ndarray
+        Their values, as checked.
     updates : dict of str to torch.Tensor
         The decoded updates of the encoded entries (float32).
     update_norm : float
         L2 norm of the whole update over every float entry (decoded updates of the encoded
         entries, ``trained - received`` of the others): squares added in float64, from the
         float32 values (no float64 copy of an update).
+
+    ``received + update`` of the encoded entries is checked (it fits the model's dtype) but not
+    built: :meth:`dense` builds the record for an inner strategy that needs every reply's arrays.
     """
 
     record_name: str
-    arrays: ArrayRecord
+    plain: dict[str, Array]
+    plain_values: dict[str, np.ndarray]
     updates: dict[str, torch.Tensor]
     update_norm: float
+
+    def dense(self, received: Mapping[str, np.ndarray]) -> ArrayRecord:
+        """The reply's dense arrays, in the order sent: ``received + update`` (in the received dtype)
+        for the encoded entries, the plain entries as they are."""
+        out: dict[str, Array] = {}
+        for name, sent in received.items():
+            if name in self.updates:
+                out[name] = rebuilt_array(name, sent, self.updates[name].numpy())
+            else:
+                out[name] = self.plain[name]
+        return ArrayRecord(out)
 
 
 def single_array_record(content: RecordDict) -> tuple[str, ArrayRecord]:
     """The name and the record of a reply's one ArrayRecord; RejectedReply for none or several."""
-    records = content.array_records
-    if len(records) != 1:
+    records = [(name, record) for name, record in content.items() if isinstance(record, ArrayRecord)]
+    if len(records) != 1:  # (the content's items: content.array_records writes every record back)
         raise RejectedReply(f"expected exactly one ArrayRecord, found {len(records)}")
-    return next(iter(records.items()))
+    return records[0]
 
 
 def decode_reply(
@@ -76,7 +92,7 @@ def decode_reply(
     record_name, record = single_array_record(content)
     try:
         plain = codec.check_layout(record, received)
-        decoded = codec.decode(record, client_seed, received)
+        decoded = codec.decode(record, client_seed, received, rebuild=False)
     except RecordError as err:
         raise RejectedReply(str(err)) from err
     squared_norm = 0.0
@@ -85,7 +101,9 @@ def decode_reply(
             squared_norm += decoded.squared_norms[name]
         elif plain[name].dtype.kind == "f":
             squared_norm += float(np.sum((plain[name].astype(np.float64) - sent.astype(np.float64)) ** 2))
-    return DecodedReply(record_name, decoded.arrays, decoded.updates, math.sqrt(squared_norm))
+    kept = {name: record[name] for name in received if name not in decoded.updates}
+    values = {name: plain[name] for name in kept}
+    return DecodedReply(record_name, kept, values, decoded.updates, math.sqrt(squared_norm))
 
 
 def decode_threads_for(replies: int, available: int | None = None) -> int:
@@ -103,6 +121,14 @@ def decode_threads_for(replies: int, available: int | None = None) -> int:
 
 @contextmanager
 def decode_threads(replies: int) -> Iterator[int]:
-    """Within the block, the codecs' kernels run on :func:`decode_threads_for` ``(replies)`` threads."""
-    with kernel_threads(decode_threads_for(replies)) as count:
-        yield count
+    """Within the block, the codecs' kernels run on :func:`decode_threads_for` ``(replies)`` threads,
+    and torch's intra-op threads (the decoders' reductions and casts) on no more."""
+    torch_threads = torch.get_num_threads()
+    try:
+        with kernel_threads(decode_threads_for(replies)) as count:
+            if count < torch_threads:
+                torch.set_num_threads(count)
+            yield count
+    finally:
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)

@@ -31,7 +31,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.codecs.kernels.norms import cosine_terms
-from fedquant.records import RecordError, check_plain_entry
+from fedquant.records import RecordError, check_plain_entry, numpy_array
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, single_array_record
 
 
@@ -107,17 +107,18 @@ def bool_majority(digests: Mapping[int, bytes], sent: bytes) -> bytes:
 
 def clip_update(decoded: DecodedReply, received: Mapping[str, np.ndarray], scale: float) -> DecodedReply:
     """The reply with every float entry's update scaled by ``scale`` (< 1): ``received + scale x update``."""
-    arrays: dict[str, Array] = {}
-    for name, array in decoded.arrays.items():
+    plain = dict(decoded.plain)
+    values = dict(decoded.plain_values)
+    for name, value in decoded.plain_values.items():
         sent = received[name]
         if sent.dtype.kind != "f":
-            arrays[name] = array
             continue
         base = sent.astype(np.float64)
-        value = base + scale * (array.numpy().astype(np.float64) - base)
-        arrays[name] = Array(np.require(value.astype(sent.dtype), requirements="C"))
+        clipped = base + scale * (value.astype(np.float64) - base)
+        values[name] = np.require(clipped.astype(sent.dtype), requirements="C")
+        plain[name] = numpy_array(values[name])
     updates = {name: update * scale for name, update in decoded.updates.items()}
-    return DecodedReply(decoded.record_name, ArrayRecord(arrays), updates, decoded.update_norm * scale)
+    return DecodedReply(decoded.record_name, plain, values, updates, decoded.update_norm * scale)
 
 
 def restore_dtypes(arrays: ArrayRecord | None, dtypes: Mapping[str, np.dtype]) -> ArrayRecord | None:
@@ -145,17 +146,17 @@ def restore_dtypes(arrays: ArrayRecord | None, dtypes: Mapping[str, np.dtype]) -
 
 
 def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The reply's whole float update per entry (float32): the decoded update of the encoded
-    entries (no copy), ``dense - received`` of the plain ones."""
+    """The reply's whole float update per entry (float32), in the order sent: the decoded update of
+    the encoded entries (no copy), ``trained - received`` of the plain ones."""
     out = {}
-    for name, array in decoded.arrays.items():
-        sent = received[name]
+    for name, sent in received.items():
         if sent.dtype.kind != "f":
             continue
         if name in decoded.updates:
             out[name] = decoded.updates[name].reshape(sent.shape).numpy()
         else:
-            out[name] = (array.numpy().astype(np.float64) - sent.astype(np.float64)).astype(np.float32)
+            value = decoded.plain_values[name]
+            out[name] = (value.astype(np.float64) - sent.astype(np.float64)).astype(np.float32)
     return out
 
 

@@ -9,19 +9,27 @@ terms). These kernels read float32 and square and add in float64 registers, by b
 then added pairwise), so the result matches the float64 reference to ~1e-12 relative at any
 size, never overflows (``2**31`` squares of the largest float32 fit a float64) and keeps tiny
 values. :func:`add_sum_squares` also writes ``received + update`` in the same pass and counts
-the non-finite sums; :func:`cosine_terms` gives the three inner products of an update's cosine
-with the round's consensus (the direction rules) without the float64 copies NumPy would make.
+the non-finite sums, :func:`checked_sum_squares` counts them without writing the sum (a server
+that aggregates the updates themselves never builds it); :func:`cosine_terms` gives the three
+inner products of an update's cosine with the round's consensus (the direction rules) and
+:func:`add_scaled` adds ``factor x update`` to a float64 sum (the consensus, the weighted mean of
+a round's updates), both without the float64 copies NumPy would make.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from fedquant.codecs.kernels.common import parallel_kernel
 
 #: Elements per block (one float64 partial sum each).
 BLOCK = 4096
+#: The fast-math flags of the sums within a block: reassociation (so that the loops vectorize
+#: into several partial sums, in an order fixed by the compiled code) and nothing that assumes
+#: finite values, so an Inf or NaN still shows in the result.
+REASSOCIATE = {"reassoc", "nsz", "contract"}
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 def _sum_squares_twin(x: np.ndarray) -> float:
@@ -34,10 +42,52 @@ def _add_sum_squares_twin(base: np.ndarray, update: np.ndarray, out: np.ndarray)
     return _sum_squares_twin(update), int(out.size - np.count_nonzero(np.isfinite(out)))
 
 
+def _checked_sum_squares_twin(base: np.ndarray, update: np.ndarray) -> tuple[float, int]:
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = base + update
+    return _sum_squares_twin(update), int(total.size - np.count_nonzero(np.isfinite(total)))
+
+
+def _add_scaled_twin(acc: np.ndarray, update: np.ndarray, factor: float) -> None:
+    acc += factor * update.astype(np.float64)
+
+
 def _cosine_terms_twin(update: np.ndarray, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:
     u = update.astype(np.float64)
     c = consensus + weight * u if weight else consensus
     return float(np.dot(u, c)), float(np.dot(c, c)), float(np.dot(u, u))
+
+
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_squares(x, lo, hi):
+    """``sum(x[lo:hi]**2)`` in float64."""
+    acc = 0.0
+    seg = x[lo:hi]  # indices from 0 up: no negative-index wraparound to test, the loop vectorizes
+    for j in range(seg.size):
+        v = np.float64(seg[j])
+        acc += v * v
+    return acc
+
+
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_checked(base, update, out, lo, hi, write):
+    """``(sum(update[lo:hi]**2), how many float32 base + update are not finite)``, ``out`` written when ``write``.
+
+    Not finite is ``not |s| <= FLOAT32_MAX``, true for Inf and NaN (a comparison, which the
+    reassociation the sums are allowed does not touch).
+    """
+    acc = 0.0
+    nonfinite = 0
+    us, bs, outs = update[lo:hi], base[lo:hi], out[lo:hi]
+    for j in range(us.size):
+        u = us[j]
+        t = bs[j] + u
+        if write:
+            outs[j] = t
+        nonfinite += not abs(t) <= _F32_MAX
+        v = np.float64(u)
+        acc += v * v
+    return acc, nonfinite
 
 
 @parallel_kernel(twin=_sum_squares_twin)
@@ -47,11 +97,7 @@ def sum_squares(x):
     blocks = (n + BLOCK - 1) // BLOCK
     partial = np.zeros(blocks, np.float64)
     for b in prange(blocks):
-        acc = 0.0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            v = np.float64(x[i])
-            acc += v * v
-        partial[b] = acc
+        partial[b] = _block_squares(x, b * BLOCK, min(n, (b + 1) * BLOCK))
     return partial.sum()
 
 
@@ -63,19 +109,59 @@ def add_sum_squares(base, update, out):
     partial = np.zeros(blocks, np.float64)
     bad = np.zeros(blocks, np.int64)
     for b in prange(blocks):
-        acc = 0.0
-        nonfinite = 0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            u = update[i]
-            s = base[i] + u
-            out[i] = s
-            if not np.isfinite(s):
-                nonfinite += 1
-            v = np.float64(u)
-            acc += v * v
-        partial[b] = acc
-        bad[b] = nonfinite
+        partial[b], bad[b] = _block_checked(base, update, out, b * BLOCK, min(n, (b + 1) * BLOCK), True)
     return partial.sum(), bad.sum()
+
+
+@parallel_kernel(count_arg=1, twin=_checked_sum_squares_twin)
+def checked_sum_squares(base, update):
+    """``(sum(update**2), how many float32 base + update are not finite)`` (float32, 1-D, same
+    length), as :func:`add_sum_squares` returns them, without writing the sum."""
+    n = update.size
+    blocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(blocks, np.float64)
+    bad = np.zeros(blocks, np.int64)
+    for b in prange(blocks):
+        partial[b], bad[b] = _block_checked(base, update, update, b * BLOCK, min(n, (b + 1) * BLOCK), False)
+    return partial.sum(), bad.sum()
+
+
+@parallel_kernel(count_arg=1, twin=_add_scaled_twin)
+def add_scaled(acc, update, factor):
+    """``acc += factor x update`` in place: ``acc`` float64, ``update`` float32, 1-D, one length.
+
+    Each element takes one float64 product and one addition, as NumPy's
+    ``acc += factor * update.astype(np.float64)`` does (bit for bit), without the copy.
+    """
+    for i in prange(update.size):
+        acc[i] += factor * np.float64(update[i])
+
+
+def _add_scaled_float32_twin(acc: np.ndarray, base: np.ndarray, factor: float, out: np.ndarray) -> None:
+    out[...] = (acc + factor * base.astype(np.float64)).astype(np.float32)
+
+
+@parallel_kernel(count_arg=1, twin=_add_scaled_float32_twin)
+def add_scaled_float32(acc, base, factor, out):
+    """``out = float32(acc + factor x base)``: ``acc`` float64, ``base`` and ``out`` float32, 1-D, one
+    length (the last step of a weighted mean: the received model's share added, rounded once)."""
+    for i in prange(base.size):
+        out[i] = np.float32(acc[i] + factor * np.float64(base[i]))
+
+
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_cosine(update, consensus, weight, lo, hi):
+    dot = 0.0
+    square = 0.0
+    own = 0.0
+    us, cs = update[lo:hi], consensus[lo:hi]
+    for j in range(us.size):
+        u = np.float64(us[j])
+        c = cs[j] + weight * u
+        dot += u * c
+        square += c * c
+        own += u * u
+    return dot, square, own
 
 
 @parallel_kernel(twin=_cosine_terms_twin)
@@ -88,16 +174,5 @@ def cosine_terms(update, consensus, weight):
     squares = np.zeros(blocks, np.float64)
     owns = np.zeros(blocks, np.float64)
     for b in prange(blocks):
-        dot = 0.0
-        square = 0.0
-        own = 0.0
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            u = np.float64(update[i])
-            c = consensus[i] + weight * u
-            dot += u * c
-            square += c * c
-            own += u * u
-        dots[b] = dot
-        squares[b] = square
-        owns[b] = own
+        dots[b], squares[b], owns[b] = _block_cosine(update, consensus, weight, b * BLOCK, min(n, (b + 1) * BLOCK))
     return dots.sum(), squares.sum(), owns.sum()

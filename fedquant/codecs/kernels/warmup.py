@@ -90,12 +90,22 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
     """The server's sum-of-squares kernels (:mod:`fedquant.codecs.kernels.norms`), serial and parallel."""
     import numpy as np
 
-    from fedquant.codecs.kernels.norms import add_sum_squares, cosine_terms, sum_squares
+    from fedquant.codecs.kernels.norms import (
+        add_scaled,
+        add_scaled_float32,
+        add_sum_squares,
+        checked_sum_squares,
+        cosine_terms,
+        sum_squares,
+    )
 
     for n in sizes:
         x = np.ones(n, np.float32)
         sum_squares(x)
         add_sum_squares(x, x, np.empty_like(x))
+        checked_sum_squares(x, x)
+        add_scaled(np.zeros(n), x, 0.5)
+        add_scaled_float32(np.zeros(n), x, 0.5, np.empty_like(x))
         cosine_terms(x, x.astype(np.float64), -1.0)
 
 

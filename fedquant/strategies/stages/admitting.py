@@ -19,8 +19,8 @@ class Admitting:
     """Admits decoded replies, alone against the updates admitted before them or as one vote.
 
     The decoding stage calls it once per decoded reply (:meth:`admit_one`) or once per vote
-    (:meth:`admit_vote`); an accepted reply gets its dense arrays, teaches the decode plan, and
-    is added to ``state.accepted``.
+    (:meth:`admit_vote`); an accepted reply teaches the decode plan and is added to
+    ``state.accepted``, its update (as admitted: clipped if need be) to ``state.decoded``.
     """
 
     def __init__(self, bounds: InfluenceBounds, decode_plan: DecodePlan) -> None:
@@ -32,8 +32,10 @@ class Admitting:
         self.bounds.start_round()
 
     def finish(self, state: TrainRound) -> None:
-        """End the round: the admitted norms become the next round's reference."""
+        """End the round: the admitted norms become the next round's reference; the consensus
+        buffers go to ``state.scratch``."""
         self.bounds.end_round(state.traffic.update_norms)
+        state.scratch = self.bounds.take_consensus()
 
     def reference(self, state: TrainRound) -> float | None:
         """The norm reference of the updates admitted so far (None before any)."""
@@ -43,6 +45,10 @@ class Admitting:
         """Judge one update against ``reference`` (the updates admitted before it) and accept it or not."""
         if (judged := self._judge(state, node_id, decoded, reference)) is not None:
             self._accept(state, node_id, judged, in_vote=False)
+
+    def add_to_vote(self, state: TrainRound, node_id: int, decoded: DecodedReply) -> None:
+        """A reply of the coming vote was decoded (its update joins the running consensus sum)."""
+        self.bounds.add_to_vote(decoded, state.received(node_id))
 
     def admit_vote(self, state: TrainRound, pending: list[tuple[int, DecodedReply]]) -> None:
         """Judge a vote's updates against the reference they set together, then accept the survivors."""
@@ -83,7 +89,7 @@ class Admitting:
             record_numel(state.sent[node_id]),
         )
         self.decode_plan.accepted(server_round, client)
-        reply.content[decoded.record_name] = decoded.arrays
+        state.decoded[id(reply)] = decoded
         conform(single_metric_record(reply.content), state.schema)
         state.accepted[id(reply)] = reply
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
 
 from fedquant.metrics.bandwidth import content_bytes, dense_float32_bytes, record_numel
 from fedquant.metrics.links import transfer_seconds
@@ -62,8 +62,8 @@ def _pop_client_metrics(content: RecordDict) -> tuple[float | None, float | None
     """
     mse = seconds = None
     reset = False
-    for name in list(content.metric_records.keys()):
-        record = content.metric_records[name]
+    metric_records = [(name, r) for name, r in content.items() if isinstance(r, MetricRecord)]  # no synced view
+    for name, record in metric_records:
         if METRIC_CLIENT_MSE in record:
             mse = _non_negative(record.pop(METRIC_CLIENT_MSE))
         if METRIC_CLIENT_ENCODE_SECONDS in record:

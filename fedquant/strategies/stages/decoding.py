@@ -34,6 +34,14 @@ class Decoding(RoundStage):
         start = time.perf_counter()
         self.admitting.start(state)
         order = self.decode_plan.decode_order(list(state.screened), state.assignments)
+        with decode_threads(len(state.sent)):  # one kernel thread per reply when a round has many
+            self._decode_groups(state, order)
+        self.admitting.finish(state)
+        state.traffic.decode_seconds = time.perf_counter() - start
+        state.admitted = [r for r in replies if id(r) in state.accepted]
+
+    def _decode_groups(self, state: TrainRound, order: list[int]) -> None:
+        """Decode and admit the replies in ``order``, vote group by vote group."""
         for group in _vote_groups(order, state.assignments, self.min_numel):
             admitted_before = bool(state.traffic.update_norms)
             reference = self.admitting.reference(state)
@@ -44,13 +52,11 @@ class Decoding(RoundStage):
                     continue
                 if not admitted_before:
                     pending.append((node_id, decoded))
+                    self.admitting.add_to_vote(state, node_id, decoded)
                 else:
                     self.admitting.admit_one(state, node_id, decoded, reference)
             if pending:
                 self.admitting.admit_vote(state, pending)
-        self.admitting.finish(state)
-        state.traffic.decode_seconds = time.perf_counter() - start
-        state.admitted = [r for r in replies if id(r) in state.accepted]
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
         """The decode plan's metrics of the round (NDQSG's groups, for instance)."""
@@ -66,8 +72,7 @@ class Decoding(RoundStage):
             return None
         try:
             codec = self.decode_plan.reply_codec(server_round, assignment, self.min_numel)
-            with decode_threads(len(state.sent)):  # one kernel thread per reply when a round has many
-                return decode_reply(reply.content, state.received(node_id), codec, state.seeds[node_id])
+            return decode_reply(reply.content, state.received(node_id), codec, state.seeds[node_id])
         except RejectedReply as err:
             state.reject(node_id, (REASON_PAYLOAD, str(err)))
             return None

@@ -13,6 +13,7 @@ from fedquant.metrics.bandwidth import RoundTraffic
 from fedquant.strategies.budget import BudgetChoice
 from fedquant.strategies.decode_plan import ClientAssignment
 from fedquant.strategies.metric_screen import MetricSchema
+from fedquant.strategies.reply_decoder import DecodedReply
 
 LOG_PREFIX = "QuantizedStrategy"
 
@@ -46,6 +47,8 @@ class TrainRound:
     schema: MetricSchema | None = None
     # decoding and admission
     accepted: dict[int, Message] = field(default_factory=dict)  # id(reply) -> reply, in the order accepted
+    decoded: dict[int, DecodedReply] = field(default_factory=dict)  # id(reply) -> its update, as admitted
+    scratch: dict[str, np.ndarray] = field(default_factory=dict)  # float64 buffers admission is done with
     admitted: list[Message] = field(default_factory=list)
     # aggregation
     arrays: ArrayRecord | None = None

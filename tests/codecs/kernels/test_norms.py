@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from fedquant.codecs.kernels.common import PARALLEL_MIN, TWIN_MAX
-from fedquant.codecs.kernels.norms import add_sum_squares, cosine_terms, sum_squares
+from fedquant.codecs.kernels.norms import (
+    add_scaled,
+    add_scaled_float32,
+    add_sum_squares,
+    checked_sum_squares,
+    cosine_terms,
+    sum_squares,
+)
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -85,3 +92,35 @@ def test_cosine_terms_are_the_exact_inner_products_of_the_update_and_the_shifted
         got = version(update, consensus, weight)
         for value, want, scale in zip(got, exact, (math.sqrt(exact[1] * exact[2]), exact[1], exact[2]), strict=True):
             assert abs(value - want) <= 1e-12 * scale + 1e-300
+
+
+@pytest.mark.parametrize("n", [5, PARALLEL_MIN + 7])
+def test_checked_sum_squares_counts_what_add_sum_squares_counts_without_writing(n):
+    rng = np.random.default_rng(n + 1)
+    base = rng.standard_normal(n).astype(np.float32)
+    update = rng.standard_normal(n).astype(np.float32)
+    base[:2] = F32_MAX
+    update[:2] = np.float32(F32_MAX)  # overflows to +Inf
+    update[-1] = np.nan
+    want = add_sum_squares(base, update, np.empty(n, np.float32))
+    for version in (checked_sum_squares, checked_sum_squares.serial, checked_sum_squares.parallel):
+        squares, nonfinite = version(base, update)
+        assert nonfinite == want[1] == 3 and math.isnan(squares)
+    assert checked_sum_squares.twin(base, update)[1] == 3
+    update[-1] = 0.0
+    assert checked_sum_squares(base, update)[0] == pytest.approx(_exact(update), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 4097, PARALLEL_MIN + 3])
+def test_add_scaled_is_numpys_float64_axpy_bit_for_bit(n):
+    rng = np.random.default_rng(n)
+    update = rng.standard_normal(n).astype(np.float32)
+    acc = rng.standard_normal(n)
+    want = acc + 0.3 * update.astype(np.float64)
+    for version in (add_scaled, add_scaled.serial, add_scaled.parallel, add_scaled.twin):
+        got = acc.copy()
+        version(got, update, 0.3)
+        np.testing.assert_array_equal(got, want)
+    out = np.empty(n, np.float32)
+    add_scaled_float32(acc, update, 0.7, out)
+    np.testing.assert_array_equal(out, (acc + 0.7 * update.astype(np.float64)).astype(np.float32))
