@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the kernel cache in {folder} is warm already")
         return 0
     if args.background:
-        os.nice(10)
+        cache.lower_priority(os.getpid())  # started by hand, or by a process that could not
     signal.signal(signal.SIGTERM, _exit_on_term)  # so ``finally`` removes the pid file
     cache.pid_path(folder).write_text(str(os.getpid()))
     t0 = time.perf_counter()
