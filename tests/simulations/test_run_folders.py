@@ -72,7 +72,7 @@ def test_an_existing_folder_is_never_reused_unless_asked(tmp_path):
     assert reserve_run_dir(tmp_path, "run", overwrite=True) == first
 
 
-def test_two_runs_with_the_same_settings_keep_both_histories(tmp_path):
+def test_two_runs_with_the_same_settings_keep_both_histories(tmp_path, no_figures):
     from simulations.client_app import app as client_app
     from simulations.server_app import run_server
     from tests.flower_fakes import InProcessGrid
