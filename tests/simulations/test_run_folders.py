@@ -110,6 +110,9 @@ def test_a_failed_run_keeps_its_finished_rounds_and_says_why(tmp_path):
 
 KILLED_RUN = """
 import sys
+from pathlib import Path
+import simulations.history
+simulations.history.plot_run = lambda rows, path, title="": Path(path).write_bytes(b"figure")  # as no_figures
 from simulations.client_app import app
 from simulations.server_app import run_server
 from tests.flower_fakes import InProcessGrid
