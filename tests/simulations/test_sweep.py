@@ -167,7 +167,7 @@ def test_a_sweep_with_a_codec_that_cannot_run_fails_before_any_run(tmp_path):
         run_sweep(["fp32", "nope"], out=tmp_path, seeds=(0,), **SMALL)  # before Ray starts
 
 
-def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log):
+def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log, no_history_figure):
     plan = SweepPlan(("fp32", "qsgd:levels=4"), (0, 1), tmp_path, last_k=2, table=tmp_path / "table.md",
                      overrides=SMALL)  # fmt: skip
     result = run_plan(_grid(), {}, plan)
