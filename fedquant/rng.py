@@ -77,7 +77,22 @@ def _signed(v: int) -> int:
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 bit patterns (torch shifts int64 arithmetically)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+    return (z >> k).bitwise_and_((1 << (64 - k)) - 1)
+
+
+assert UNIFORM_BITS <= 33, "uniform() reads its bits before the last xorshift (_premixed)"
+
+
+def _premixed(seed: int, n: int, offset: int, device) -> torch.Tensor:
+    """:func:`random_bits` before SplitMix64's last ``z ^= z >> 31``, which leaves the top 31 bits as
+    they are: the top bits :func:`uniform` keeps (and the sign bit) can be read here."""
+    key = stream_key(seed)
+    z = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=device)
+    z.mul_(_signed(GOLDEN_GAMMA)).add_(_signed(key))  # in place: the same wrapping int64 arithmetic
+    z ^= _shr(z, 30)
+    z.mul_(_signed(MIX1))
+    z ^= _shr(z, 27)
+    return z.mul_(_signed(MIX2))
 
 
 def random_bits(seed: int, n: int, *, offset: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -85,12 +100,14 @@ def random_bits(seed: int, n: int, *, offset: int = 0, device: torch.device | st
 
     Identical bits on every device: only wrapping integer multiply, xor and shifts are used.
     """
-    key = stream_key(seed)
-    idx = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=device)
-    z = idx * _signed(GOLDEN_GAMMA) + _signed(key)
-    z = (z ^ _shr(z, 30)) * _signed(MIX1)
-    z = (z ^ _shr(z, 27)) * _signed(MIX2)
-    return z ^ _shr(z, 31)
+    z = _premixed(seed, n, offset, device)
+    z ^= _shr(z, 31)
+    return z
+
+
+def top_bits_negative(seed: int, n: int, *, offset: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Whether the top bit of each :func:`random_bits` hash is set (bool): ``uniform(...) >= 0.5``."""
+    return _premixed(seed, n, offset, device) < 0
 
 
 def uniform(seed: int, n: int, *, offset: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -113,7 +130,7 @@ def uniform(seed: int, n: int, *, offset: int = 0, device: torch.device | str = 
     torch.Tensor
         float32 tensor of shape ``(n,)``.
     """
-    bits = _shr(random_bits(seed, n, offset=offset, device=device), 64 - UNIFORM_BITS)
+    bits = _shr(_premixed(seed, n, offset, device), 64 - UNIFORM_BITS)  # the top bits, as in random_bits
     return bits.to(torch.float32) * UNIFORM_SCALE
 
 

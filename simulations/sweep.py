@@ -343,17 +343,19 @@ def write_results(
     if command:
         text += f"\nReproduce: `{command}` (a rerun reuses the runs stored in its `--out` folder)\n"
     paths["md"].write_text(text)
+    figures_drawn: dict[str, Path] = {}
     if curves:
-        paths.update(plot_sweep(curves, out / "sweep", title, target=target))
+        figures_drawn = plot_sweep(curves, out / "sweep", title, target=target)
+        paths.update(figures_drawn)
         paths["uplink"] = plot_uplink_bars(rows, out / "sweep-uplink.png", title)
     if table is not None:  # the table with its figures beside it (codec-table.md: codec-table.png, ...)
         table.parent.mkdir(parents=True, exist_ok=True)
         figures = ""
-        if curves:
+        if curves:  # the same figures as the sweep's: copied, not drawn twice
             stem = table.with_suffix("")
-            for fmt, path in plot_sweep(curves, stem, title, target=target).items():
-                paths[f"table-{fmt}"] = path
-            paths["table-uplink"] = plot_uplink_bars(rows, stem.with_name(stem.name + "-uplink.png"), title)
+            for fmt, path in figures_drawn.items():
+                paths[f"table-{fmt}"] = _copy(path, stem.with_suffix(path.suffix))
+            paths["table-uplink"] = _copy(paths["uplink"], stem.with_name(stem.name + "-uplink.png"))
             figures = (
                 f"\n![Accuracy against uplink traffic and simulated time]({stem.name}.png)\n"
                 f"([PDF]({stem.name}.pdf))\n\n![Uplink traffic by codec]({stem.name}-uplink.png)\n"
@@ -361,6 +363,13 @@ def write_results(
         table.write_text("<!-- written by simulations/sweep.py; do not edit by hand -->\n" + text + figures)
         paths["table"] = table
     return SweepResult(list(runs), rows, errors, target, paths)
+
+
+def _copy(source: Path, target: Path) -> Path:
+    """``source``'s bytes written to ``target`` (the same file when they are one)."""
+    if source.resolve() != target.resolve():
+        target.write_bytes(source.read_bytes())
+    return target
 
 
 def _legend(last_k: int, target: float | None) -> str:

@@ -95,13 +95,12 @@ def _encode_block(sym, lo, hi, lanes, rows, floor, end):
     """Port of ``rans._encode_block``: ``(start, ok, words)``, ``words`` the block's stream from ``start``.
 
     A block with a symbol the table does not know fails, as in the kernel (which fails on it, or
-    on the room it uses up). The kernel checks the room before each symbol, except in its 8-lane
-    rounds (``[lo, full)``), where it checks ``wp >= floor + 8`` once per round; ``wp`` only
-    decreases, so checking before the last symbol of each kind (and the last round) is the same.
+    on the room it uses up): :func:`encode_blocks` looks for one first. The kernel checks the
+    room before each symbol, except in its 8-lane rounds (``[lo, full)``), where it checks
+    ``wp >= floor + 8`` once per round; ``wp`` only decreases, so checking before the last symbol
+    of each kind (and the last round) is the same.
     """
-    x_max, rcp, bias, shift, scale, absent = rows
-    if any(absent[v] for v in set(sym[lo:hi])):
-        return end, False, None
+    x_max, rcp, bias, shift, scale, _ = rows
     states = [_LOW] * lanes
     emitted = []  # words in the order the encoder writes them (decreasing positions)
     wp = end
@@ -139,6 +138,50 @@ def _encode_block(sym, lo, hi, lanes, rows, floor, end):
     return wp - 2 * lanes, True, head + emitted
 
 
+def _division_rows(rows):
+    """Per symbol value ``(x_max, f, start, M - f)``: the encoder's step ``x + start + (x // f) (M - f)``.
+
+    The kernel's ``(x * rcp >> 64) >> shift`` is ``x // f`` for every state ``x < 2**63`` (``rcp =
+    ceil(2**(63 + s) / f)``, ``2**s >= f``: the product overshoots ``x / f`` by less than ``1 / f``),
+    and for ``f = 1`` it is ``x - 1`` with a bias of ``start + M - 1``; Python divides by a small
+    integer faster than it multiplies by a 64-bit one. ``f`` follows from the row:
+    ``x_max = f * 2**63 / M`` and ``M = f + (M - f)``; absent rows get ``f = 1`` (never used).
+    """
+    out = []
+    for top, rcp, bias, _, scale in zip(*rows[:5], strict=True):
+        f = top * scale // ((1 << 63) - top) if 0 < top < 1 << 63 else 1  # M - f = 0: f is not used
+        out.append((top, f, bias - scale if rcp == _M64 else bias, scale))
+    return out
+
+
+def _encode_one_lane(sym, lo, hi, step, floor, end):
+    """:func:`_encode_block` for one lane (most sections): the state in a local, each symbol's row
+    one tuple of :func:`_division_rows`, the room checked before the last symbol (as the kernel
+    checks it before each: ``wp`` only decreases); half the time per symbol."""
+    emitted = []
+    append = emitted.append
+    x = _LOW
+    for v in reversed(sym[lo + 1 : hi]):
+        top, f, b, c = step[v]
+        if x >= top:
+            append(x & _M32)
+            x >>= 32
+        x += b + (x // f) * c
+    if hi > lo:
+        if end - len(emitted) < floor + 1:
+            return end - len(emitted), False, None
+        top, f, b, c = step[sym[lo]]
+        if x >= top:
+            append(x & _M32)
+            x >>= 32
+        x += b + (x // f) * c
+    wp = end - len(emitted)
+    if wp < floor + 2:
+        return wp, False, None
+    emitted.reverse()
+    return wp - 2, True, [x & _M32, x >> 32, *emitted]
+
+
 def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
     """Twin of :func:`fedquant.wire.rans.encode_blocks` (same words in ``out[starts[b]:ends[b]]``)."""
     n = symbols.size
@@ -152,11 +195,18 @@ def encode_blocks(symbols, block, lanes, table, out, ends, starts, ok):
         ((packed >> np.uint64(25)) & np.uint64(_M24)).tolist(),
         ((packed & np.uint64(_ABSENT)) != 0).tolist(),
     )
+    step = _division_rows(rows) if lanes == 1 else None
     for b in range(ends.size):
         lo = b * block
         floor = int(ends[b - 1]) if b else 0
         end = int(ends[b])
-        start, good, words = _encode_block(sym, lo, min(lo + block, n), lanes, rows, floor, end)
+        hi = min(lo + block, n)
+        if any(rows[5][v] for v in set(sym[lo:hi])):
+            start, good, words = end, False, None
+        elif lanes == 1:
+            start, good, words = _encode_one_lane(sym, lo, hi, step, floor, end)
+        else:
+            start, good, words = _encode_block(sym, lo, hi, lanes, rows, floor, end)
         starts[b] = start
         ok[b] = good
         if good:

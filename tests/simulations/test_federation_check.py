@@ -32,7 +32,7 @@ def test_digits_clients_need_at_least_one_example_per_class_on_average(nodes, fl
         assert "at most 143 supernodes" in warnings[0]
 
 
-def test_the_warning_is_logged_and_kept_in_the_history(tmp_path, flwr_log):
+def test_the_warning_is_logged_and_kept_in_the_history(tmp_path, flwr_log, no_figures):
     from simulations.client_app import app as client_app
     from simulations.history import load_history
     from simulations.server_app import run_server

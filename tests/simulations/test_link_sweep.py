@@ -77,7 +77,7 @@ def test_link_times_as_an_extra_stage_report_the_slowest_download():
     assert metrics["simulated-round-seconds"] == pytest.approx(per_message / 250.0)  # no uplink speeds given
 
 
-def test_the_app_reports_link_times_with_a_downlink_profile(tmp_path):
+def test_the_app_reports_link_times_with_a_downlink_profile(tmp_path, no_figures):
     from simulations.client_app import app as client_app
     from simulations.history import load_history
     from simulations.server_app import run_server

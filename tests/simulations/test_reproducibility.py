@@ -56,7 +56,7 @@ class RegisteringGrid(InProcessGrid):
         return sum(m.metadata.message_type == "query" for m in self.sent)
 
 
-def test_same_config_same_history_whatever_the_node_ids(tmp_path):
+def test_same_config_same_history_whatever_the_node_ids(tmp_path, no_figures):
     from simulations.server_app import run_server
 
     # 5 nodes, 2 sampled per round (which ones, and their QSGD seeds, used to follow the node ids).
@@ -165,7 +165,7 @@ def test_two_simulations_with_the_default_config_agree_and_converge(tmp_path):
     assert min(accuracy[2:]) >= 0.9 and accuracy[-1] >= 0.95
 
 
-def test_a_client_info_with_a_bad_partition_id_does_not_stop_the_run(tmp_path):
+def test_a_client_info_with_a_bad_partition_id_does_not_stop_the_run(tmp_path, no_figures):
     from simulations.client_app import app as client_app
     from simulations.server_app import run_server
     from simulations.settings import CLIENT_INFO_KEY

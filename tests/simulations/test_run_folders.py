@@ -72,7 +72,7 @@ def test_an_existing_folder_is_never_reused_unless_asked(tmp_path):
     assert reserve_run_dir(tmp_path, "run", overwrite=True) == first
 
 
-def test_two_runs_with_the_same_settings_keep_both_histories(tmp_path):
+def test_two_runs_with_the_same_settings_keep_both_histories(tmp_path, no_figures):
     from simulations.client_app import app as client_app
     from simulations.server_app import run_server
     from tests.flower_fakes import InProcessGrid
@@ -110,6 +110,9 @@ def test_a_failed_run_keeps_its_finished_rounds_and_says_why(tmp_path):
 
 KILLED_RUN = """
 import sys
+from pathlib import Path
+import simulations.history
+simulations.history.plot_run = lambda rows, path, title="": Path(path).write_bytes(b"figure")  # as no_figures
 from simulations.client_app import app
 from simulations.server_app import run_server
 from tests.flower_fakes import InProcessGrid

@@ -167,7 +167,7 @@ def test_a_sweep_with_a_codec_that_cannot_run_fails_before_any_run(tmp_path):
         run_sweep(["fp32", "nope"], out=tmp_path, seeds=(0,), **SMALL)  # before Ray starts
 
 
-def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log):
+def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log, no_history_figure):
     plan = SweepPlan(("fp32", "qsgd:levels=4"), (0, 1), tmp_path, last_k=2, table=tmp_path / "table.md",
                      overrides=SMALL)  # fmt: skip
     result = run_plan(_grid(), {}, plan)
@@ -194,7 +194,7 @@ def test_a_sweep_writes_table_records_and_figures(tmp_path, flwr_log):
     assert any("qsgd:levels=4 seed 1: round 2/2" in m for m in progress)
 
 
-def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs(tmp_path):
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs(tmp_path, no_figures):
     plan = SweepPlan(("fp32", "signsgd"), (0, 1), tmp_path, last_k=1, overrides=SMALL)
     first = run_plan(_grid(), {}, plan)
     store = RunStore(tmp_path)
@@ -212,7 +212,7 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_runs(tmp_path):
     assert store.clear() == 4 and not list(store.folder.glob("*"))
 
 
-def test_seeds_are_honoured(tmp_path):
+def test_seeds_are_honoured(tmp_path, no_figures):
     from simulations.server_app import run_server
 
     config = {"codec": "qsgd:levels=4", "rounds": 3, "fraction-train": 0.4, "local-epochs": 1, "min-local-steps": 2}
@@ -229,7 +229,7 @@ def test_seeds_are_honoured(tmp_path):
     assert same.rounds[0]["accuracy"] != other.rounds[0]["accuracy"]  # another initial model
 
 
-def test_error_feedback_residuals_never_leak_into_the_next_federation(tmp_path):
+def test_error_feedback_residuals_never_leak_into_the_next_federation(tmp_path, no_figures):
     # A sweep runs its federations on the same nodes. A node first sampled after round 1 of the
     # second run must not add the residual it kept from the first: the same run twice is identical.
     from simulations.server_app import run_server
@@ -244,7 +244,7 @@ def test_error_feedback_residuals_never_leak_into_the_next_federation(tmp_path):
     assert _untimed(first.rounds) == _untimed(second.rounds)
 
 
-def test_the_secure_arm_runs_beside_codecs_and_survives_a_dropout(tmp_path):
+def test_the_secure_arm_runs_beside_codecs_and_survives_a_dropout(tmp_path, no_figures):
     every = {**SMALL, "fraction_train": 1.0}  # 4 of 4 clients: 3 survive one dropout, above 0.6 x 4
     plan = SweepPlan(("secagg", "secagg:dropouts=1,bits=4", "qsgd:levels=4"), (0,), tmp_path, last_k=1,
                      overrides=every)  # fmt: skip

@@ -2,12 +2,14 @@
 
 The mutator (:mod:`fedquant.testing.fuzz_mutations`) and the harness (:mod:`fedquant.testing.fuzzing`)
 are shared with ``python -m benchmarks.fuzz`` (100,000 cases and more); here a fixed-seed sample of every family runs in
-two workers, and a self-test shows that the harness does report a crash, a hang and an Inf.
+two workers, and a self-test shows that the harness does report a crash, a hang and an Inf (both ``slow``: they start
+worker processes; the mutator's tests stay in the fast lane).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fedquant.errors import PayloadError
@@ -49,6 +51,7 @@ def test_mutations_mostly_pass_the_envelope_and_reach_the_body():
     assert parsed > 0.6 * len(kinds)
 
 
+@pytest.mark.slow  # a fuzz campaign in worker processes: an integration test (CI runs it)
 def test_no_payload_crashes_hangs_or_escapes_as_another_error():
     specs = families()
     report = run_fuzz(CASES_PER_FAMILY * len(specs), seed=1, workers=2, specs=specs, case_timeout=60.0)
@@ -64,6 +67,7 @@ def test_no_payload_crashes_hangs_or_escapes_as_another_error():
         assert decoded and all(bool(torch.isfinite(y.float()).all()) for y in decoded), spec
 
 
+@pytest.mark.slow  # three worker starts and a 5 s hang timeout, by design
 def test_harness_reports_crash_hang_and_nonfinite():
     spec = "fp32"  # no kernels to load: the three worker starts stay short
     inject = {"crash": [spec, 3], "hang": [spec, 7], "nonfinite": [spec, 0]}

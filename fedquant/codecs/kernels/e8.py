@@ -272,17 +272,20 @@ def values_from_packed(data, width, coset, out, key, h, step):
 # ================================================================ torch twins (any device)
 def _torch_coset(t: torch.Tensor, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest point of ``D8 + shift`` to each row of ``t`` ``(blocks, 8)``: integer parts and squared distances."""
-    a = t - shift
+    a = t - shift if shift else t  # t - 0.0 is t, bit for bit (-0.0 included)
     r = torch.round(a)
-    worst = (a - r).abs().argmax(dim=1, keepdim=True)
+    e = a - r
+    worst = e.abs().argmax(dim=1, keepdim=True)
     odd = (r.sum(dim=1).long() & 1).bool().unsqueeze(1)
     at = a.gather(1, worst)
     rt = r.gather(1, worst)
-    r = r.scatter(1, worst, torch.where(odd, torch.where(at >= rt, rt + 1.0, rt - 1.0), rt))
-    e = a - r
-    d = e[:, 0] * e[:, 0]
-    for k in range(1, 8):
-        d = d + e[:, k] * e[:, k]
+    moved = torch.where(odd, torch.where(at >= rt, rt + 1.0, rt - 1.0), rt)
+    r.scatter_(1, worst, moved)
+    e.scatter_(1, worst, at - moved)  # a - r, where r moved
+    e.mul_(e)
+    d = e[:, 0] + e[:, 1]
+    for k in range(2, 8):  # in the kernel's order
+        d += e[:, k]
     return r, d
 
 
@@ -294,7 +297,7 @@ def torch_uniforms(seed: int, n: int, device) -> tuple[torch.Tensor, torch.Tenso
 
 def torch_lattice(y: torch.Tensor, inv: float, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(m, coset)``: int64 ``(blocks, 8)`` and ``(blocks,)``, as :func:`lattice`."""
-    t = (y.double() * inv + z).view(-1, 8)
+    t = y.double().mul_(inv).add_(z).view(-1, 8)
     lo, d0 = _torch_coset(t, 0.0)
     hi, d1 = _torch_coset(t, 0.5)
     coset = (d1 < d0).long()
@@ -303,10 +306,9 @@ def torch_lattice(y: torch.Tensor, inv: float, z: torch.Tensor) -> tuple[torch.T
 
 def torch_fine_contexts(m: torch.Tensor, coset: torch.Tensor, bins: torch.Tensor, h: int) -> torch.Tensor:
     """Fine context (:data:`E8`) of every element, flat in element order."""
-    k = torch.arange(8, device=m.device).expand_as(m)
-    last = (k == 7).long()
-    parity = ((m + h - 1) & 1) * last
-    return (((last * 2 + coset.unsqueeze(1)) * FINE + bins.view(-1, 8)) * 2 + parity).reshape(-1)
+    contexts = (bins.view(-1, 8) + coset.unsqueeze(1) * FINE).mul_(2)  # group 0 (the first seven), parity 0
+    contexts[:, 7] += 4 * FINE + ((m[:, 7] + h - 1) & 1)  # the last: group 1, with its symbol's parity
+    return contexts.reshape(-1)
 
 
 def torch_values(m: torch.Tensor, coset: torch.Tensor, z: torch.Tensor, step: float) -> torch.Tensor:

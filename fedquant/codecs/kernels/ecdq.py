@@ -328,10 +328,16 @@ def torch_table_order(
     contexts: torch.Tensor, log2k: int, space: ContextSpace = SCALAR
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order, flipped)``: the element order of the table-ordered stream (stable by table) and which
-    elements are folded, for symbols of fine contexts ``contexts``."""
-    table, flipped = (torch.from_numpy(a).to(contexts.device) for a in space.tables(log2k))
+    elements are folded, for symbols of fine contexts ``contexts``.
+
+    The table numbers are sorted as bytes (at most 256 tables): torch sorts uint8 keys some 50
+    times faster than int64 ones, to the same (stable) order.
+    """
+    table, flipped = space.tables(log2k)
+    key = torch.uint8 if space.num_tables(log2k) <= 256 else torch.int64
+    table = torch.from_numpy(table).to(device=contexts.device, dtype=key)
     order = torch.sort(table[contexts], stable=True).indices
-    return order, flipped[contexts]
+    return order, torch.from_numpy(flipped).to(contexts.device)[contexts]
 
 
 def torch_order_symbols(q: torch.Tensor, bins: torch.Tensor, h: int, log2k: int) -> np.ndarray:

@@ -13,7 +13,7 @@ orthonormal randomized Hadamard transform ``y = H_k D x / sqrt(L)``:
 ``D_ii`` is -1 where the uniform ``i`` of the counter-based stream of :mod:`fedquant.rng` (``i``
 the element's position in the laid-out tensor) is at least 1/2, i.e. where the top bit of its
 SplitMix64 hash is set: the numba kernels hash inline and xor that bit into the float's sign,
-the torch twin compares :func:`fedquant.rng.uniform` with 1/2.
+the torch twin reads that bit (:func:`fedquant.rng.top_bits_negative`).
 
 Both paths perform these float32 operations (one multiply, sign flips, the additions of the
 stages in ascending ``h``) on every element, so they give bit-identical results; only the order
@@ -40,7 +40,7 @@ import torch
 from numba import njit, prange
 
 from fedquant.codecs.kernels.common import _GAMMA, _MIX1, _MIX2, _S27, _S30, parallel_kernel
-from fedquant.rng import uniform
+from fedquant.rng import top_bits_negative
 
 #: A tile: 32 KiB of float32, the L1 data cache.
 TILE_LOG2 = 13
@@ -322,17 +322,24 @@ def fwht_numba(src: np.ndarray, runs: tuple[tuple[int, int], ...], key: int, inv
 
 # ---------------------------------------------------------------- torch twin (CUDA)
 def _stages_torch(v: torch.Tensor) -> None:
-    """All butterfly stages, in ascending ``h``, on each row of ``v`` (rows of ``2**k``), in place."""
+    """All butterfly stages, in ascending ``h``, on each row of ``v`` (rows of ``2**k``), in place.
+
+    Each stage writes its sums and differences into the other of two buffers (no copies; one
+    at the end if the number of stages is odd).
+    """
     count, length = v.shape
+    src, dst = v, torch.empty_like(v)
     h = 1
     while h < length:
-        w = v.view(count, length // (2 * h), 2, h)
+        w = src.view(count, length // (2 * h), 2, h)
+        out = dst.view(count, length // (2 * h), 2, h)
         a, b = w[:, :, 0, :], w[:, :, 1, :]
-        s = a + b
-        d = a - b
-        a.copy_(s)
-        b.copy_(d)
+        torch.add(a, b, out=out[:, :, 0, :])
+        torch.sub(a, b, out=out[:, :, 1, :])
+        src, dst = dst, src
         h *= 2
+    if src is not v:
+        v.copy_(src)
 
 
 def fwht_torch(src: torch.Tensor, runs: tuple[tuple[int, int], ...], sign_seed: int, inverse: bool) -> torch.Tensor:
@@ -348,7 +355,7 @@ def fwht_torch(src: torch.Tensor, runs: tuple[tuple[int, int], ...], sign_seed: 
     if not total:
         return out
     out[: src.numel()] = src
-    negative = uniform(sign_seed, total, device=src.device) >= 0.5
+    negative = top_bits_negative(sign_seed, total, device=src.device)  # uniform >= 1/2
     o = 0
     for k, count in runs:
         size = count << k

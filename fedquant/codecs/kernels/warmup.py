@@ -139,8 +139,21 @@ def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
     return failed
 
 
-def _exit_on_term(signum, frame):
-    raise SystemExit(128 + signum)
+def _exit_on_term(folder):
+    """A SIGTERM handler that removes the pid file and ends the process at once.
+
+    Raising ``SystemExit`` from the handler did not always end it: a signal that arrives while
+    llvmlite runs a Python callback from C (``_raw_object_cache_notify``, during every compile)
+    has its exception printed as "ignored", and the warm-up went on compiling for minutes after
+    the test or benchmark that stopped it had ended. numba writes each cache file whole (a
+    temporary file, then a rename), so nothing is left half-written.
+    """
+
+    def handler(signum, frame):
+        cache.pid_path(folder).unlink(missing_ok=True)
+        os._exit(128 + signum)
+
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the kernel cache in {folder} is warm already")
         return 0
     if args.background:
-        os.nice(10)
-    signal.signal(signal.SIGTERM, _exit_on_term)  # so ``finally`` removes the pid file
+        cache.lower_priority(os.getpid())  # started by hand, or by a process that could not
+    signal.signal(signal.SIGTERM, _exit_on_term(folder))
     cache.pid_path(folder).write_text(str(os.getpid()))
     t0 = time.perf_counter()
     try:

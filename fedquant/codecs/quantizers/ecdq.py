@@ -655,35 +655,33 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             _refuse(bad, "indices beyond the declared range or blocks of odd sum")
             return e8.torch_values(m, coset, z, step)
         coset = torch.from_numpy(read_stage(body, np.array([blocks], np.int64), 2).astype(np.int64))
-        table, _ = e8.E8.tables(log2k)
         tables = e8.E8.num_tables(log2k)
-        m = torch.zeros(blocks, 8, dtype=torch.int64)
-        zeros = torch.zeros(blocks, 8, dtype=torch.int64)
-        contexts = e8.torch_fine_contexts(zeros, coset, bins, 1)  # parity 0: the first seven's contexts
-        first = (torch.arange(n) % 8) != 7
-        bad = self._torch_place(body, m, coset, contexts, first, h, log2k, table, tables, slice(0, tables // 2))
+        contexts = (bins.view(blocks, 8) + coset.unsqueeze(1) * kernels.FINE).mul_(2)  # group 0, parity 0
+        top = 2 * h - coset.unsqueeze(1)  # the largest symbol of each block's coset
+        m = torch.empty(blocks, 8, dtype=torch.int64)
+        first = slice(0, tables // 2)
+        m[:, :7], bad = self._torch_stage(body, contexts[:, :7], top.expand(blocks, 7), h, log2k, first)
         parity = m[:, :7].sum(1) & 1
-        last_symbol = torch.zeros(blocks, 8, dtype=torch.int64)
-        last_symbol[:, 7] = parity + h - 1
-        contexts = e8.torch_fine_contexts(last_symbol - h + 1, coset, bins, h)
-        bad += self._torch_place(body, m, coset, contexts, ~first, h, log2k, table, tables, slice(tables // 2, None))
-        bad += int(((m[:, 7] - parity) & 1).sum())
+        contexts = contexts[:, 7:] + 4 * kernels.FINE + ((parity + h - 1) & 1).unsqueeze(1)  # the symbol's parity
+        m[:, 7:], more = self._torch_stage(body, contexts, top, h, log2k, slice(tables // 2, None))
+        bad += more + int(((m[:, 7] - parity) & 1).sum())
         _refuse(bad, "symbols beyond the declared range or of the wrong parity")
         return e8.torch_values(m, coset, z, step)
 
-    def _torch_place(self, body, m, coset, contexts, where, h, log2k, table, tables, stage) -> int:
-        """Decode one stage of E8 symbols into ``m`` at the elements ``where``; returns the symbols out of range."""
-        positions = torch.nonzero(where).reshape(-1)
-        ctx = contexts[positions]
-        sizes = np.bincount(table[ctx.numpy()], minlength=tables)[stage]
+    def _torch_stage(self, body, contexts, top, h, log2k, stage) -> tuple[torch.Tensor, int]:
+        """One stage of E8 symbols for the elements of fine ``contexts`` (blocks, k) whose largest symbol is
+        ``top``: their ``m`` (blocks, k) and how many symbols are out of range."""
+        shape = contexts.shape
+        contexts = contexts.reshape(-1)  # element order
+        table, _ = e8.E8.tables(log2k)
+        sizes = np.bincount(table[contexts.numpy()], minlength=e8.E8.num_tables(log2k))[stage]
         coded = torch.from_numpy(read_stage(body, sizes, 2 * h + 1).astype(np.int64))
-        order, flipped = kernels.torch_table_order(ctx, log2k, e8.E8)
-        code = torch.empty(positions.numel(), dtype=torch.int64)
+        order, flipped = kernels.torch_table_order(contexts, log2k, e8.E8)
+        code = torch.empty(contexts.numel(), dtype=torch.int64)
         code[order] = coded
-        b = coset[positions // 8]
-        s = torch.where(flipped, 2 * h - b - code, code)
-        m.view(-1)[positions] = s - h + 1
-        return int((code > 2 * h - b).sum())
+        top = top.reshape(-1)
+        s = torch.where(flipped, top - code, code)
+        return (s - h + 1).view(shape), int((code > top).sum())
 
 
 def _table_bits(count: int, alphabet: int) -> int:

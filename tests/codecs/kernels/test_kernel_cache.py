@@ -47,11 +47,22 @@ print(json.dumps({"digests": digests, "compiled": compiled}))
 """
 
 
-def _stop_warmup(folder: Path) -> None:
+def _stop_warmup(folder: Path) -> list[int]:
+    """SIGTERM every warm-up building a cache under ``folder``; their process ids."""
+    stopped = []
     for pid_file in folder.glob("*/fedquant-warmup.pid"):
         pid = int(pid_file.read_text())
         if b"fedquant.codecs.kernels.warmup" in Path(f"/proc/{pid}/cmdline").read_bytes():
             os.kill(pid, signal.SIGTERM)
+            stopped.append(pid)
+    return stopped
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return False
 
 
 def test_a_cold_cache_compiles_nothing_on_the_first_call_and_gives_the_kernels_bytes(tmp_path):
@@ -66,7 +77,13 @@ def test_a_cold_cache_compiles_nothing_on_the_first_call_and_gives_the_kernels_b
             time.sleep(0.1)
         assert list(tmp_path.glob("*/fedquant-warmup.pid")), "no background warm-up started"
     finally:
-        _stop_warmup(tmp_path)
+        stopped = _stop_warmup(tmp_path)
+    # SIGTERM ends it, even while it compiles (a SystemExit raised in llvmlite's callbacks was ignored)
+    deadline = time.monotonic() + scaled(30)
+    while any(map(_running, stopped)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stopped and not any(map(_running, stopped)), "the warm-up outlived its SIGTERM"
+    assert not list(tmp_path.glob("*/fedquant-warmup.pid"))
     assert result["compiled"] == []
     for spec in SPECS:  # here FEDQUANT_KERNELS=numba (conftest): the compiled kernels
         codec = get_codec(spec)

@@ -182,7 +182,9 @@ def test_switch_picks_by_size_and_both_versions_load_from_their_own_cache():
     # process; the switch's two versions must each load from cache in a fresh process.
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     probe = [sys.executable, "-c", _SWITCH_PROBE]
-    runs = [subprocess.run(probe, env=env, capture_output=True, text=True, check=False) for _ in "ab"]
-    for run in runs:
+    for _ in "ab":  # a second process only when the first did not load both from the cache (a cold one)
+        run = subprocess.run(probe, env=env, capture_output=True, text=True, check=False)
         assert run.returncode == 0, run.stderr
-    assert runs[1].stdout.split() == ["1", "1"]
+        if run.stdout.split() == ["1", "1"]:
+            break
+    assert run.stdout.split() == ["1", "1"]

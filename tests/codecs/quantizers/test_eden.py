@@ -387,15 +387,15 @@ print(len(used), sum(sum(fn.stats.cache_misses.values()) for fn in used))
 
 
 def test_kernels_load_from_cache_in_a_fresh_process():
-    """Both versions of each switched kernel run, and a second process loads all of them from numba's cache."""
+    """Both versions of each switched kernel run, and a fresh process loads all of them from numba's cache
+    (a second one, when the first had to compile them)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    runs = [
-        subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=False)
-        for _ in "ab"
-    ]
-    for run in runs:
+    for _ in "ab":  # a second process only when the first had to compile (a cold cache)
+        run = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=False)
         assert run.returncode == 0, run.stderr
-    used, compiled = map(int, runs[1].stdout.split())
+        used, compiled = map(int, run.stdout.split())
+        if not compiled:
+            break
     assert used == 4 and compiled == 0  # quantize and dequantize, serial and parallel
 
 
