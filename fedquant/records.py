@@ -353,11 +353,8 @@ def checked_squares(name: str, reference: np.ndarray, update: np.ndarray) -> flo
     if reference.dtype == np.float32:
         squares, nonfinite = checked_sum_squares(np.ascontiguousarray(reference).reshape(-1), flat)
     else:
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected just below
-            value = (reference.astype(np.float32) + update).astype(reference.dtype, copy=False)
-        squares, nonfinite = sum_squares(flat), int(value.size - np.count_nonzero(np.isfinite(value)))
-    if nonfinite:
-        raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
+        _, squares, nonfinite = _summed_in_float32(reference, update, flat)
+    _refuse_overflow(name, reference.dtype, nonfinite)
     return float(squares)
 
 
@@ -379,13 +376,23 @@ def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Arra
         value = np.empty(reference.shape, np.float32)
         squares, nonfinite = add_sum_squares(np.ascontiguousarray(reference).reshape(-1), flat, value.reshape(-1))
     else:
-        with np.errstate(over="ignore"):  # overflow is detected just below
-            value = (reference.astype(np.float32) + update).astype(reference.dtype, copy=False)
-        squares, nonfinite = sum_squares(flat), int(value.size - np.count_nonzero(np.isfinite(value)))
+        value, squares, nonfinite = _summed_in_float32(reference, update, flat)
         header = None
-    if nonfinite:
-        raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
+    _refuse_overflow(name, reference.dtype, nonfinite)
     return numpy_array(value, header), float(squares)
+
+
+def _summed_in_float32(reference: np.ndarray, update: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, float, int]:
+    """``reference + update`` added in float32 and cast to the reference's dtype (not float32),
+    ``sum(update**2)`` and how many of the sums are not finite (overflow is the caller's to refuse)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        value = (reference.astype(np.float32) + update).astype(reference.dtype, copy=False)
+    return value, sum_squares(flat), int(value.size - np.count_nonzero(np.isfinite(value)))
+
+
+def _refuse_overflow(name: str, dtype: np.dtype, nonfinite: int) -> None:
+    if nonfinite:
+        raise RecordError(f"'{name}': received + update overflows {dtype} to Inf")
 
 
 @lru_cache(maxsize=256)

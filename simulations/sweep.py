@@ -30,6 +30,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -368,7 +369,7 @@ def write_results(
 def _copy(source: Path, target: Path) -> Path:
     """``source``'s bytes written to ``target`` (the same file when they are one)."""
     if source.resolve() != target.resolve():
-        target.write_bytes(source.read_bytes())
+        shutil.copyfile(source, target)
     return target
 
 
