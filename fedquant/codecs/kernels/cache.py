@@ -79,6 +79,59 @@ def warm_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: One module of each folder of :data:`KERNEL_SOURCES`: its cached jitted functions tell numba's cache folder.
+_REPRESENTATIVES = ("fedquant.codecs.kernels.common", "fedquant.wire.rans")
+
+
+def _machine_code_folders() -> dict[Path, Path]:
+    """numba's cache folder of each folder of :data:`KERNEL_SOURCES`, as its cached functions report it."""
+    import importlib
+
+    folders = {}
+    for source, name in zip(KERNEL_SOURCES, _REPRESENTATIVES):
+        for value in vars(importlib.import_module(name)).values():
+            path = getattr(getattr(value, "_cache", None), "_cache_path", None)
+            if path is not None:
+                folders[Path(path)] = source
+                break
+    return folders
+
+
+def drop_stale_machine_code() -> int:
+    """Delete numba's cached machine code of fedquant's kernels if any kernel source changed since it was built.
+
+    numba checks a cached function against the stamp of *its own* source file only, and the code it
+    caches includes the jitted functions it calls: after an edit of ``common.py`` alone, every kernel
+    of ``grid.py`` that calls ``pack_into`` would load its old machine code, old ``pack_into``
+    included, and run it silently. So the first process that sees a new :func:`warm_key` removes
+    every cache file of the modules in :data:`KERNEL_SOURCES` and leaves a stamp of the key; the
+    kernels then compile afresh (numba writes each file whole, so another process reading one meanwhile
+    misses it and compiles). Returns the number of files removed.
+    """
+    removed = 0
+    try:
+        folders = _machine_code_folders()
+        stamp = next(iter(folders), None)
+        if stamp is None:
+            return 0
+        stamp = stamp / f"fedquant-sources-{warm_key()}"
+        if stamp.exists():
+            return 0
+        for folder, source in folders.items():
+            modules = {p.stem for p in source.glob("*.py")}
+            for path in list(folder.glob("*.nbi")) + list(folder.glob("*.nbc")):
+                if path.name.split(".", 1)[0] in modules:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        for old in stamp.parent.glob("fedquant-sources-*"):
+            old.unlink(missing_ok=True)
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(f"stale machine code removed by process {os.getpid()}: {removed} files\n")
+    except OSError:
+        pass  # an unwritable cache folder: numba cannot have cached anything stale there either
+    return removed
+
+
 def marker_path(folder: Path | None = None) -> Path | None:
     """The file whose presence says the cache in ``folder`` is warm for :func:`warm_key`."""
     folder = cache_dir() if folder is None else folder
@@ -124,6 +177,7 @@ def kernels_ready() -> bool:
         return True
     current = mode()
     if current == "numba":
+        drop_stale_machine_code()
         READY = True
         return True
     if current == "twin":
@@ -143,6 +197,7 @@ def _check_or_start() -> bool:
         return True
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        drop_stale_machine_code()
         if marker_path(folder).exists() or failed_path(folder).exists():
             return True
         if _spawned is not None:
@@ -208,4 +263,13 @@ def running_warmup(folder: Path | None = None) -> int | None:
         return None
 
 
-__all__ = ["MODE_ENV", "cache_dir", "kernels_ready", "marker_path", "mode", "running_warmup", "warm_key"]
+__all__ = [
+    "MODE_ENV",
+    "cache_dir",
+    "drop_stale_machine_code",
+    "kernels_ready",
+    "marker_path",
+    "mode",
+    "running_warmup",
+    "warm_key",
+]

@@ -114,6 +114,7 @@ def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
     from fedquant.codecs.kernels.common import PARALLEL_MIN
 
     os.environ[cache.MODE_ENV] = "numba"
+    cache.drop_stale_machine_code()
     cache.READY = True
     sizes = (3000, PARALLEL_MIN + 1001)
     failed = []

@@ -102,6 +102,7 @@ def cold(monkeypatch, tmp_path):
     monkeypatch.setattr(cache, "_last_check", 0.0)
     monkeypatch.setattr(cache, "_spawned", None)
     monkeypatch.setattr(cache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cache, "_machine_code_folders", lambda: {})
     return tmp_path
 
 
@@ -144,6 +145,37 @@ def test_the_marker_depends_on_the_kernel_sources(monkeypatch, tmp_path):
     before = cache.warm_key()
     source.write_text("x = 22\n")
     assert cache.warm_key() != before
+
+
+def test_machine_code_built_from_older_kernel_sources_is_removed_once_per_source_change(monkeypatch, tmp_path):
+    # numba checks a cached kernel against its own file only; grid.py's kernels inline common.py's.
+    sources, machine_code, other = tmp_path / "kernels", tmp_path / "cache", tmp_path / "cache" / "keep"
+    sources.mkdir()
+    other.mkdir(parents=True)
+    for module in ("grid", "common"):
+        (sources / f"{module}.py").write_text("x = 1\n")
+    cached = [
+        "grid.round_pack_into-95.py311.nbi",
+        "grid.round_pack_into-95.py311.1.nbc",
+        "common.pack_into-40.py311.nbi",
+    ]
+    foreign = ["elsewhere.kernel-3.py311.nbi"]  # another package's cache file in a shared folder
+    for name in cached + foreign:
+        (machine_code / name).write_bytes(b"machine code")
+    monkeypatch.setattr(cache, "_machine_code_folders", lambda: {machine_code: sources})
+    monkeypatch.setattr(cache, "KERNEL_SOURCES", (sources,))
+
+    assert cache.drop_stale_machine_code() == len(cached)
+    assert sorted(p.name for p in machine_code.glob("*.nb*")) == foreign
+    (machine_code / cached[0]).write_bytes(b"compiled from these sources")
+    assert cache.drop_stale_machine_code() == 0  # same sources: what was compiled since stays
+    assert (machine_code / cached[0]).exists()
+
+    time.sleep(0.01)
+    (sources / "common.py").write_text("x = 22\n")  # an edit of common.py alone
+    assert cache.drop_stale_machine_code() == 1
+    assert not (machine_code / cached[0]).exists()
+    assert len(list(machine_code.glob("fedquant-sources-*"))) == 1
 
 
 @pytest.mark.parametrize(("n", "offset"), [(1, 0), (1000, 7), (common.PARALLEL_MIN + 3, 12345)])
