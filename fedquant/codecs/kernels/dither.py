@@ -7,7 +7,7 @@ decode to the same values (``force_torch = True`` on a quantizer runs the torch 
 tests compare the two):
 
 * the dither ``u = uniform - 1/2`` of element ``i`` is element ``i`` of :func:`fedquant.rng.uniform`'s
-  stream, drawn inline by the kernels with :func:`fedquant.codecs.kernels.common.uniform24`;
+  stream, drawn by the kernels a chunk at a time with :func:`fedquant.codecs.kernels.common.hash24_run`;
 * encoding is float32 throughout: ``round(v / step + u)`` (DQSG, clamped to ``[-M, M]``) or
   ``q1 = round((alpha v) / step + u)``, ``s = q1 - rho round(q1 / rho)`` (NDQSG), with
   ``alpha`` rounded to float32 as torch does for a Python scalar, true division (no reciprocal)
@@ -30,13 +30,16 @@ from numba import njit, prange
 
 from fedquant.codecs.buckets import torch_bucket_stat
 from fedquant.codecs.kernels.common import (
+    _TINY32,
+    _U_SCALE,
     CHUNK,
     add_counts,
     count_table,
+    exact_quotient,
     group_chunks,
+    hash24_run,
     pack_into,
     parallel_kernel,
-    uniform24,
     unpack_from,
 )
 from fedquant.rng import uniform
@@ -108,39 +111,80 @@ def nested_reconstruct(
 
 # ================================================================ numba kernels (CPU)
 _HALF = np.float32(0.5)
+_HALF64 = np.float64(0.5)
 _ONE32 = np.float32(1.0)
 _ZERO32 = np.float32(0.0)
+#: NDQSG decoding checks ``round(r / step2)`` only where ``r * (1 / step2)`` is this close
+#: (relative) to a half-integer: far above the product's error (``2**-52``), far below any gap.
+_NEAR_HALF = np.float64(2.0**-40)
 
 
 # ---------------------------------------------------------------- encoding
+@njit(cache=True, inline="always")
+def _dqsg_symbol(t, h, lv):
+    """``clamp(round(t + u), -M, M) + M`` in float32 for ``t = v / step`` and random bits ``h``."""
+    u = np.float32(h) * _U_SCALE - _HALF
+    return np.int32(min(max(np.rint(t + u), -lv), lv) + lv)
+
+
+@njit(cache=True, inline="always")
+def _ndqsg_symbol(t, h, rf, inv_rho, half):
+    """``q1 - rho round(q1 / rho) + rho // 2`` in float32 for ``t = alpha v / step``, ``q1 = round(t + u)``.
+
+    ``q1 / rho`` is :func:`~fedquant.codecs.kernels.common.exact_quotient` (``q1`` is an integer
+    below ``2**16`` in magnitude, never a subnormal quotient); every other intermediate is an
+    integer below ``2**24``, exact.
+    """
+    q1 = np.rint(t + (np.float32(h) * _U_SCALE - _HALF))
+    return np.int32(q1 - rf * np.rint(exact_quotient(q1, inv_rho)) + half)
+
+
 @njit(cache=True)
-def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes):
+def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, hs):
     """Symbols of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
 
     DQSG (``nested`` False): ``clamp(round(v / step + u), -M, M) + M``. NDQSG: ``s + rho // 2``.
-    ``alpha`` is float32.
+    ``alpha`` is float32. The random bits go to ``hs`` first (uint32,
+    :func:`~fedquant.codecs.kernels.common.hash24_run`), so that the loops below run on 32-bit
+    lanes; the quotients by the step are
+    :func:`~fedquant.codecs.kernels.common.exact_quotient` (bit for bit the float32 division),
+    except in a bucket with a nonzero quotient that may be a subnormal float32, which is done
+    again with the division.
     """
+    hash24_run(key, c0, c1 - c0, hs)
     lv = np.float32(levels)
     rf = np.float32(rho)
-    half = rho // 2
+    inv_rho = 1.0 / np.float64(rf)
+    half = np.float32(rho // 2)
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
         safe = step if step > _ZERO32 else _ONE32
+        inv = 1.0 / np.float64(safe)
         xs = x[i:hi]
         cs = codes[i - c0 : hi - c0]
+        us = hs[i - c0 : hi - c0]
+        tiny = False
         if nested:
             for k in range(hi - i):
-                u = uniform24(key, i + k) - _HALF
-                q1 = np.rint((alpha * xs[k]) / safe + u)
-                cs[k] = np.int64(q1 - rf * np.rint(q1 / rf)) + half
+                a = alpha * xs[k]
+                t = exact_quotient(a, inv)
+                tiny |= (abs(t) < _TINY32) & (a != _ZERO32)
+                cs[k] = _ndqsg_symbol(t, us[k], rf, inv_rho, half)
+            if tiny:
+                for k in range(hi - i):
+                    cs[k] = _ndqsg_symbol((alpha * xs[k]) / safe, us[k], rf, inv_rho, half)
         else:
             for k in range(hi - i):
-                u = uniform24(key, i + k) - _HALF
-                q = min(max(np.rint(xs[k] / safe + u), -lv), lv)
-                cs[k] = np.int64(q) + levels
+                v = xs[k]
+                t = exact_quotient(v, inv)
+                tiny |= (abs(t) < _TINY32) & (v != _ZERO32)
+                cs[k] = _dqsg_symbol(t, us[k], lv)
+            if tiny:
+                for k in range(hi - i):
+                    cs[k] = _dqsg_symbol(xs[k] / safe, us[k], lv)
         i = hi
 
 
@@ -149,13 +193,14 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
     n = x.size
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
+    hs = np.empty(CHUNK, np.uint32)
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small, hs)
         pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
         wide = np.empty(CHUNK, np.uint16)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide, hs)
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
@@ -172,61 +217,90 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
     groups = counts.shape[0]
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
+        hs = np.empty(CHUNK, np.uint32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
-            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
+            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1], hs)
             if counts.shape[1]:
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 
 
 # ---------------------------------------------------------------- decoding
 @njit(cache=True)
-def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out):
+def _largest(codes, m):
+    """The largest of ``codes[:m]`` (a pass of its own: a narrow max that vectorizes)."""
+    top = codes[0]
+    for k in range(1, m):
+        top = max(top, codes[k])
+    return np.int64(top)
+
+
+@njit(cache=True, inline="always")
+def _ndqsg_value(c, u, yv, st1, st2, z_of_r, half, alpha, exact):
+    """Float64 NDQSG value of symbol ``c`` (float64); ``z_of_r``: ``1 / st2``, or ``st2`` with ``exact``."""
+    r = (c - half - u) * st1 - alpha * yv
+    z = r / z_of_r if exact else r * z_of_r
+    k = np.rint(z)
+    return np.float32(yv + alpha * (r - st2 * k)), abs(abs(z - k) - _HALF64) <= _NEAR_HALF * (abs(z) + 1.0)
+
+
+@njit(cache=True)
+def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs):
     """Values of elements ``c0 .. c1`` from their symbols ``codes[0 : c1 - c0]``.
 
     Returns the largest symbol seen (the caller rejects symbols beyond the alphabet); ``alpha``
-    is float64 and ``y`` the float32 side information (NDQSG only).
+    is float64 and ``y`` the float32 side information (NDQSG only). The random bits go to ``hs``
+    first (:func:`~fedquant.codecs.kernels.common.hash24_run`). NDQSG's ``round(r / step2)``
+    takes ``r * (1 / step2)`` (within ``2**-52`` of the quotient): a bucket where that product
+    lies within ``2**-40`` of a half-integer (where the two could round apart) is done again
+    with the division.
     """
-    top = 0
+    m = c1 - c0
+    hash24_run(key, c0, m, hs)
+    top = _largest(codes, m) if m else 0
     i = c0
     if nested:
-        half = rho // 2
+        half = np.float64(rho // 2)
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             step = steps[b]
             cs = codes[i - c0 : hi - c0]
+            us = hs[i - c0 : hi - c0]
             ys = out[i:hi]
             if step > _ZERO32:
                 st1 = np.float64(step)
                 st2 = np.float64(rho) * st1
+                inv2 = 1.0 / st2
                 side = y[i:hi]
+                near = False
                 for k in range(hi - i):
-                    c = np.int64(cs[k])
-                    top = max(top, c)
-                    u = np.float64(uniform24(key, i + k) - _HALF)
-                    yv = np.float64(side[k])
-                    r = (np.float64(c - half) - u) * st1 - alpha * yv
-                    r = r - st2 * np.rint(r / st2)
-                    ys[k] = np.float32(yv + alpha * r)
+                    c = np.float64(cs[k])
+                    u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
+                    value, close = _ndqsg_value(c, u, np.float64(side[k]), st1, st2, inv2, half, alpha, False)
+                    ys[k] = value
+                    near |= close
+                if near:
+                    for k in range(hi - i):
+                        c = np.float64(cs[k])
+                        u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
+                        ys[k] = _ndqsg_value(c, u, np.float64(side[k]), st1, st2, st2, half, alpha, True)[0]
             else:
-                for k in range(hi - i):
-                    top = max(top, np.int64(cs[k]))
-                    ys[k] = _ZERO32
+                ys[:] = _ZERO32
             i = hi
     else:
+        lv = np.float32(levels)
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             step = steps[b]
             cs = codes[i - c0 : hi - c0]
+            us = hs[i - c0 : hi - c0]
             ys = out[i:hi]
             for k in range(hi - i):
-                c = np.int64(cs[k])
-                top = max(top, c)
-                u = uniform24(key, i + k) - _HALF
-                ys[k] = step * (np.float32(c - levels) - u)
+                u = np.float32(us[k]) * _U_SCALE - _HALF
+                ys[k] = step * ((np.float32(cs[k]) - lv) - u)
             i = hi
     return top
 
@@ -236,13 +310,14 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, 
     n = out.size
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
+    hs = np.empty(CHUNK, np.uint32)
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
         unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
-        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
     wide = np.empty(CHUNK, np.uint16)
     unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
-    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
 
 
 @parallel_kernel(count_arg=10)
@@ -262,7 +337,8 @@ def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+        hs = np.empty(CHUNK, np.uint32)
+        tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
     return tops.max() if nchunks else 0
 
 

@@ -210,3 +210,33 @@ def test_cuda_torch_path_writes_the_cpu_kernel_bytes(spec):
     x = _input(PARALLEL_MIN + 77, seed=6)
     codec = get_codec(spec)
     assert codec.encode(x.cuda(), seed=3) == codec.encode(x, seed=3)
+
+
+@pytest.mark.parametrize(
+    "spec", ["dqsg:bucket_size=3", "dqsg:levels=1,bucket_size=512", "ndqsg:rho=5,alpha=0.7,bucket_size=3"]
+)
+def test_paths_agree_where_quotients_are_subnormal(spec):
+    # the kernels' float64-product quotients hand such buckets to the division
+    from tests.codecs.kernels.test_kernels import tiny_quotient_input
+
+    x = tiny_quotient_input(3 if spec.endswith("=3") else 512)
+    side = x + 0.01 if spec.startswith("ndqsg") else None
+    _check_same(spec, x, seed=2, side_info=side)
+
+
+def test_ndqsg_decode_takes_the_division_near_half_cells():
+    # round(r / step2) from r * (1 / step2) is flagged wherever the two could round apart
+    from fedquant.codecs.kernels.dither import _ndqsg_value
+
+    st1 = 0.1
+    st2 = 3 * st1
+    for cells in (0.5, 1.5, -2.5, 7.5):
+        r = cells * st2
+        c = r / st1  # symbol minus half minus dither, with u = 0, y = 0, half = 0
+        value, near = _ndqsg_value(c, 0.0, 0.0, st1, st2, 1 / st2, 0.0, 1.0, False)
+        assert near
+        exact, _ = _ndqsg_value(c, 0.0, 0.0, st1, st2, st2, 0.0, 1.0, True)
+        rr = c * st1
+        assert exact == np.float32(rr - st2 * np.rint(rr / st2))
+    _, near = _ndqsg_value(0.7 / st1, 0.0, 0.0, st1, st2, 1 / st2, 0.0, 1.0, False)
+    assert not near
