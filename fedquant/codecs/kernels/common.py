@@ -252,6 +252,50 @@ def exact_quotient(a: np.float32, inv: np.float64) -> np.float32:
     return np.float32(np.float64(a) * inv)
 
 
+@njit(cache=True)
+def chunk_quotients(x, d, steps, alpha, signed, unit_zero_steps, c0, c1, ts):
+    """The float32 quotients ``(alpha * v) / step`` of elements ``c0 .. c1`` into ``ts[0 : c1 - c0]``.
+
+    ``alpha * v`` is a float32 product (``alpha`` float32; 1 leaves ``v`` as it is); ``signed``
+    False divides ``|alpha * v|``. A bucket whose step is 0 gets quotients 0, or with
+    ``unit_zero_steps`` is divided by 1. Each quotient is :func:`exact_quotient` of the bucket's
+    ``1 / step``, bit for bit the float32 division, in a loop that does nothing else (float64
+    lanes), so that the rounding loop that reads ``ts`` runs on 32-bit lanes. Returns True when
+    some bucket's smallest nonzero ``|v|`` gives a quotient below ``_TINY32``: there, and only
+    there (a quotient is monotonic in ``|v|``), one may be a subnormal float32 exactly halfway
+    between two, which the proof of :func:`exact_quotient` does not cover; callers then divide.
+    """
+    bits = x.view(np.uint32)
+    box = np.empty(1, np.uint32)  # reinterprets a bit pattern as float32 (one array per call)
+    tiny = False
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        step = steps[b]
+        xs = x[i:hi]
+        tt = ts[i - c0 : hi - c0]
+        if step > _ZERO32 or unit_zero_steps:
+            inv = 1.0 / np.float64(step) if step > _ZERO32 else 1.0
+            if signed:
+                for k in range(hi - i):
+                    tt[k] = exact_quotient(alpha * xs[k], inv)
+            else:
+                for k in range(hi - i):
+                    tt[k] = exact_quotient(abs(alpha * xs[k]), inv)
+            xb = bits[i:hi]
+            low = _ALL_ONES
+            for k in range(hi - i):
+                low = min(low, np.uint32((xb[k] & _ABS_MASK) - _ONE_U32))  # 0 wraps to the top
+            if low != _ALL_ONES:
+                box[0] = low + _ONE_U32
+                tiny |= exact_quotient(abs(alpha * box.view(np.float32)[0]), inv) < _TINY32
+        else:
+            tt[:] = _ZERO32
+        i = hi
+    return tiny
+
+
 def _uniform_stream_numpy(key: np.uint64, n: int, offset: int) -> np.ndarray:
     """The twin of :func:`uniform_stream` (wrapping uint64 arithmetic in NumPy)."""
     z = np.uint64(key) + np.arange(offset + 1, offset + n + 1, dtype=np.uint64) * _GAMMA
@@ -284,7 +328,7 @@ def bucket_max_abs(x: np.ndarray, d: int) -> np.ndarray:
         m = np.uint32(0)
         seg = bits[lo:hi]
         for i in range(hi - lo):
-            m = max(m, seg[i] & _ABS_MASK)
+            m = max(m, np.uint32(seg[i] & _ABS_MASK))  # uint32 lanes: numba types the & as 64-bit
         out[b] = m
     return out.view(np.float32)
 

@@ -30,12 +30,11 @@ from numba import njit, prange
 
 from fedquant.codecs.buckets import torch_bucket_stat
 from fedquant.codecs.kernels.common import (
-    _TINY32,
     _U_SCALE,
     CHUNK,
     add_counts,
+    chunk_quotients,
     count_table,
-    exact_quotient,
     group_chunks,
     hash24_run,
     pack_into,
@@ -131,61 +130,52 @@ def _dqsg_symbol(t, h, lv):
 def _ndqsg_symbol(t, h, rf, inv_rho, half):
     """``q1 - rho round(q1 / rho) + rho // 2`` in float32 for ``t = alpha v / step``, ``q1 = round(t + u)``.
 
-    ``q1 / rho`` is :func:`~fedquant.codecs.kernels.common.exact_quotient` (``q1`` is an integer
-    below ``2**16`` in magnitude, never a subnormal quotient); every other intermediate is an
+    ``round(q1 / rho)`` is ``round(q1 * inv_rho)`` (``inv_rho = float32(1 / rho)``): the nearest
+    integer to ``q1 / rho`` either way, since ``q1`` is an integer with ``|q1| < 2**22`` and
+    ``rho`` odd, so ``q1 / rho`` lies at least ``1 / (2 rho)`` from every half-integer while both
+    float32 results lie within ``|q1| 2**-23 / rho`` of it. Every other intermediate is an
     integer below ``2**24``, exact.
     """
     q1 = np.rint(t + (np.float32(h) * _U_SCALE - _HALF))
-    return np.int32(q1 - rf * np.rint(exact_quotient(q1, inv_rho)) + half)
+    return np.int32(q1 - rf * np.rint(q1 * inv_rho) + half)
 
 
 @njit(cache=True)
-def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, hs):
+def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, hs, ts):
     """Symbols of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
 
     DQSG (``nested`` False): ``clamp(round(v / step + u), -M, M) + M``. NDQSG: ``s + rho // 2``.
-    ``alpha`` is float32. The random bits go to ``hs`` first (uint32,
-    :func:`~fedquant.codecs.kernels.common.hash24_run`), so that the loops below run on 32-bit
-    lanes; the quotients by the step are
-    :func:`~fedquant.codecs.kernels.common.exact_quotient` (bit for bit the float32 division),
-    except in a bucket with a nonzero quotient that may be a subnormal float32, which is done
-    again with the division.
+    ``alpha`` is float32. Three loops over the chunk, each vectorized on its own lanes: the random
+    bits into ``hs`` (uint32, :func:`~fedquant.codecs.kernels.common.hash24_run`), the quotients
+    ``(alpha v) / step`` into ``ts`` (:func:`~fedquant.codecs.kernels.common.chunk_quotients`,
+    bit for bit the float32 division), then the symbols on 32-bit lanes. A chunk where a quotient
+    may be a subnormal float32 takes the division instead.
     """
-    hash24_run(key, c0, c1 - c0, hs)
+    m = c1 - c0
+    hash24_run(key, c0, m, hs)
     lv = np.float32(levels)
     rf = np.float32(rho)
-    inv_rho = 1.0 / np.float64(rf)
+    inv_rho = _ONE32 / rf
     half = np.float32(rho // 2)
-    i = c0
-    while i < c1:
-        b = i // d
-        hi = min((b + 1) * d, c1)
-        step = steps[b]
-        safe = step if step > _ZERO32 else _ONE32
-        inv = 1.0 / np.float64(safe)
-        xs = x[i:hi]
-        cs = codes[i - c0 : hi - c0]
-        us = hs[i - c0 : hi - c0]
-        tiny = False
-        if nested:
-            for k in range(hi - i):
-                a = alpha * xs[k]
-                t = exact_quotient(a, inv)
-                tiny |= (abs(t) < _TINY32) & (a != _ZERO32)
-                cs[k] = _ndqsg_symbol(t, us[k], rf, inv_rho, half)
-            if tiny:
-                for k in range(hi - i):
-                    cs[k] = _ndqsg_symbol((alpha * xs[k]) / safe, us[k], rf, inv_rho, half)
-        else:
-            for k in range(hi - i):
-                v = xs[k]
-                t = exact_quotient(v, inv)
-                tiny |= (abs(t) < _TINY32) & (v != _ZERO32)
-                cs[k] = _dqsg_symbol(t, us[k], lv)
-            if tiny:
-                for k in range(hi - i):
-                    cs[k] = _dqsg_symbol(xs[k] / safe, us[k], lv)
-        i = hi
+    scale = alpha if nested else _ONE32
+    cs = codes[:m]
+    us = hs[:m]
+    tt = ts[:m]
+    if chunk_quotients(x, d, steps, scale, True, True, c0, c1, ts):
+        i = c0
+        while i < c1:
+            b = i // d
+            hi = min((b + 1) * d, c1)
+            safe = steps[b] if steps[b] > _ZERO32 else _ONE32
+            for k in range(i - c0, hi - c0):
+                tt[k] = (scale * x[c0 + k]) / safe
+            i = hi
+    if nested:
+        for k in range(m):
+            cs[k] = _ndqsg_symbol(tt[k], us[k], rf, inv_rho, half)
+    else:
+        for k in range(m):
+            cs[k] = _dqsg_symbol(tt[k], us[k], lv)
 
 
 @njit(cache=True)
@@ -194,13 +184,14 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
     hs = np.empty(CHUNK, np.uint32)
+    ts = np.empty(CHUNK, np.float32)
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small, hs)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small, hs, ts)
         pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
         wide = np.empty(CHUNK, np.uint16)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide, hs)
+        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide, hs, ts)
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
@@ -218,10 +209,11 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
         hs = np.empty(CHUNK, np.uint32)
+        ts = np.empty(CHUNK, np.float32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
-            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1], hs)
+            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1], hs, ts)
             if counts.shape[1]:
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 

@@ -38,17 +38,14 @@ from numba import njit, prange
 
 from fedquant.codecs.kernels.common import (
     _ABS_MASK,
-    _ALL_ONES,
     _ONE32,
-    _ONE_U32,
-    _TINY32,
     _U_SCALE,
     _ZERO32,
     CHUNK,
     _sum_f64,
     add_counts,
+    chunk_quotients,
     count_table,
-    exact_quotient,
     group_chunks,
     hash24_run,
     pack_into,
@@ -74,46 +71,13 @@ def _grid_symbol(v, t, h, sf):
 
 
 @njit(cache=True)
-def _chunk_quotients(x, d, steps, c0, c1, ts):
-    """``|v| / step`` of elements ``c0 .. c1`` into ``ts[0 : c1 - c0]`` (0 where the step is 0).
-
-    :func:`~fedquant.codecs.kernels.common.exact_quotient`: bit for bit the float32 division.
-    Returns True when a bucket's smallest nonzero ``|v|`` gives a quotient that may be a
-    subnormal float32, which that proof does not cover (a quotient is monotonic in ``|v|``).
-    """
-    bits = x.view(np.uint32)
-    box = np.empty(1, np.uint32)  # reinterprets a bit pattern as float32 (one array per chunk)
-    tiny = False
-    i = c0
-    while i < c1:
-        b = i // d
-        hi = min((b + 1) * d, c1)
-        step = steps[b]
-        xs = x[i:hi]
-        xb = bits[i:hi]
-        tt = ts[i - c0 : hi - c0]
-        if step > _ZERO32:
-            inv = 1.0 / np.float64(step)
-            low = _ALL_ONES
-            for k in range(hi - i):
-                tt[k] = exact_quotient(abs(xs[k]), inv)
-                low = min(low, np.uint32((xb[k] & _ABS_MASK) - _ONE_U32))  # 0 wraps to the top
-            if low != _ALL_ONES:
-                box[0] = low + _ONE_U32
-                tiny |= exact_quotient(box.view(np.float32)[0], inv) < _TINY32
-        else:
-            tt[:] = _ZERO32
-        i = hi
-    return tiny
-
-
-@njit(cache=True)
 def _chunk_codes(x, d, steps, s, key, c0, c1, codes, hs, ts):
     """Symbols ``q + s`` of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
 
     Three loops over the chunk, each vectorized on its own lanes: the random bits into ``hs``
     (uint32, :func:`~fedquant.codecs.kernels.common.hash24_run`, 64-bit lanes), the quotients
-    ``|v| / step`` into ``ts`` (float32, :func:`_chunk_quotients`, float64 lanes), then the
+    ``|v| / step`` into ``ts`` (float32, :func:`~fedquant.codecs.kernels.common.chunk_quotients`,
+    float64 lanes), then the
     rounding (:func:`_grid_symbol`), 32-bit lanes only, branch-free on slices indexed from 0. A
     chunk where a quotient may be a subnormal float32 is rounded with the division instead.
     """
@@ -122,7 +86,7 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes, hs, ts):
     sf = np.float32(s)
     cs = codes[:m]
     us = hs[:m]
-    if not _chunk_quotients(x, d, steps, c0, c1, ts):
+    if not chunk_quotients(x, d, steps, _ONE32, False, False, c0, c1, ts):
         xs = x[c0:c1]
         tt = ts[:m]
         for k in range(m):
@@ -188,7 +152,7 @@ def _chunk_scales(x, d, s, l2, c0, c1, scales, steps):
             mb = np.uint32(0)
             seg = bits[lo:hi]
             for i in range(hi - lo):
-                mb = max(mb, seg[i] & _ABS_MASK)
+                mb = max(mb, np.uint32(seg[i] & _ABS_MASK))
             scale_bits[b] = mb  # the float32 max |x|, without an array per bucket to reinterpret it
         steps[b] = scales[b] / np.float32(s)
 
