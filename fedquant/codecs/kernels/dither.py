@@ -41,6 +41,7 @@ from fedquant.codecs.kernels.common import (
     parallel_kernel,
     unpack_from,
 )
+from fedquant.codecs.kernels.grid import _chunk_scales
 from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
@@ -196,8 +197,13 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
 
 
 @parallel_kernel
-def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out):
-    for c in prange((x.size + CHUNK - 1) // CHUNK):
+def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out, maxima):
+    """Encode every chunk; with ``maxima`` (one float32 per bucket, else empty) each chunk first
+    computes its buckets' maxima and steps ``max / levels`` (whole buckets per chunk: ``CHUNK % d == 0``)."""
+    n = x.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        if maxima.size:
+            _chunk_scales(x, d, levels, False, c * CHUNK, min(c * CHUNK + CHUNK, n), maxima, steps)
         _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
 
 
@@ -367,6 +373,9 @@ def all_finite(y: np.ndarray) -> bool:
     return _nonfinite(bits) == 0
 
 
+_NO_MAXIMA = np.zeros(0, np.float32)
+
+
 def _args(nested: bool, levels: int, rho: int) -> tuple[bool, int, int]:
     # NDQSG ignores levels in the symbol loops, DQSG ignores rho: both get valid integers.
     return bool(nested), int(levels), int(rho) if nested else 1
@@ -403,8 +412,33 @@ def encode_packed(
     """
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty((x.size * width + 7) // 8, np.uint8)
-    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
+    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out, _NO_MAXIMA)
     return out
+
+
+def step_encode_packed(
+    x: np.ndarray,
+    d: int,
+    key: np.uint64,
+    width: int,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The bucket steps ``max|v| / levels`` fused with :func:`encode_packed`: one read of ``x``.
+
+    Each chunk computes the steps of its own buckets, so ``CHUNK % d == 0`` (callers check).
+    Returns ``(steps, packed)``, identical to ``bucket_max_abs(x, d) / float32(levels)`` and
+    :func:`encode_packed` with those steps.
+    """
+    nested, levels, rho = _args(nested, levels, rho)
+    nb = (x.size + d - 1) // d
+    steps = np.empty(nb, np.float32)
+    out = np.empty((x.size * width + 7) // 8, np.uint8)
+    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out, np.empty(nb, np.float32))
+    return steps, out
 
 
 def encode_symbols(

@@ -96,9 +96,12 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         d = effective_bucket_size(self.bucket_size, numel)
         if self.uses_kernels(flat):
             x = flat.numpy()
+            key = kernel_key(seed)
+            if packed_width is not None and kernels.CHUNK % d == 0:  # steps and symbols in one pass
+                steps, packed = kernels.step_encode_packed(x, d, key, packed_width, **self._kernel_args())
+                return Quantized([steps], packed=packed)
             # the true float32 division of kernels.bucket_steps, on the kernel's bucket maxima
             steps = bucket_stat(flat, d, "max", use_kernels=True) / np.float32(self.levels)
-            key = kernel_key(seed)
             if packed_width is not None:
                 return Quantized(
                     [steps], packed=kernels.encode_packed(x, d, steps, key, packed_width, **self._kernel_args())
