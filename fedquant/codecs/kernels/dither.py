@@ -114,9 +114,10 @@ _HALF = np.float32(0.5)
 _HALF64 = np.float64(0.5)
 _ONE32 = np.float32(1.0)
 _ZERO32 = np.float32(0.0)
-#: NDQSG decoding checks ``round(r / step2)`` only where ``r * (1 / step2)`` is this close
-#: (relative) to a half-integer: far above the product's error (``2**-52``), far below any gap.
-_NEAR_HALF = np.float64(2.0**-40)
+#: NDQSG decoding checks ``round(r / step2)`` where ``r * (1 / step2)`` is at least this far from
+#: its nearest integer (within ``2**-20`` of a half-integer) or at least ``_FAR`` in magnitude.
+_NEAR_HALF = np.float64(0.5 - 2.0**-20)
+_FAR = np.float64(2.0**20)
 
 
 # ---------------------------------------------------------------- encoding
@@ -236,56 +237,81 @@ def _largest(codes, m):
 
 @njit(cache=True, inline="always")
 def _ndqsg_value(c, u, yv, st1, st2, z_of_r, half, alpha, exact):
-    """Float64 NDQSG value of symbol ``c`` (float64); ``z_of_r``: ``1 / st2``, or ``st2`` with ``exact``."""
+    """Float64 NDQSG value of symbol ``c`` (float64); ``z_of_r``: ``1 / st2``, or ``st2`` with ``exact``.
+
+    Also returns whether ``z = r * (1 / st2)`` may round to another integer than ``r / st2``: ``z``
+    lies within a relative ``2**-52`` of the quotient, so below ``|z| < 2**20`` only a ``z`` within
+    ``2**-20`` of a half-integer may.
+    """
     r = (c - half - u) * st1 - alpha * yv
     z = r / z_of_r if exact else r * z_of_r
     k = np.rint(z)
-    return np.float32(yv + alpha * (r - st2 * k)), abs(abs(z - k) - _HALF64) <= _NEAR_HALF * (abs(z) + 1.0)
+    near = (abs(z - k) >= _NEAR_HALF) | (abs(z) >= _FAR)
+    return np.float32(yv + alpha * (r - st2 * k)), near
+
+
+@njit(cache=True)
+def _nested_bucket(cs, us, side, side_bits, ys, st1, st2, half, alpha):
+    """NDQSG values of one bucket (step ``st1 > 0``); returns whether some side information is not finite.
+
+    ``round(r / st2)`` is taken from ``r * (1 / st2)``; a bucket where the two may round apart
+    (:func:`_ndqsg_value`) is done again with the division. ``alpha`` 1 has a loop of its own
+    without the multiplications by it (exact either way).
+    """
+    inv2 = 1.0 / st2
+    near = False
+    bad = False
+    if alpha == 1.0:
+        for k in range(cs.size):
+            u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
+            value, close = _ndqsg_value(np.float64(cs[k]), u, np.float64(side[k]), st1, st2, inv2, half, 1.0, False)
+            ys[k] = value
+            near |= close
+            bad |= (side_bits[k] & _EXP_MASK) == _EXP_MASK
+    else:
+        for k in range(cs.size):
+            u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
+            value, close = _ndqsg_value(np.float64(cs[k]), u, np.float64(side[k]), st1, st2, inv2, half, alpha, False)
+            ys[k] = value
+            near |= close
+            bad |= (side_bits[k] & _EXP_MASK) == _EXP_MASK
+    if near:
+        for k in range(cs.size):
+            u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
+            ys[k] = _ndqsg_value(np.float64(cs[k]), u, np.float64(side[k]), st1, st2, st2, half, alpha, True)[0]
+    return bad
 
 
 @njit(cache=True)
 def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs):
     """Values of elements ``c0 .. c1`` from their symbols ``codes[0 : c1 - c0]``.
 
-    Returns the largest symbol seen (the caller rejects symbols beyond the alphabet); ``alpha``
-    is float64 and ``y`` the float32 side information (NDQSG only). The random bits go to ``hs``
-    first (:func:`~fedquant.codecs.kernels.common.hash24_run`). NDQSG's ``round(r / step2)``
-    takes ``r * (1 / step2)`` (within ``2**-52`` of the quotient): a bucket where that product
-    lies within ``2**-40`` of a half-integer (where the two could round apart) is done again
-    with the division.
+    Returns the largest symbol seen (the caller rejects symbols beyond the alphabet) and, for
+    NDQSG, whether the side information of these elements holds a NaN or Inf (it is read here
+    anyway); ``alpha`` is float64 and ``y`` the float32 side information (NDQSG only). The random
+    bits go to ``hs`` first (:func:`~fedquant.codecs.kernels.common.hash24_run`).
     """
     m = c1 - c0
     hash24_run(key, c0, m, hs)
     top = _largest(codes, m) if m else 0
+    bad = False
     i = c0
     if nested:
         half = np.float64(rho // 2)
+        y_bits = y.view(np.uint32)
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             step = steps[b]
-            cs = codes[i - c0 : hi - c0]
-            us = hs[i - c0 : hi - c0]
             ys = out[i:hi]
             if step > _ZERO32:
                 st1 = np.float64(step)
-                st2 = np.float64(rho) * st1
-                inv2 = 1.0 / st2
-                side = y[i:hi]
-                near = False
-                for k in range(hi - i):
-                    c = np.float64(cs[k])
-                    u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
-                    value, close = _ndqsg_value(c, u, np.float64(side[k]), st1, st2, inv2, half, alpha, False)
-                    ys[k] = value
-                    near |= close
-                if near:
-                    for k in range(hi - i):
-                        c = np.float64(cs[k])
-                        u = np.float64(np.float32(us[k]) * _U_SCALE - _HALF)
-                        ys[k] = _ndqsg_value(c, u, np.float64(side[k]), st1, st2, st2, half, alpha, True)[0]
+                cs = codes[i - c0 : hi - c0]
+                us = hs[i - c0 : hi - c0]
+                bad |= _nested_bucket(cs, us, y[i:hi], y_bits[i:hi], ys, st1, np.float64(rho) * st1, half, alpha)
             else:
                 ys[:] = _ZERO32
+                bad |= _count_nonfinite(y_bits, i, hi) > 0
             i = hi
     else:
         lv = np.float32(levels)
@@ -300,7 +326,7 @@ def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, o
                 u = np.float32(us[k]) * _U_SCALE - _HALF
                 ys[k] = step * ((np.float32(cs[k]) - lv) - u)
             i = hi
-    return top
+    return top, bad
 
 
 @njit(cache=True)
@@ -320,11 +346,13 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, 
 
 @parallel_kernel(count_arg=10)
 def _unpack(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
+    """Decode every chunk; returns the largest symbol and how many chunks hold non-finite side information."""
     nchunks = (out.size + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
+    bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
-        tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out)
-    return tops.max() if nchunks else 0
+        tops[c], bad[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out)
+    return (tops.max() if nchunks else 0), bad.sum()
 
 
 @parallel_kernel
@@ -332,12 +360,13 @@ def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     n = out.size
     nchunks = (n + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
+    bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
         hs = np.empty(CHUNK, np.uint32)
-        tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
-    return tops.max() if nchunks else 0
+        tops[c], bad[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
+    return (tops.max() if nchunks else 0), bad.sum()
 
 
 # ---------------------------------------------------------------- side information check
@@ -488,21 +517,24 @@ def decode_packed(
     rho: int = 1,
     alpha: float = 1.0,
     side_info: np.ndarray | None = None,
-) -> tuple[np.ndarray, int]:
+) -> tuple[np.ndarray, int, bool]:
     """Unpack ``n`` symbols from ``data`` (exactly the packed size) and reconstruct the values.
 
     Returns
     -------
-    (np.ndarray, int)
-        float32 values and the largest symbol found (the caller rejects it when beyond the
-        alphabet). NDQSG needs ``side_info`` (float32, ``n`` values).
+    (np.ndarray, int, bool)
+        float32 values, the largest symbol found (the caller rejects it when beyond the
+        alphabet) and whether the side information is all finite (checked in the same pass;
+        True without side information). NDQSG needs ``side_info`` (float32, ``n`` values); with
+        a NaN or Inf in it the values are meaningless.
     """
     nested, levels, rho = _args(nested, levels, rho)
     require_items(data, (n * width + 7) // 8, "packed indices")
     _require_buckets(n, d, steps, nested, side_info)
     out = np.empty(n, np.float32)
-    top = _unpack(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
-    return out, int(top)
+    args = (steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info))
+    top, bad = _unpack(data, d, *args, width, out)
+    return out, int(top), bad == 0
 
 
 def decode_symbols(
@@ -516,11 +548,11 @@ def decode_symbols(
     rho: int = 1,
     alpha: float = 1.0,
     side_info: np.ndarray | None = None,
-) -> tuple[np.ndarray, int]:
+) -> tuple[np.ndarray, int, bool]:
     """Like :func:`decode_packed` from unpacked symbols (as an entropy decoder returns them)."""
     nested, levels, rho = _args(nested, levels, rho)
     codes = np.ascontiguousarray(codes, dtype=np.uint16)
     _require_buckets(codes.size, d, steps, nested, side_info)
     out = np.empty(codes.size, np.float32)
-    top = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
-    return out, int(top)
+    top, bad = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
+    return out, int(top), bad == 0

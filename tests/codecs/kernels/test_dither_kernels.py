@@ -6,6 +6,7 @@ import torch
 
 from fedquant.codecs import get_codec
 from fedquant.codecs.kernels.common import PARALLEL_MIN
+from fedquant.errors import PayloadError
 from fedquant.rng import uniform
 from tests.helpers import sample_tensor
 
@@ -194,12 +195,28 @@ def test_side_info_finiteness_check(n):
             z = y.copy()
             z[pos] = bad
             assert not dither_kernels.all_finite(z)
-    codec = get_codec("ndqsg")
-    payload = codec.encode(torch.ones(n), seed=0)
-    side = torch.zeros(n)
-    side[n - 1] = float("nan")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        codec.decode(payload, seed=0, side_info=side)
+    # the decoding kernels check the side information in their own pass: in buckets whose step
+    # is 0 too, with either coding, and before a payload error found ahead of them
+    for coding in ("fixed", "entropy"):
+        codec = get_codec(f"ndqsg:coding={coding}")
+        x = torch.ones(n)
+        x[: n // 2] = 0.0
+        payload = codec.encode(x, seed=0)
+        for pos in (0, n - 1):
+            side = torch.zeros(n)
+            side[pos] = float("nan")
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                codec.decode(payload, seed=0, side_info=side)
+        side = torch.zeros(n, dtype=torch.float64)
+        side[n - 1] = 1e39  # finite in float64, Inf as the float32 the kernels read
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.decode(payload, seed=0, side_info=side)
+        # a payload that fails its own checks before the kernels run (too few bytes)
+        short = ([np.ones(1, np.float32)], np.zeros(1, np.uint8), 2, n, 0)
+        with pytest.raises(PayloadError):
+            codec.quantizer.with_side_info(torch.zeros(n)).dequantize_packed(*short)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.quantizer.with_side_info(side.float()).dequantize_packed(*short)
 
 
 @pytest.mark.cuda
