@@ -57,6 +57,7 @@ from fedquant.codecs.quantizers.base import (
     Quantized,
     check_alphabet,
     relative_error,
+    require_finite,
 )
 from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.errors import PayloadError
@@ -85,6 +86,10 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         """Largest index magnitude: symbols are ``index + half``."""
         raise NotImplementedError
 
+    def checks_finite(self) -> bool:
+        """Steps are bucket maxima over ``levels``: finite exactly when the bucket is."""
+        return True
+
     def num_symbols(self) -> int:
         return 2 * self.half() + 1
 
@@ -100,9 +105,11 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
             key = kernel_key(seed)
             if packed_width is not None and kernels.CHUNK % d == 0:  # steps and symbols in one pass
                 steps, packed = kernels.step_encode_packed(x, d, key, packed_width, **self._kernel_args())
+                require_finite(steps)
                 return Quantized([steps], packed=packed)
             # the true float32 division of kernels.bucket_steps, on the kernel's bucket maxima
             steps = bucket_stat(flat, d, "max", use_kernels=True) / np.float32(self.levels)
+            require_finite(steps)
             if packed_width is not None:
                 return Quantized(
                     [steps], packed=kernels.encode_packed(x, d, steps, key, packed_width, **self._kernel_args())
@@ -113,6 +120,7 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
             return Quantized([steps], symbols=kernels.encode_symbols(x, d, steps, key, **self._kernel_args()))
         v = to_buckets(flat, d)
         step = kernels.bucket_steps(flat, d, self.levels)
+        require_finite(step.reshape(-1).cpu().numpy())
         u = kernels.dither(seed, v.numel(), flat.device).view_as(v)
         symbols = self._torch_symbols(v, step, u) + self.half()
         return Quantized(
