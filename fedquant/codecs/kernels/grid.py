@@ -310,6 +310,45 @@ def sign_pack_into(x, out):
         out[full] = acc
 
 
+@parallel_kernel
+def l1_sign_pack_into(x, d, scales, out):
+    """``bucket_l1_mean`` fused with :func:`sign_pack_into`: one read of ``x``.
+
+    Each chunk computes the means of its own buckets (the same float64 sums in the same order)
+    and packs its signs (a chunk starts on a byte: ``CHUNK`` is a multiple of 8); this needs whole
+    buckets per chunk, so ``CHUNK % d == 0`` (callers check).
+    """
+    n = x.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        for b in range(c0 // d, (c1 + d - 1) // d):
+            lo = b * d
+            hi = min(lo + d, n)
+            scales[b] = np.float32(_sum_f64(x, lo, hi, False) / (hi - lo))
+        xs = x[c0:c1]
+        bytes_ = out[c0 // 8 : (c1 + 7) // 8]
+        full = (c1 - c0) // 8
+        for j in range(full):
+            acc = 0
+            for k in range(8):
+                acc |= np.int64(xs[8 * j + k] < _ZERO32) << k
+            bytes_[j] = acc
+        if full < bytes_.size:
+            acc = 0
+            for k in range(c1 - c0 - 8 * full):
+                acc |= np.int64(xs[8 * full + k] < _ZERO32) << k
+            bytes_[full] = acc
+
+
+def l1_sign_pack(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`l1_sign_pack_into` new arrays: ``(scales, packed signs)``."""
+    scales = np.empty((x.size + d - 1) // d, np.float32)
+    out = np.empty(packed_size(x.size, 1), np.uint8)
+    l1_sign_pack_into(x, d, scales, out)
+    return scales, out
+
+
 def sign_pack(x: np.ndarray) -> np.ndarray:
     """:func:`sign_pack_into` a new array of ``ceil(n / 8)`` bytes."""
     out = np.empty(packed_size(x.size, 1), np.uint8)

@@ -171,6 +171,17 @@ def test_sign_kernels_match_reference_and_torch_twin():
     assert np.array_equal(kernels.torch_sign_values(x < 0, 100, scales).numpy(), y)
 
 
+@pytest.mark.parametrize("d", [1, 8, 512, 16384])
+@pytest.mark.parametrize("n", [1, 13, 16384, 50_003])
+def test_fused_means_and_signs_equal_the_two_passes(d, n):
+    x = sample_tensor((n,), seed=n + d).numpy()
+    x[::3] = 0.0
+    x[1::5] *= -1
+    scales, packed = kernels.l1_sign_pack(x, d)
+    assert np.array_equal(scales, common.bucket_l1_mean(x, d))
+    assert np.array_equal(packed, kernels.sign_pack(x))
+
+
 def test_zero_step_buckets_give_zero_levels():
     x = torch.zeros(1500)
     x[1000:] = 1.0
