@@ -247,7 +247,10 @@ def exact_quotient(a: np.float32, inv: np.float64) -> np.float32:
     ``|a / b - (2M + 1) 2**k| = |A 2**(i - j - k) - (2M + 1) B| 2**k / B``, a nonzero integer
     (never 0: ``(2M + 1) B`` would need at least 25 bits for 24) times ``2**k / B``. So ``P`` and
     ``a / b`` round to the same float32, and a quotient that is a float32 stays that float32.
-    Subnormal ``a``, ``b`` or results have fewer significant bits and only a wider margin.
+    Subnormal ``a`` or ``b`` have fewer significant bits and only a wider margin. Not so a
+    quotient below ``2**-126``: a subnormal float32 has fewer bits than the argument needs, and
+    the quotient can lie exactly halfway between two (``147 * 2**-149 / 98``), where the product
+    may round the other way; :func:`chunk_quotients` finds such buckets for its callers.
     """
     return np.float32(np.float64(a) * inv)
 

@@ -10,11 +10,16 @@ tests compare the two):
   stream, drawn by the kernels a chunk at a time with :func:`fedquant.codecs.kernels.common.hash24_run`;
 * encoding is float32 throughout: ``round(v / step + u)`` (DQSG, clamped to ``[-M, M]``) or
   ``q1 = round((alpha v) / step + u)``, ``s = q1 - rho round(q1 / rho)`` (NDQSG), with
-  ``alpha`` rounded to float32 as torch does for a Python scalar, true division (no reciprocal)
-  and ``np.rint`` (round half to even, as ``torch.round``);
+  ``alpha`` rounded to float32 as torch does for a Python scalar, true division (no float32
+  reciprocal) and ``np.rint`` (round half to even, as ``torch.round``). The kernels get the
+  quotients bit for bit from float64 products
+  (:func:`~fedquant.codecs.kernels.common.exact_quotient`, falling back to the division where
+  a quotient may be subnormal) and ``round(q1 / rho)`` from ``q1 * float32(1 / rho)`` (the same
+  integer, see :func:`_ndqsg_symbol`);
 * DQSG decoding is float32 ``step * ((code - M) - u)``; NDQSG decoding is float64 per element:
   ``r = (s - u) step1 - alpha y``, ``r -= step2 round(r / step2)``, ``y + alpha r`` rounded to
-  float32, and 0 in buckets whose step is 0.
+  float32, and 0 in buckets whose step is 0 (the kernel takes ``round(r * (1 / step2))`` and
+  divides only in buckets where that product lies within ``2**-20`` of a half-integer).
 
 A zero step (all-zero bucket) divides by 1 instead. The kernels loop over chunks of
 ``common.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of the packed stream);

@@ -25,7 +25,10 @@ The rounding rule (one element ``v`` of a bucket with grid step ``step = scale /
     code = q + s                       # unsigned symbol in [0, 2s]
 
 (a bucket with ``step = 0`` is all zeros and gets ``q = 0``), and decoding is
-``(code - s) * step`` in float32.
+``(code - s) * step`` in float32. The kernels take ``|v| / step`` as a float64 product with
+``1 / step`` rounded to float32, bit for bit the division
+(:func:`~fedquant.codecs.kernels.common.exact_quotient`; a chunk where a quotient may be
+subnormal divides), and do the rest in float32 on 32-bit lanes.
 """
 
 from __future__ import annotations
