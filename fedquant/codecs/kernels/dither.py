@@ -190,14 +190,14 @@ def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
     n = x.size
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
-    hs = np.empty(CHUNK, np.uint32)
-    ts = np.empty(CHUNK, np.float32)
+    hs = np.empty(min(CHUNK, n), np.uint32)
+    ts = np.empty(min(CHUNK, n), np.float32)
     if width <= 8:
-        small = np.empty(CHUNK, np.uint8)
+        small = np.empty(min(CHUNK, n), np.uint8)
         _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small, hs, ts)
         pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
-        wide = np.empty(CHUNK, np.uint16)
+        wide = np.empty(min(CHUNK, n), np.uint16)
         _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide, hs, ts)
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
@@ -220,8 +220,8 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
     groups = counts.shape[0]
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
-        hs = np.empty(CHUNK, np.uint32)
-        ts = np.empty(CHUNK, np.float32)
+        hs = np.empty(min(CHUNK, n), np.uint32)
+        ts = np.empty(min(CHUNK, n), np.float32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
@@ -339,12 +339,12 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, 
     n = out.size
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
-    hs = np.empty(CHUNK, np.uint32)
+    hs = np.empty(min(CHUNK, n), np.uint32)
     if width <= 8:
-        small = np.empty(CHUNK, np.uint8)
+        small = np.empty(min(CHUNK, n), np.uint8)
         unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
         return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
-    wide = np.empty(CHUNK, np.uint16)
+    wide = np.empty(min(CHUNK, n), np.uint16)
     unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
     return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
 
@@ -369,7 +369,7 @@ def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        hs = np.empty(CHUNK, np.uint32)
+        hs = np.empty(min(CHUNK, n), np.uint32)
         tops[c], bad[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
     return (tops.max() if nchunks else 0), bad.sum()
 

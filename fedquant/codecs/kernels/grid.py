@@ -108,14 +108,15 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes, hs, ts):
 @njit(cache=True)
 def _pack_chunk(x, d, steps, s, key, width, c0, c1, out):
     """Round elements ``c0 .. c1`` (``c0`` a multiple of 8) and pack them into ``out``."""
-    hs = np.empty(CHUNK, np.uint32)
-    ts = np.empty(CHUNK, np.float32)
+    n = c1 - c0  # scratch of the chunk's size: a small tensor allocates little
+    hs = np.empty(min(CHUNK, n), np.uint32)
+    ts = np.empty(min(CHUNK, n), np.float32)
     if width <= 8:  # byte symbols: half the traffic through the chunk buffer
-        small = np.empty(CHUNK, np.uint8)
+        small = np.empty(min(CHUNK, n), np.uint8)
         _chunk_codes(x, d, steps, s, key, c0, c1, small, hs, ts)
         pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
-        wide = np.empty(CHUNK, np.uint16)
+        wide = np.empty(min(CHUNK, n), np.uint16)
         _chunk_codes(x, d, steps, s, key, c0, c1, wide, hs, ts)
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
@@ -200,8 +201,8 @@ def round_codes_into(x, d, steps, s, key, out, counts):
     groups = counts.shape[0]
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
-        hs = np.empty(CHUNK, np.uint32)
-        ts = np.empty(CHUNK, np.float32)
+        hs = np.empty(min(CHUNK, n), np.uint32)
+        ts = np.empty(min(CHUNK, n), np.float32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
@@ -230,11 +231,11 @@ def unpack_dequant_into(data, n, d, steps, s, width, out):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
         if width <= 8:
-            small = np.empty(CHUNK, np.uint8)
+            small = np.empty(min(CHUNK, n), np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
             bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, out)
         else:
-            wide = np.empty(CHUNK, np.uint16)
+            wide = np.empty(min(CHUNK, n), np.uint16)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
             bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
     return bad.sum()
@@ -407,7 +408,7 @@ def sign_unpack_into(data, n, d, scales, out):
     for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        bits = np.empty(CHUNK, np.uint8)
+        bits = np.empty(min(CHUNK, n), np.uint8)
         unpack_from(data, c0 // 8, c1 - c0, 1, bits)
         _chunk_signs(bits, d, scales, c0, c1, out)
 

@@ -384,9 +384,9 @@ def round_pack_into(x, levels, d, key, nearest, width, out, counts):
     groups = counts.shape[0]
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
-        codes = np.empty(CHUNK, np.uint8)
-        hs = np.empty(CHUNK, np.uint32)
-        count = np.empty(CHUNK, np.int32)
+        codes = np.empty(min(CHUNK, n), np.uint8)
+        hs = np.empty(min(CHUNK, n), np.uint32)
+        count = np.empty(min(CHUNK, n), np.int32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
@@ -448,7 +448,7 @@ def unpack_gather_into(data, n, flat_levels, s, d, width, out):
         if width == 8:
             bad[c] = _chunk_gather(data[c0:c1], flat_levels, s, d, c0, c1, out)
         else:
-            codes = np.empty(CHUNK, np.uint8)
+            codes = np.empty(min(CHUNK, n), np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
             bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
     return bad.sum()
