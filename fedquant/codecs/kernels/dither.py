@@ -537,8 +537,7 @@ def decode_packed(
     require_items(data, (n * width + 7) // 8, "packed indices")
     _require_buckets(n, d, steps, nested, side_info)
     out = np.empty(n, np.float32)
-    args = (steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info))
-    top, bad = _unpack(data, d, *args, width, out)
+    top, bad = _unpack(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
     return out, int(top), bad == 0
 
 

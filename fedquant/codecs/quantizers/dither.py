@@ -131,13 +131,16 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
     # ------------------------------------------------------------------ decode
     def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
         if self.uses_kernels():
-            return self._kernel_values(
-                side,
-                numel,
-                lambda d, steps, y: kernels.decode_symbols(
+            y = self._side_info_array()
+            try:
+                d, steps = self.bucket_scales(side, numel)
+                values, top, finite = kernels.decode_symbols(
                     symbols, d, steps, kernel_key(seed), side_info=y, **self._kernel_args()
-                ),
-            )
+                )
+            except PayloadError:
+                self._check_side_finite(y)  # bad side information is reported first, as always
+                raise
+            return self._kernel_values(values, top, finite, y)
         self._checked_side_info()
         d, steps = self.bucket_scales(side, numel)
         nb = num_buckets(numel, d)
@@ -153,28 +156,22 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
     ) -> torch.Tensor:
         if not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed)
-        return self._kernel_values(
-            side,
-            numel,
-            lambda d, steps, y: kernels.decode_packed(
-                packed, numel, d, steps, kernel_key(seed), width, side_info=y, **self._kernel_args()
-            ),
-        )
-
-    def _kernel_values(self, side: list[np.ndarray], numel: int, decode) -> torch.Tensor:
-        """Run a decoding kernel ``decode(d, steps, side_info)``; its side-information check first.
-
-        The kernels check the side information for NaN and Inf in their own pass (it reads it
-        anyway); a payload rejected before they run still reports bad side information first.
-        """
         y = self._side_info_array()
         try:
             d, steps = self.bucket_scales(side, numel)
-            values, top, finite = decode(d, steps, y)
+            values, top, finite = kernels.decode_packed(
+                packed, numel, d, steps, kernel_key(seed), width, side_info=y, **self._kernel_args()
+            )
         except PayloadError:
-            self._check_side_finite(y)
+            self._check_side_finite(y)  # bad side information is reported first, as always
             raise
-        self._check_side_finite(y, finite)
+        return self._kernel_values(values, top, finite, y)
+
+    def _kernel_values(self, values: np.ndarray, top: int, finite: bool, y: np.ndarray | None) -> torch.Tensor:
+        """A decoding kernel's values, after its checks: the side information (NaN/Inf, read in the
+        kernel's pass), then the largest symbol."""
+        if y is not None:
+            self._check_side_finite(y, finite)
         self._check_top(top)
         return torch.from_numpy(values)
 
