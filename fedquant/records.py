@@ -264,6 +264,7 @@ class RecordCodec:
         base: Mapping[str, Array | np.ndarray] | None = None,
         *,
         rebuild: bool = True,
+        squares: Callable[[str, np.ndarray, np.ndarray], float] | None = None,
     ) -> DecodedRecord:
         """Rebuild the dense record a wire record stands for.
 
@@ -272,7 +273,9 @@ class RecordCodec:
         checked against its base with :meth:`check_layout`. With ``rebuild=False`` the decoded
         differences are kept in ``updates`` without ``base + difference`` in ``arrays`` (a
         caller that aggregates the differences themselves), checked all the same: the sum is
-        computed, not stored, and must not overflow.
+        computed, not stored, and must not overflow: by :func:`checked_squares`, or by ``squares``
+        (same arguments and contract: the squared norm of the flat update, :class:`RecordError`
+        when ``base + difference`` overflows), which may do more in the same pass.
 
         Raises
         ------
@@ -295,14 +298,19 @@ class RecordCodec:
                 if reference is None:
                     value = codec.decode(array.data, tensor_seed(seed, name)).numpy()
                 else:
+                    # every value is checked below, as part of base + difference
                     update = codec.decode(
-                        array.data, tensor_seed(seed, name), shape=reference.shape, dtype=torch.float32
+                        array.data,
+                        tensor_seed(seed, name),
+                        shape=reference.shape,
+                        dtype=torch.float32,
+                        check_finite=False,
                     )
                     updates[name] = update
                     if rebuild:
                         out[name], squared_norms[name] = _rebuilt(name, reference, update.numpy())
                     else:
-                        squared_norms[name] = checked_squares(name, reference, update.numpy())
+                        squared_norms[name] = (squares or checked_squares)(name, reference, update.numpy())
                     continue
             except RecordError:
                 raise

@@ -38,6 +38,7 @@ from fedquant.strategies.update_bounds import (
     scale_integers,
     sent_bool_digest,
 )
+from fedquant.strategies.vote_sums import VoteSums
 
 Reject = Callable[[int, tuple[str, str]], None]
 
@@ -61,8 +62,6 @@ class InfluenceBounds:
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
         self.voters = 0  # how many updates that sum holds
-        self._running: dict[str, np.ndarray] = {}  # the sum of the vote's updates as they were decoded
-        self._summed: list[DecodedReply] = []  # the updates in it, in order
         persistence = rules.persistent_opposition
         self.directions = DirectionHistory(persistence) if persistence is not None else None
         self.round_weight: dict[str, float | None] = {}  # per kind, the round's reference weight
@@ -162,30 +161,32 @@ class InfluenceBounds:
     def start_round(self) -> None:
         """Forget the previous round's consensus."""
         self.consensus, self.voters = {}, 0
-        self._running, self._summed = {}, []
 
-    def _directions_on(self) -> bool:
+    def directions_on(self) -> bool:
+        """Whether a direction rule needs the round's consensus."""
         return self.rules.reject_opposing or self.directions is not None
 
-    def add_to_vote(self, decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> None:
-        """Add a decoded update of the vote to a running sum, while it is still in cache: the
-        consensus when the vote's judged updates are exactly those added (no reply rejected or
-        clipped by the norm rule), summed in the same order as :meth:`set_consensus` would."""
-        if self._directions_on():
-            _add_update(self._running, float_update(decoded, received))
-            self._summed.append(decoded)
-
-    def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
+    def set_consensus(
+        self,
+        decoded: Sequence[DecodedReply],
+        received: Sequence[Mapping[str, np.ndarray]],
+        sums: VoteSums | None = None,
+    ) -> None:
         """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
-        so a minority moves it by at most its clipped share)."""
-        running, summed = self._running, self._summed
-        self._running, self._summed = {}, []
-        if not self._directions_on() or not decoded:
+        so a minority moves it by at most its clipped share).
+
+        ``sums``, the vote's running sums, give the encoded entries' part when they hold exactly
+        ``decoded`` (nobody rejected or clipped by the norm rule); else every update is summed again.
+        """
+        if not self.directions_on() or not decoded:
             return
-        if len(summed) == len(decoded) and all(a is b for a, b in zip(summed, decoded, strict=True)):
-            total = running
+        total: dict[str, np.ndarray] = {}
+        if sums is not None and sums.keeps_consensus and sums.holds_exactly(decoded):
+            for reply, sent in zip(decoded, received, strict=True):
+                _add_update(total, {k: v for k, v in float_update(reply, sent).items() if k not in reply.updates})
+            for name, flat in sums.consensus.items():
+                total[name] = flat.reshape(received[0][name].shape)
         else:
-            total = {}
             for reply, sent in zip(decoded, received, strict=True):
                 _add_update(total, float_update(reply, sent))
         self.consensus, self.voters = total, len(decoded)

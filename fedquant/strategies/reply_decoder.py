@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -69,7 +69,11 @@ def single_array_record(content: RecordDict) -> tuple[str, ArrayRecord]:
 
 
 def decode_reply(
-    content: RecordDict, received: Mapping[str, np.ndarray], codec: RecordCodec, client_seed: int
+    content: RecordDict,
+    received: Mapping[str, np.ndarray],
+    codec: RecordCodec,
+    client_seed: int,
+    squares: Callable[[str, np.ndarray, np.ndarray], float] | None = None,
 ) -> DecodedReply:
     """Check one reply against what its client received and rebuild dense arrays.
 
@@ -83,6 +87,9 @@ def decode_reply(
         The client's assigned record codec (its decode plan's, see ``DecodePlan.reply_codec``).
     client_seed : int
         The client's seed for this round.
+    squares : callable, optional
+        How each decoded update is checked and its squared norm taken (``RecordCodec.decode``'s
+        hook; default its own check), e.g. :meth:`~fedquant.strategies.vote_sums.VoteSums.squares`.
 
     Raises
     ------
@@ -92,7 +99,7 @@ def decode_reply(
     record_name, record = single_array_record(content)
     try:
         plain = codec.check_layout(record, received)
-        decoded = codec.decode(record, client_seed, received, rebuild=False)
+        decoded = codec.decode(record, client_seed, received, rebuild=False, squares=squares)
     except RecordError as err:
         raise RejectedReply(str(err)) from err
     squared_norm = 0.0

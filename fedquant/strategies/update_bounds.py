@@ -170,7 +170,7 @@ def consensus_cosine(
     dot = square = own = 0.0
     for k in keys:
         u = np.ascontiguousarray(update[k], dtype=np.float32).ravel()
-        c = np.ascontiguousarray(consensus[k], dtype=np.float64).ravel()
+        c = np.ascontiguousarray(consensus[k]).ravel()  # float32 (the vote's running sum) or float64
         terms = cosine_terms(u, c, float(self_weight))
         dot, square, own = dot + terms[0], square + terms[1], own + terms[2]
     if not (square > 0 and own > 0):

@@ -52,6 +52,17 @@ def _add_scaled_twin(acc: np.ndarray, update: np.ndarray, factor: float) -> None
     acc += factor * update.astype(np.float64)
 
 
+def _checked_accumulate_twin(
+    base: np.ndarray, update: np.ndarray, consensus: np.ndarray, weighted: np.ndarray, weight: float
+) -> tuple[float, int]:
+    squares, nonfinite = _checked_sum_squares_twin(base, update)
+    if consensus.size:
+        consensus += update
+    if weighted.size:
+        weighted += weight * update.astype(np.float64)
+    return squares, nonfinite
+
+
 def _cosine_terms_twin(update: np.ndarray, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:
     u = update.astype(np.float64)
     c = consensus + weight * u if weight else consensus
@@ -126,6 +137,47 @@ def checked_sum_squares(base, update):
     return partial.sum(), bad.sum()
 
 
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_accumulate(base, update, consensus, weighted, weight, lo, hi):
+    """:func:`_block_checked` of ``lo .. hi`` that also adds the update to the running sums."""
+    acc = 0.0
+    nonfinite = 0
+    us, bs = update[lo:hi], base[lo:hi]
+    if consensus.size:
+        cs = consensus[lo:hi]
+        for j in range(us.size):
+            cs[j] += us[j]
+    if weighted.size:
+        ws = weighted[lo:hi]
+        for j in range(us.size):
+            ws[j] += weight * np.float64(us[j])
+    for j in range(us.size):
+        u = us[j]
+        nonfinite += not abs(bs[j] + u) <= _F32_MAX
+        v = np.float64(u)
+        acc += v * v
+    return acc, nonfinite
+
+
+@parallel_kernel(count_arg=1, twin=_checked_accumulate_twin)
+def checked_accumulate(base, update, consensus, weighted, weight):
+    """:func:`checked_sum_squares` of ``update`` against ``base``, and the update added to two running
+    sums in the same pass (while it is in cache): ``consensus += update`` (float32) and
+    ``weighted += weight x update`` (float64). Either
+    sum may be an empty array (not kept). Returns ``(sum(update**2), non-finite base + update)``;
+    the sums are written whatever the count (a caller that rejects the update discards them).
+    """
+    n = update.size
+    blocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(blocks, np.float64)
+    bad = np.zeros(blocks, np.int64)
+    for b in prange(blocks):
+        partial[b], bad[b] = _block_accumulate(
+            base, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK)
+        )
+    return partial.sum(), bad.sum()
+
+
 @parallel_kernel(count_arg=1, twin=_add_scaled_twin)
 def add_scaled(acc, update, factor):
     """``acc += factor x update`` in place: ``acc`` float64, ``update`` float32, 1-D, one length.
@@ -157,7 +209,7 @@ def _block_cosine(update, consensus, weight, lo, hi):
     us, cs = update[lo:hi], consensus[lo:hi]
     for j in range(us.size):
         u = np.float64(us[j])
-        c = cs[j] + weight * u
+        c = np.float64(cs[j]) + weight * u
         dot += u * c
         square += c * c
         own += u * u
@@ -167,7 +219,7 @@ def _block_cosine(update, consensus, weight, lo, hi):
 @parallel_kernel(twin=_cosine_terms_twin)
 def cosine_terms(update, consensus, weight):
     """``(<u, c'>, <c', c'>, <u, u>)`` with ``c' = consensus + weight x update``: ``update`` float32,
-    ``consensus`` float64, both 1-D of one length; float64 by blocks, no temporary arrays."""
+    ``consensus`` float32 or float64, both 1-D of one length; float64 by blocks, no temporary arrays."""
     n = update.size
     blocks = (n + BLOCK - 1) // BLOCK
     dots = np.zeros(blocks, np.float64)

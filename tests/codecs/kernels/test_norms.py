@@ -12,6 +12,7 @@ from fedquant.codecs.kernels.norms import (
     add_scaled,
     add_scaled_float32,
     add_sum_squares,
+    checked_accumulate,
     checked_sum_squares,
     cosine_terms,
     sum_squares,
@@ -124,3 +125,34 @@ def test_add_scaled_is_numpys_float64_axpy_bit_for_bit(n):
     out = np.empty(n, np.float32)
     add_scaled_float32(acc, update, 0.7, out)
     np.testing.assert_array_equal(out, (acc + 0.7 * update.astype(np.float64)).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [5, 4097, PARALLEL_MIN + 7])
+def test_checked_accumulate_checks_as_checked_sum_squares_and_adds_to_both_sums(n):
+    rng = np.random.default_rng(n + 2)
+    base = rng.standard_normal(n).astype(np.float32)
+    update = rng.standard_normal(n).astype(np.float32) * np.float32(1e-2)
+    consensus0 = rng.standard_normal(n).astype(np.float32)
+    weighted0 = rng.standard_normal(n)
+    for version in (
+        checked_accumulate,
+        checked_accumulate.serial,
+        checked_accumulate.parallel,
+        checked_accumulate.twin,
+    ):
+        consensus, weighted = consensus0.copy(), weighted0.copy()
+        squares, nonfinite = version(base, update, consensus, weighted, 2.5)
+        assert nonfinite == 0 and squares == pytest.approx(_exact(update), rel=1e-12)
+        np.testing.assert_array_equal(consensus, consensus0 + update)  # float32 additions, bit for bit
+        np.testing.assert_allclose(weighted, weighted0 + 2.5 * update.astype(np.float64), rtol=1e-15, atol=1e-300)
+        # a sum may be left out (an empty array)
+        assert version(base, update, np.zeros(0, np.float32), np.zeros(0), 2.5) == pytest.approx((squares, 0))
+    base[:2] = F32_MAX
+    update[:2] = np.float32(F32_MAX)  # base + update overflows to +Inf
+    update[-1] = np.nan
+    for version in (checked_accumulate, checked_accumulate.twin):
+        assert (
+            version(base, update, consensus0.copy(), weighted0.copy(), 1.0)[1]
+            == checked_sum_squares(base, update)[1]
+            == 3
+        )
