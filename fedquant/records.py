@@ -27,6 +27,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedquant.codecs import Codec, get_codec
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels.norms import add_sum_squares, checked_sum_squares, sum_squares
 from fedquant.protocol import (
     DEFAULT_MIN_NUMEL,
@@ -91,7 +92,8 @@ class DecodedRecord:
         for payload entries, the plain entries unchanged. Without the rebuild
         (``decode(..., rebuild=False)``) only the entries that are not in ``updates``.
     updates : dict of str to torch.Tensor
-        The decoded differences to the base (float32), of the payload entries (empty without a base).
+        The decoded differences to the base (float32), of the payload entries (empty without a base);
+        with ``decode(..., defer=True)`` some may be :class:`~fedquant.codecs.deferred.DeferredValues`.
     squared_norms : dict of str to float
         ``sum(update**2)`` of each of ``updates``, accumulated in float64 (no float64 copy, see
         :mod:`fedquant.codecs.kernels.norms`).
@@ -264,7 +266,8 @@ class RecordCodec:
         base: Mapping[str, Array | np.ndarray] | None = None,
         *,
         rebuild: bool = True,
-        squares: Callable[[str, np.ndarray, np.ndarray], float] | None = None,
+        squares: Callable[[str, np.ndarray, np.ndarray | DeferredValues], float] | None = None,
+        defer: bool = False,
     ) -> DecodedRecord:
         """Rebuild the dense record a wire record stands for.
 
@@ -275,7 +278,10 @@ class RecordCodec:
         caller that aggregates the differences themselves), checked all the same: the sum is
         computed, not stored, and must not overflow: by :func:`checked_squares`, or by ``squares``
         (same arguments and contract: the squared norm of the flat update, :class:`RecordError`
-        when ``base + difference`` overflows), which may do more in the same pass.
+        when ``base + difference`` overflows), which may do more in the same pass. With ``defer``
+        (and ``squares``, which must then take them), the differences of the codecs that can
+        defer their values (:meth:`fedquant.codecs.Codec.decode_deferred`) are kept as
+        :class:`~fedquant.codecs.deferred.DeferredValues` in ``updates``.
 
         Raises
         ------
@@ -298,6 +304,16 @@ class RecordCodec:
                 if reference is None:
                     value = codec.decode(array.data, tensor_seed(seed, name)).numpy()
                 else:
+                    deferring = getattr(codec, "decode_deferred", None) if defer and not rebuild else None
+                    deferred = (
+                        None
+                        if deferring is None
+                        else deferring(array.data, tensor_seed(seed, name), shape=reference.shape)
+                    )
+                    if deferred is not None:
+                        updates[name] = deferred
+                        squared_norms[name] = squares(name, reference, deferred)
+                        continue
                     # every value is checked below, as part of base + difference
                     update = codec.decode(
                         array.data,

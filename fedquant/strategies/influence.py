@@ -213,7 +213,7 @@ class InfluenceBounds:
         """
         if not self.consensus:
             return None
-        update = float_update(decoded, received)
+        update = float_update(decoded, received, deferred=True)
         # with one other update, who opposes whom is undecidable: both would be flagged
         if self.directions is not None and self.voters - in_vote >= 2:
             others = consensus_cosine(update, self.consensus, self_weight=-1 if in_vote else 0)

@@ -22,11 +22,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels.norms import checked_accumulate
 from fedquant.records import RecordError, checked_squares
 from fedquant.strategies.reply_decoder import DecodedReply
 
 _NONE = np.zeros(0, np.float64)
+_NONE32 = np.zeros(0, np.float32)
 
 
 class VoteSums:
@@ -67,23 +69,23 @@ class VoteSums:
         self._pending = True
         return self._add
 
-    def _add(self, name: str, reference: np.ndarray, update: np.ndarray) -> float:
+    def _add(self, name: str, reference: np.ndarray, update: np.ndarray | DeferredValues) -> float:
+        deferred = isinstance(update, DeferredValues)
         if reference.dtype != np.float32:  # rare (float16/64 models): the plain check, then plain sums
+            update = update.materialize().numpy() if deferred else update
             squares = checked_squares(name, reference, update)
             self._add_slow(name, update.reshape(-1))
             return squares
-        flat = update.reshape(-1)
-        if flat.size != reference.size:
-            raise RecordError(f"'{name}': the update holds {flat.size} elements, the received tensor {reference.size}")
-        consensus = self._buffer(self.consensus, name, flat.size, np.float32) if self.keeps_consensus else None
-        weighted = self._buffer(self.weighted, name, flat.size, np.float64) if self.keeps_weighted else None
-        squares, nonfinite = checked_accumulate(
-            np.ascontiguousarray(reference).reshape(-1),
-            flat,
-            _NONE.astype(np.float32) if consensus is None else consensus,
-            _NONE if weighted is None else weighted,
-            self._weight,
-        )
+        size = update.numel if deferred else update.size
+        if size != reference.size:
+            raise RecordError(f"'{name}': the update holds {size} elements, the received tensor {reference.size}")
+        consensus = self._buffer(self.consensus, name, size, np.float32) if self.keeps_consensus else _NONE32
+        weighted = self._buffer(self.weighted, name, size, np.float64) if self.keeps_weighted else _NONE
+        base = np.ascontiguousarray(reference).reshape(-1)
+        if deferred:  # the values computed in this pass from the payload's symbols, never stored
+            squares, nonfinite = update.accumulate(base, consensus, weighted, self._weight)
+        else:
+            squares, nonfinite = checked_accumulate(base, update.reshape(-1), consensus, weighted, self._weight)
         if nonfinite:
             raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
         return float(squares)

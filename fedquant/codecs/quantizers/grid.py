@@ -24,8 +24,11 @@ import torch
 
 from fedquant.codecs.buckets import bucket_stat, effective_bucket_size, to_buckets
 from fedquant.codecs.clipping import clip_sigma
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.kernels import grid_sums
 from fedquant.codecs.kernels.common import kernel_key
+from fedquant.codecs.kernels.norms import cosine_terms
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import BucketScaledQuantizer, LevelsLadder, Quantized, relative_error
 from fedquant.errors import PayloadError
@@ -131,6 +134,52 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         require_items(packed, packed_size(numel, width), "packed symbols")
         values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width)
         return self._checked(torch.from_numpy(values), int(bad))
+
+    def defers_packed(self) -> bool:
+        """Decoded values can be deferred (:class:`GridValues`) where the kernels run."""
+        return self.uses_kernels()
+
+    def defer_packed(self, side, packed, width, numel, seed) -> GridValues:
+        d, steps = self._steps(side, numel)
+        require_items(packed, packed_size(numel, width), "packed symbols")
+        return GridValues(self, packed, numel, d, steps, width)
+
+
+class GridValues(DeferredValues):
+    """A scaled grid's decoded values, computed from its packed symbols in every pass
+    (:mod:`fedquant.codecs.kernels.grid_sums`)."""
+
+    def __init__(
+        self, quantizer: ScaledGridQuantizer, packed: np.ndarray, numel: int, d: int, steps: np.ndarray, width: int
+    ) -> None:
+        self.quantizer = quantizer
+        self.packed = packed
+        self.numel = numel
+        self.d = d
+        self.steps = steps
+        self.width = width
+        self.s = quantizer.grid()[0]
+        self._checked = False  # the alphabet, once a pass has counted the symbols beyond it
+
+    def accumulate(self, base, consensus, weighted, weight) -> tuple[float, int]:
+        squares, nonfinite, bad = grid_sums.packed_accumulate(
+            self.packed, self.numel, self.d, self.steps, self.s, self.width, base, consensus, weighted, weight
+        )
+        self.quantizer._checked(None, int(bad))
+        self._checked = True
+        return float(squares), int(nonfinite)
+
+    def cosine_terms(self, consensus, weight) -> tuple[float, float, float]:
+        if not self._checked:
+            return cosine_terms(self.materialize().numpy(), consensus, weight)
+        return grid_sums.packed_cosine_terms(
+            self.packed, self.numel, self.d, self.steps, self.s, self.width, consensus, weight
+        )
+
+    def materialize(self) -> torch.Tensor:
+        values, bad = kernels.unpack_dequant(self.packed, self.numel, self.d, self.steps, self.s, self.width)
+        self._checked = True
+        return self.quantizer._checked(torch.from_numpy(values), int(bad))
 
 
 class QSGDQuantizer(LevelsLadder, ScaledGridQuantizer):

@@ -1,0 +1,157 @@
+"""Sums over a scaled grid's decoded values read straight from its packed symbols (the server's fast path).
+
+A server that aggregates updates needs, of each decoded update ``u``: its squared norm, a check
+that ``base + u`` stays finite in float32, ``u`` added to running sums, and later its inner
+products with the round's consensus. Writing ``u`` out (4 bytes per element) and reading it back
+for each of those costs more than decoding it again: the packed symbols are 4-8 bits per element.
+These kernels decode each chunk's symbols into a buffer that stays in L1 (the unpacking of
+:mod:`fedquant.codecs.kernels.grid`'s decoder) and use the values there, element ``i`` being
+``float32(code_i - s) * steps[i // d]``: bit for bit the value :func:`~fedquant.codecs.kernels.grid.unpack_dequant`
+writes. Every kernel also counts the symbols above ``2s`` (a malformed payload), which the
+caller must refuse.
+
+The sums of squares and inner products are float64 per chunk, added in chunk order, like those of
+:mod:`fedquant.codecs.kernels.norms` (within ~1e-12 of the exact sums).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from fedquant.codecs.kernels.common import CHUNK, parallel_kernel, unpack_from
+from fedquant.codecs.kernels.norms import REASSOCIATE
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+@njit(cache=True, fastmath=REASSOCIATE)
+def _segment_accumulate(codes, s, step, bs, cs, ws, weight):
+    """One bucket's part of a chunk: ``(squares, non-finite base + u, symbols > 2s)``, sums added."""
+    squares = 0.0
+    nonfinite = 0
+    bad = 0
+    top = 2 * s
+    for k in range(codes.size):
+        c = np.int64(codes[k])
+        bad += c > top
+        u = np.float32(c - s) * step
+        nonfinite += not abs(bs[k] + u) <= _F32_MAX
+        v = np.float64(u)
+        squares += v * v
+        if cs.size:
+            cs[k] += u
+        if ws.size:
+            ws[k] += weight * v
+    return squares, nonfinite, bad
+
+
+@njit(cache=True)
+def _buckets_accumulate(codes, c0, c1, d, steps, s, base, consensus, weighted, weight):
+    """:func:`_segment_accumulate` over the buckets of elements ``c0 .. c1`` (symbols in ``codes``)."""
+    squares = 0.0
+    nonfinite = 0
+    bad = 0
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        cs = consensus[i:hi] if consensus.size else consensus
+        ws = weighted[i:hi] if weighted.size else weighted
+        q, f, x = _segment_accumulate(codes[i - c0 : hi - c0], s, steps[b], base[i:hi], cs, ws, weight)
+        squares += q
+        nonfinite += f
+        bad += x
+        i = hi
+    return squares, nonfinite, bad
+
+
+@njit(cache=True)
+def _chunk_accumulate(data, n, d, steps, s, width, base, consensus, weighted, weight, c):
+    c0 = c * CHUNK
+    c1 = min(c0 + CHUNK, n)
+    if width <= 8:  # byte symbols: half the traffic through the chunk buffer
+        small = np.empty(CHUNK, np.uint8)
+        unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+        return _buckets_accumulate(small, c0, c1, d, steps, s, base, consensus, weighted, weight)
+    wide = np.empty(CHUNK, np.uint16)
+    unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+    return _buckets_accumulate(wide, c0, c1, d, steps, s, base, consensus, weighted, weight)
+
+
+@parallel_kernel(count_arg=1)
+def packed_accumulate(data, n, d, steps, s, width, base, consensus, weighted, weight):
+    """The checks and running sums of a decoded grid update, from its packed symbols.
+
+    Element ``i``'s value is ``u_i = float32(code_i - s) * steps[i // d]``. Adds ``u`` to
+    ``consensus`` (float32) and ``weight x u`` to ``weighted`` (float64); either may be empty (not
+    kept). Returns ``(sum(u**2), how many float32 base + u are not finite, symbols > 2s)``; the
+    sums are written whatever the counts (a caller that refuses the update discards them).
+    """
+    nchunks = (n + CHUNK - 1) // CHUNK
+    squares = np.zeros(nchunks, np.float64)
+    nonfinite = np.zeros(nchunks, np.int64)
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        squares[c], nonfinite[c], bad[c] = _chunk_accumulate(
+            data, n, d, steps, s, width, base, consensus, weighted, weight, c
+        )
+    return squares.sum(), nonfinite.sum(), bad.sum()
+
+
+@njit(cache=True, fastmath=REASSOCIATE)
+def _segment_cosine(codes, s, step, cs, weight):
+    dot = 0.0
+    square = 0.0
+    own = 0.0
+    for k in range(codes.size):
+        u = np.float64(np.float32(np.int64(codes[k]) - s) * step)
+        c = np.float64(cs[k]) + weight * u
+        dot += u * c
+        square += c * c
+        own += u * u
+    return dot, square, own
+
+
+@njit(cache=True)
+def _buckets_cosine(codes, c0, c1, d, steps, s, consensus, weight):
+    dot = 0.0
+    square = 0.0
+    own = 0.0
+    i = c0
+    while i < c1:
+        b = i // d
+        hi = min((b + 1) * d, c1)
+        x, y, z = _segment_cosine(codes[i - c0 : hi - c0], s, steps[b], consensus[i:hi], weight)
+        dot += x
+        square += y
+        own += z
+        i = hi
+    return dot, square, own
+
+
+@njit(cache=True)
+def _chunk_cosine(data, n, d, steps, s, width, consensus, weight, c):
+    c0 = c * CHUNK
+    c1 = min(c0 + CHUNK, n)
+    if width <= 8:
+        small = np.empty(CHUNK, np.uint8)
+        unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+        return _buckets_cosine(small, c0, c1, d, steps, s, consensus, weight)
+    wide = np.empty(CHUNK, np.uint16)
+    unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+    return _buckets_cosine(wide, c0, c1, d, steps, s, consensus, weight)
+
+
+@parallel_kernel(count_arg=1)
+def packed_cosine_terms(data, n, d, steps, s, width, consensus, weight):
+    """:func:`~fedquant.codecs.kernels.norms.cosine_terms` of a decoded grid update, from its packed
+    symbols: ``(<u, c'>, <c', c'>, <u, u>)`` with ``c' = consensus + weight x u`` (the caller has
+    refused updates with symbols above ``2s`` before)."""
+    nchunks = (n + CHUNK - 1) // CHUNK
+    dots = np.zeros(nchunks, np.float64)
+    squares = np.zeros(nchunks, np.float64)
+    owns = np.zeros(nchunks, np.float64)
+    for c in prange(nchunks):
+        dots[c], squares[c], owns[c] = _chunk_cosine(data, n, d, steps, s, width, consensus, weight, c)
+    return dots.sum(), squares.sum(), owns.sum()
