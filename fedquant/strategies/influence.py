@@ -183,7 +183,8 @@ class InfluenceBounds:
         total: dict[str, np.ndarray] = {}
         if sums is not None and sums.keeps_consensus and sums.holds_exactly(decoded):
             for reply, sent in zip(decoded, received, strict=True):
-                _add_update(total, {k: v for k, v in float_update(reply, sent).items() if k not in reply.updates})
+                plain = {k: v for k, v in float_update(reply, sent, deferred=True).items() if k not in reply.updates}
+                _add_update(total, plain)
             for name, flat in sums.consensus.items():
                 total[name] = flat.reshape(received[0][name].shape)
         else:

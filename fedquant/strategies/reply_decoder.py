@@ -42,6 +42,9 @@ class Updates(Mapping[str, torch.Tensor]):
         value = self._values.get(name)
         return value if isinstance(value, DeferredValues) else None
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would look the entry up (writing it out)
+        return name in self._values
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 

@@ -112,12 +112,15 @@ def test_the_mean_of_the_updates_is_fedavg_of_the_dense_replies(codec, case, mon
     monkeypatch.setattr(
         VoteSums, "weighted_sum_of", lambda self, *a: taken.append(weighted_sum_of(self, *a)) or taken[-1]
     )
-    deferred = []
-    accumulate = GridValues.accumulate
+    deferred, written = [], []
+    accumulate, materialize = GridValues.accumulate, GridValues.materialize
     monkeypatch.setattr(GridValues, "accumulate", lambda self, *a: deferred.append(self) or accumulate(self, *a))
+    monkeypatch.setattr(GridValues, "materialize", lambda self: written.append(self) or materialize(self))
     fast, fast_metrics = _round(SortedFedAvg(**inner), codec, CASES[case](codec))
     assert len(taken) == 1 and (taken[0] is not None) == (case in FROM_RUNNING_SUMS)
     assert bool(deferred) == codec.startswith("qsgd")  # QSGD's updates are never written out in the vote
+    if case in FROM_RUNNING_SUMS:
+        assert not written  # ... nor afterwards, when the vote's sums stand
     dense, dense_metrics = _round(DenseFedAvg(**inner), codec, CASES[case](codec))
     assert list(fast.keys()) == list(dense.keys())
     for key in fast.keys():
