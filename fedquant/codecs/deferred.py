@@ -29,11 +29,19 @@ class DeferredValues(ABC):
 
     @abstractmethod
     def accumulate(
-        self, base: np.ndarray, consensus: np.ndarray, weighted: np.ndarray, weight: float
+        self,
+        base: np.ndarray,
+        consensus: np.ndarray,
+        weighted: np.ndarray,
+        weight: float,
+        base_bound: float | None = None,
     ) -> tuple[float, int]:
         """``(sum(u**2), how many float32 base + u are not finite)``, adding ``u`` to ``consensus``
         (float32) and ``weight x u`` to ``weighted`` (float64) in the same pass; either sum may be an
-        empty array. As :func:`fedquant.codecs.kernels.norms.checked_accumulate` of the values."""
+        empty array. As :func:`fedquant.codecs.kernels.norms.checked_accumulate` of the values (the
+        squared norm to float64 rounding). ``base_bound``, an upper bound of ``|base|`` the caller
+        knows (NaN or Inf: none), lets an implementation skip the elementwise check where it can
+        prove ``|base| + |u|`` finite."""
 
     @abstractmethod
     def cosine_terms(self, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:

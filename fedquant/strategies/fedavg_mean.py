@@ -83,12 +83,11 @@ def weighted_mean(
         taken (popped) as the entries' sums instead of new memory, which costs more to fault in
         than to write.
     summed : mapping of str to numpy.ndarray, optional
-        For some encoded entries, ``sum_i w_i update_i`` over exactly these replies (float64, flat,
-        with ``shares[i] = w_i / total``: the vote's running sums,
-        :meth:`~fedquant.strategies.vote_sums.VoteSums.weighted_sum_of`), taken (scaled in place)
-        instead of reading every update again.
+        For some encoded entries (flat), ``total`` times ``sum_i shares[i] update_i`` (the vote's
+        running sums, :meth:`~fedquant.strategies.vote_sums.VoteSums.weighted_sum_of`), taken
+        (scaled in place) instead of reading every update again.
     total : float
-        ``W``, the sum of the weights of ``summed``.
+        What ``summed`` is divided by.
 
     Entries come in the order of the first reply's model, each in the dtype FedAvg gives it.
     """

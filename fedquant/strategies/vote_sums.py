@@ -32,27 +32,32 @@ _NONE32 = np.zeros(0, np.float32)
 
 
 class VoteSums:
-    """Running sums of the encoded entries of a vote's updates: the consensus (float32) and the
-    weighted sum (float64, each update times its reply's weight).
+    """Running sums of the encoded entries of a vote's updates: their plain sum (float32; the
+    consensus) and their weighted sum (float64, each update times its reply's weight).
+
+    While every reply has come with the same weight ``w``, the weighted sum is ``w`` times the
+    plain sum and is not kept apart (federations of equal clients pay for one sum, not two); the
+    first reply of another weight starts it, from the plain sum so far.
 
     Parameters
     ----------
     consensus : bool
-        Keep the unweighted sum (the direction rules are on).
+        The plain sum is needed as such (the direction rules are on).
     weighted : bool
-        Keep the weighted sum (the inner strategy aggregates as FedAvg does).
+        The weighted sum is needed (the inner strategy aggregates as FedAvg does).
     """
 
     def __init__(self, consensus: bool, weighted: bool) -> None:
         self.keeps_consensus = consensus
         self.keeps_weighted = weighted
-        self.consensus: dict[str, np.ndarray] = {}
-        self.weighted: dict[str, np.ndarray] = {}
+        self.consensus: dict[str, np.ndarray] = {}  # the plain sum (also kept for the weighted one)
+        self.weighted: dict[str, np.ndarray] | None = None  # started by the first reply of another weight
         self.members: list[DecodedReply] = []  # the replies added, in order
         self.weights: list[float] = []
         self.intact = True  # False once a reply was added in part (its decode failed halfway)
         self._weight = 0.0
         self._pending = False
+        self._bounds: dict[int, tuple[float, np.ndarray]] = {}  # id -> (max |array|, the array: keeps the id valid)
 
     @property
     def active(self) -> bool:
@@ -67,6 +72,9 @@ class VoteSums:
         """
         self._weight = float(weight)
         self._pending = True
+        if self.keeps_weighted and self.weighted is None and self.weights and self._weight != self.weights[0]:
+            w = self.weights[0]
+            self.weighted = {name: w * flat.astype(np.float64) for name, flat in self.consensus.items()}
         return self._add
 
     def _add(self, name: str, reference: np.ndarray, update: np.ndarray | DeferredValues) -> float:
@@ -79,21 +87,28 @@ class VoteSums:
         size = update.numel if deferred else update.size
         if size != reference.size:
             raise RecordError(f"'{name}': the update holds {size} elements, the received tensor {reference.size}")
-        consensus = self._buffer(self.consensus, name, size, np.float32) if self.keeps_consensus else _NONE32
-        weighted = self._buffer(self.weighted, name, size, np.float64) if self.keeps_weighted else _NONE
+        consensus = self._buffer(self.consensus, name, size, np.float32) if self.active else _NONE32
+        weighted = self._buffer(self.weighted, name, size, np.float64) if self.weighted is not None else _NONE
         base = np.ascontiguousarray(reference).reshape(-1)
         if deferred:  # the values computed in this pass from the payload's symbols, never stored
-            squares, nonfinite = update.accumulate(base, consensus, weighted, self._weight)
+            squares, nonfinite = update.accumulate(base, consensus, weighted, self._weight, self._bound(reference))
         else:
             squares, nonfinite = checked_accumulate(base, update.reshape(-1), consensus, weighted, self._weight)
         if nonfinite:
             raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
         return float(squares)
 
+    def _bound(self, reference: np.ndarray) -> float:
+        """``max |reference|`` (NaN when it holds a NaN), once per array sent this round."""
+        key = id(reference)
+        if key not in self._bounds:
+            self._bounds[key] = (float(np.max(np.abs(reference))) if reference.size else 0.0, reference)
+        return self._bounds[key][0]
+
     def _add_slow(self, name: str, flat: np.ndarray) -> None:
-        if self.keeps_consensus:
+        if self.active:
             self._buffer(self.consensus, name, flat.size, np.float32)[...] += flat
-        if self.keeps_weighted:
+        if self.weighted is not None:
             self._buffer(self.weighted, name, flat.size, np.float64)[...] += self._weight * flat.astype(np.float64)
 
     def _buffer(self, sums: dict[str, np.ndarray], name: str, size: int, dtype: type) -> np.ndarray:
@@ -128,13 +143,20 @@ class VoteSums:
 
     def weighted_sum_of(
         self, replies: Sequence[DecodedReply], weights: Sequence[float]
-    ) -> Mapping[str, np.ndarray] | None:
-        """The weighted sums (float64, flat, per encoded entry) when they are exactly the sum over
-        ``replies`` (as admitted: the same objects, in any order) with ``weights``; else None."""
+    ) -> tuple[Mapping[str, np.ndarray], float] | None:
+        """``(sums, total)`` with ``sums / total`` the weighted mean of the encoded entries (flat)
+        over exactly ``replies`` (as admitted: the same objects, in any order) with ``weights``, when
+        the sums hold exactly that; else None.
+
+        The sums are the weighted sum and the total weight, or, when every reply came with one
+        weight, the plain sum and the number of replies. The caller may scale them in place.
+        """
         if not (self.keeps_weighted and self.intact and len(replies) == len(self.members)):
             return None
         added = {id(d): w for d, w in zip(self.members, self.weights, strict=True)}
         for reply, weight in zip(replies, weights, strict=True):
             if added.get(id(reply)) != weight:
                 return None
-        return self.weighted
+        if self.weighted is None:
+            return self.consensus, float(len(replies))
+        return self.weighted, float(sum(weights))

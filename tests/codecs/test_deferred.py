@@ -41,7 +41,8 @@ def test_every_pass_over_deferred_values_is_the_pass_over_the_decoded_tensor(spe
     want_c, want_w = consensus.copy(), weighted.copy()
     want = checked_accumulate(base, decoded, want_c, want_w, 3.0)
     got = values.accumulate(base, consensus, weighted, 3.0)
-    assert got[1] == want[1] == 0 and got[0] == pytest.approx(want[0], rel=1e-12)
+    # the squares are summed exactly in integers, the float32 values' squares in float64: ~1e-8 apart
+    assert got[1] == want[1] == 0 and got[0] == pytest.approx(want[0], rel=1e-6)
     np.testing.assert_array_equal(consensus, want_c)  # float32 sums of the same float32 values
     np.testing.assert_allclose(weighted, want_w, rtol=1e-15)
     for weight in (-1.0, 0.0, 1.0):
@@ -49,8 +50,21 @@ def test_every_pass_over_deferred_values_is_the_pass_over_the_decoded_tensor(spe
             cosine_terms(decoded, consensus, weight), rel=1e-12
         )
     np.testing.assert_array_equal(values.materialize().numpy(), decoded)
-    # a sum left out (empty) is not kept, the check is the same
-    assert values.accumulate(base, np.zeros(0, np.float32), np.zeros(0), 1.0) == pytest.approx(want[:2])
+    # a sum left out (empty) is not kept; a bound on |base| skips the elementwise check, same result
+    for bound in (None, float(np.abs(base).max()), float("nan")):
+        assert values.accumulate(base, np.zeros(0, np.float32), np.zeros(0), 1.0, bound) == pytest.approx(got)
+
+
+def test_a_base_bound_that_cannot_rule_out_overflow_keeps_the_elementwise_check():
+    codec = get_codec("qsgd")
+    values = codec.decode_deferred(codec.encode(_update((8, 512), 6) * 1e38, seed=4), 4, shape=(8, 512))
+    base = np.zeros(values.numel, np.float32)
+    base[::7] = np.finfo(np.float32).max  # + an update of ~1e36 overflows to Inf where it is positive
+    empty = (np.zeros(0, np.float32), np.zeros(0))
+    want = checked_accumulate(base, values.materialize().numpy(), *empty, 1.0)[1]
+    assert want > 0
+    for bound in (None, float(np.abs(base).max()), float("nan"), float("inf")):
+        assert values.accumulate(base, *empty, 1.0, bound)[1] == want
 
 
 @pytest.mark.parametrize("spec", NOT_DEFERRED)

@@ -51,7 +51,9 @@ def test_the_sums_are_the_consensus_and_the_weighted_sum_of_the_updates():
     weighted = sum(w * u.astype(np.float64) for w, u in zip(weights, updates, strict=True)).reshape(-1)
     assert sums.holds_exactly(replies) and not sums.holds_exactly(replies[::-1]) and not sums.holds_exactly(replies[1:])
     # the weighted sum does not depend on the order FedAvg sees the replies in, only on who and how heavy
-    np.testing.assert_allclose(sums.weighted_sum_of(replies[::-1], weights[::-1])["w"], weighted, rtol=1e-12)
+    summed, total = sums.weighted_sum_of(replies[::-1], weights[::-1])
+    assert total == sum(weights)
+    np.testing.assert_allclose(summed["w"], weighted, rtol=1e-6)
     assert sums.weighted_sum_of(replies[1:], weights[1:]) is None  # one reply left out (rejected later)
     assert sums.weighted_sum_of(replies, [*weights[:-1], weights[-1] / 2]) is None  # a weight clipped later
     clipped = DecodedReply("arrays", {}, replies[0].plain_values, {"w": replies[0].updates["w"] * 0.5}, 0.0)
@@ -96,3 +98,22 @@ def test_the_consensus_from_the_running_sums_is_the_consensus_summed_again():
     lost.set_consensus(replies[1:], [received] * 5, sums)
     want = sum(float_update(r, received)["w"].astype(np.float64) for r in replies[1:])
     np.testing.assert_allclose(lost.consensus["w"], want, rtol=1e-12)
+
+
+def test_equal_weights_keep_one_sum_and_another_weight_starts_the_weighted_one():
+    received, updates, _ = _setting(6, seed=4)
+    equal = VoteSums(consensus=False, weighted=True)
+    replies = _vote(equal, received, updates, [7.0] * 6)
+    assert equal.weighted is None  # 7 x the plain sum: not kept apart
+    summed, total = equal.weighted_sum_of(replies, [7.0] * 6)
+    assert total == 6 and summed is equal.consensus  # sum / 6 is the mean
+    exact = sum(u.astype(np.float64) for u in updates).reshape(-1)
+    np.testing.assert_allclose(summed["w"], exact, rtol=1e-5, atol=1e-7)  # float32 sums of 6 terms of ~0.01
+    weights = [7.0, 7.0, 7.0, 2.0, 7.0, 3.0]
+    mixed = VoteSums(consensus=False, weighted=True)
+    replies = _vote(mixed, received, updates, weights)
+    assert mixed.weighted is not None
+    summed, total = mixed.weighted_sum_of(replies, weights)
+    want = sum(w * u.astype(np.float64) for w, u in zip(weights, updates, strict=True)).reshape(-1)
+    assert total == sum(weights)
+    np.testing.assert_allclose(summed["w"], want, rtol=1e-5, atol=1e-6)  # the first three summed in float32

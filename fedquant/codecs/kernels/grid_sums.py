@@ -26,77 +26,87 @@ _F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
-def _segment_accumulate(codes, s, step, bs, cs, ws, weight):
-    """One bucket's part of a chunk: ``(squares, non-finite base + u, symbols > 2s)``, sums added."""
-    squares = 0.0
+def _segment_accumulate(codes, s, step, bs, cs, ws, weight, check):
+    """One bucket's part of a chunk: ``(sum (code - s)**2, largest code, non-finite base + u)``, sums added.
+
+    The squares are summed exactly, in integers (``u**2 = (code - s)**2 step**2``); the check of
+    ``base + u`` runs only when the caller could not bound it (``check``).
+    """
+    squares = np.int64(0)
+    top = np.int32(0)
     nonfinite = 0
-    bad = 0
-    top = 2 * s
+    s32 = np.int32(s)
     for k in range(codes.size):
-        c = np.int64(codes[k])
-        bad += c > top
-        u = np.float32(c - s) * step
-        nonfinite += not abs(bs[k] + u) <= _F32_MAX
-        v = np.float64(u)
-        squares += v * v
+        c = np.int32(codes[k])
+        top = max(top, c)
+        q = c - s32
+        squares += np.int64(q) * np.int64(q)
+        u = np.float32(q) * step
+        if check:
+            nonfinite += not abs(bs[k] + u) <= _F32_MAX
         if cs.size:
             cs[k] += u
         if ws.size:
-            ws[k] += weight * v
-    return squares, nonfinite, bad
+            ws[k] += weight * np.float64(u)
+    return squares, top, nonfinite
 
 
 @njit(cache=True)
-def _buckets_accumulate(codes, c0, c1, d, steps, s, base, consensus, weighted, weight):
-    """:func:`_segment_accumulate` over the buckets of elements ``c0 .. c1`` (symbols in ``codes``)."""
+def _buckets_accumulate(codes, c0, c1, d, steps, s, base, consensus, weighted, weight, check):
+    """:func:`_segment_accumulate` over the buckets of elements ``c0 .. c1`` (symbols in ``codes``):
+    ``(sum u**2 in float64, largest code, non-finite base + u)``."""
     squares = 0.0
+    top = 0
     nonfinite = 0
-    bad = 0
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
         cs = consensus[i:hi] if consensus.size else consensus
         ws = weighted[i:hi] if weighted.size else weighted
-        q, f, x = _segment_accumulate(codes[i - c0 : hi - c0], s, steps[b], base[i:hi], cs, ws, weight)
-        squares += q
+        step = steps[b]
+        q, t, f = _segment_accumulate(codes[i - c0 : hi - c0], s, step, base[i:hi], cs, ws, weight, check)
+        squares += np.float64(q) * (np.float64(step) * np.float64(step))
+        top = max(top, t)
         nonfinite += f
-        bad += x
         i = hi
-    return squares, nonfinite, bad
+    return squares, top, nonfinite
 
 
 @njit(cache=True)
-def _chunk_accumulate(data, n, d, steps, s, width, base, consensus, weighted, weight, c):
+def _chunk_accumulate(data, n, d, steps, s, width, base, consensus, weighted, weight, check, c):
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
     if width <= 8:  # byte symbols: half the traffic through the chunk buffer
         small = np.empty(CHUNK, np.uint8)
         unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
-        return _buckets_accumulate(small, c0, c1, d, steps, s, base, consensus, weighted, weight)
+        return _buckets_accumulate(small, c0, c1, d, steps, s, base, consensus, weighted, weight, check)
     wide = np.empty(CHUNK, np.uint16)
     unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
-    return _buckets_accumulate(wide, c0, c1, d, steps, s, base, consensus, weighted, weight)
+    return _buckets_accumulate(wide, c0, c1, d, steps, s, base, consensus, weighted, weight, check)
 
 
 @parallel_kernel(count_arg=1)
-def packed_accumulate(data, n, d, steps, s, width, base, consensus, weighted, weight):
+def packed_accumulate(data, n, d, steps, s, width, base, consensus, weighted, weight, check):
     """The checks and running sums of a decoded grid update, from its packed symbols.
 
     Element ``i``'s value is ``u_i = float32(code_i - s) * steps[i // d]``. Adds ``u`` to
     ``consensus`` (float32) and ``weight x u`` to ``weighted`` (float64); either may be empty (not
-    kept). Returns ``(sum(u**2), how many float32 base + u are not finite, symbols > 2s)``; the
-    sums are written whatever the counts (a caller that refuses the update discards them).
+    kept). Returns ``(sum(u**2), largest symbol, how many float32 base + u are not finite)``, the
+    last counted only with ``check`` (0 otherwise: the caller has bounded ``|base| + |u|``); the
+    sums are written whatever the result (a caller that refuses the update discards them).
+    ``sum(u**2)`` is ``sum_b steps[b]**2 sum (code - s)**2``, the inner sums exact: within a few
+    float64 roundings of the sum of the float64 squares of the float32 values.
     """
     nchunks = (n + CHUNK - 1) // CHUNK
     squares = np.zeros(nchunks, np.float64)
+    top = np.zeros(nchunks, np.int64)
     nonfinite = np.zeros(nchunks, np.int64)
-    bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
-        squares[c], nonfinite[c], bad[c] = _chunk_accumulate(
-            data, n, d, steps, s, width, base, consensus, weighted, weight, c
+        squares[c], top[c], nonfinite[c] = _chunk_accumulate(
+            data, n, d, steps, s, width, base, consensus, weighted, weight, check, c
         )
-    return squares.sum(), nonfinite.sum(), bad.sum()
+    return squares.sum(), top.max() if nchunks else 0, nonfinite.sum()
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
@@ -104,8 +114,9 @@ def _segment_cosine(codes, s, step, cs, weight):
     dot = 0.0
     square = 0.0
     own = 0.0
+    s32 = np.int32(s)
     for k in range(codes.size):
-        u = np.float64(np.float32(np.int64(codes[k]) - s) * step)
+        u = np.float64(np.float32(np.int32(codes[k]) - s32) * step)
         c = np.float64(cs[k]) + weight * u
         dot += u * c
         square += c * c

@@ -145,6 +145,9 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         return GridValues(self, packed, numel, d, steps, width)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 class GridValues(DeferredValues):
     """A scaled grid's decoded values, computed from its packed symbols in every pass
     (:mod:`fedquant.codecs.kernels.grid_sums`)."""
@@ -160,12 +163,17 @@ class GridValues(DeferredValues):
         self.width = width
         self.s = quantizer.grid()[0]
         self._checked = False  # the alphabet, once a pass has counted the symbols beyond it
+        # |u| <= s x step (the float32 product rounds up by at most one part in 2**24)
+        self.bound = float(self.s) * float(steps.max()) * (1 + 2.0**-22) if steps.size else 0.0
 
-    def accumulate(self, base, consensus, weighted, weight) -> tuple[float, int]:
-        squares, nonfinite, bad = grid_sums.packed_accumulate(
-            self.packed, self.numel, self.d, self.steps, self.s, self.width, base, consensus, weighted, weight
+    def accumulate(self, base, consensus, weighted, weight, base_bound=None) -> tuple[float, int]:
+        check = base_bound is None or not base_bound + self.bound <= _F32_MAX
+        squares, top, nonfinite = grid_sums.packed_accumulate(
+            self.packed, self.numel, self.d, self.steps, self.s, self.width, base, consensus, weighted, weight, check
         )
-        self.quantizer._checked(None, int(bad))
+        if top > 2 * self.s:
+            q = self.quantizer
+            raise PayloadError(f"{q.name} payload holds symbols beyond the {q.num_symbols()} levels (up to {top})")
         self._checked = True
         return float(squares), int(nonfinite)
 

@@ -73,9 +73,10 @@ class Aggregation(RoundStage):
         shares = [w / total for w in weights]
         decoded = [state.decoded[id(r)] for r in admitted]
         received = [state.received(r.metadata.src_node_id) for r in admitted]
-        summed = None if state.vote_sums is None else state.vote_sums.weighted_sum_of(decoded, weights)
+        running = None if state.vote_sums is None else state.vote_sums.weighted_sum_of(decoded, weights)
+        summed, divisor = (None, total) if running is None else running
         with decode_threads(len(state.sent)):
-            return weighted_mean(decoded, received, shares, state.scratch, summed, total), metrics
+            return weighted_mean(decoded, received, shares, state.scratch, summed, divisor), metrics
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
         """Whether the inner strategy failed, and how many zero-norm updates it was spared."""
