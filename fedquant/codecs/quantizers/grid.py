@@ -122,7 +122,10 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         s = self.grid()[0]
         d, steps = self._steps(side, numel)
         if self.uses_kernels():
-            values, bad = kernels.codes_dequant(np.ascontiguousarray(symbols, dtype=np.uint16), d, steps, s)
+            codes = np.ascontiguousarray(
+                symbols, dtype=symbols.dtype if symbols.dtype in (np.uint8, np.uint16) else np.uint16
+            )
+            values, bad = kernels.codes_dequant(codes, d, steps, s)
             return self._checked(torch.from_numpy(values), int(bad))
         codes = torch.from_numpy(np.asarray(symbols).astype(np.int32))
         return self._checked(*kernels.torch_dequantize(codes, d, steps, s))
