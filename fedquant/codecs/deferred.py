@@ -44,8 +44,8 @@ class DeferredValues(ABC):
         prove ``|base| + |u|`` finite."""
 
     @abstractmethod
-    def cosine_terms(self, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:
-        """As :func:`fedquant.codecs.kernels.norms.cosine_terms` of the values."""
+    def dot_terms(self, consensus: np.ndarray) -> tuple[float, float]:
+        """``(<u, consensus>, <u, u>)``, as :func:`fedquant.codecs.kernels.norms.dot_terms` of the values."""
 
     @abstractmethod
     def materialize(self) -> torch.Tensor:

@@ -37,6 +37,7 @@ from fedquant.strategies.update_bounds import (
     non_float_names,
     scale_integers,
     sent_bool_digest,
+    squares_of,
 )
 from fedquant.strategies.vote_sums import VoteSums
 
@@ -62,6 +63,7 @@ class InfluenceBounds:
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
         self.voters = 0  # how many updates that sum holds
+        self.consensus_squares: dict[str, float] = {}  # <c, c> of each of its entries
         persistence = rules.persistent_opposition
         self.directions = DirectionHistory(persistence) if persistence is not None else None
         self.round_weight: dict[str, float | None] = {}  # per kind, the round's reference weight
@@ -160,7 +162,7 @@ class InfluenceBounds:
 
     def start_round(self) -> None:
         """Forget the previous round's consensus."""
-        self.consensus, self.voters = {}, 0
+        self.consensus, self.voters, self.consensus_squares = {}, 0, {}
 
     def directions_on(self) -> bool:
         """Whether a direction rule needs the round's consensus."""
@@ -191,6 +193,7 @@ class InfluenceBounds:
             for reply, sent in zip(decoded, received, strict=True):
                 _add_update(total, float_update(reply, sent))
         self.consensus, self.voters = total, len(decoded)
+        self.consensus_squares = squares_of(total)
 
     def take_consensus(self) -> dict[str, np.ndarray]:
         """The round's consensus buffers (float64), forgotten here: the direction rules are done with
@@ -217,14 +220,14 @@ class InfluenceBounds:
         update = float_update(decoded, received, deferred=True)
         # with one other update, who opposes whom is undecidable: both would be flagged
         if self.directions is not None and self.voters - in_vote >= 2:
-            others = consensus_cosine(update, self.consensus, self_weight=-1 if in_vote else 0)
+            others = consensus_cosine(update, self.consensus, -1 if in_vote else 0, self.consensus_squares)
             if others is not None:
                 self.directions.observe(node, others)
         if self.directions is not None and self.directions.persistent(node):
             return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
         if not self.rules.reject_opposing:
             return None
-        cosine = consensus_cosine(update, self.consensus, self_weight=0 if in_vote else 1)
+        cosine = consensus_cosine(update, self.consensus, 0 if in_vote else 1, self.consensus_squares)
         if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"

@@ -16,7 +16,7 @@ from fedquant import PayloadError
 from fedquant.codecs import get_codec
 from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels.common import PARALLEL_MIN
-from fedquant.codecs.kernels.norms import checked_accumulate, cosine_terms
+from fedquant.codecs.kernels.norms import checked_accumulate, dot_terms
 
 DEFERRED = ["qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=300,bucket_size=1000", "terngrad"]
 NOT_DEFERRED = ["eden:bits=2", "rht+qsgd", "qsgd:coding=entropy", "qsgd:coding=elias", "dqsg", "fp32", "signsgd"]
@@ -45,10 +45,8 @@ def test_every_pass_over_deferred_values_is_the_pass_over_the_decoded_tensor(spe
     assert got[1] == want[1] == 0 and got[0] == pytest.approx(want[0], rel=1e-6)
     np.testing.assert_array_equal(consensus, want_c)  # float32 sums of the same float32 values
     np.testing.assert_allclose(weighted, want_w, rtol=1e-15)
-    for weight in (-1.0, 0.0, 1.0):
-        assert values.cosine_terms(consensus, weight) == pytest.approx(
-            cosine_terms(decoded, consensus, weight), rel=1e-12
-        )
+    (dot, own), want_terms = values.dot_terms(consensus), dot_terms(decoded, consensus)
+    assert dot == pytest.approx(want_terms[0], rel=1e-12) and own == pytest.approx(want_terms[1], rel=1e-6)
     np.testing.assert_array_equal(values.materialize().numpy(), decoded)
     # a sum left out (empty) is not kept; a bound on |base| skips the elementwise check, same result
     for bound in (None, float(np.abs(base).max()), float("nan")):
@@ -100,7 +98,7 @@ def test_symbols_beyond_the_alphabet_are_refused_by_the_first_pass():
         values.accumulate(base, np.zeros(values.numel, np.float32), np.zeros(values.numel), 1.0)
     fresh = codec.decode_deferred(codec.encode(_update(shape, 5), seed=3), 3, shape=shape)
     fresh.packed = np.full_like(fresh.packed, 0xFF)
-    with pytest.raises(PayloadError, match="beyond"):  # a cosine before any check writes the values out first
-        fresh.cosine_terms(np.zeros(values.numel, np.float32), 1.0)
+    with pytest.raises(PayloadError, match="beyond"):  # a dot before any check writes the values out first
+        fresh.dot_terms(np.zeros(values.numel, np.float32))
     with pytest.raises(PayloadError, match="beyond"):
         fresh.materialize()

@@ -110,59 +110,54 @@ def packed_accumulate(data, n, d, steps, s, width, base, consensus, weighted, we
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
-def _segment_cosine(codes, s, step, cs, weight):
+def _segment_dot(codes, s, step, cs):
+    """``(<u, c>, sum (code - s)**2)`` of one bucket's part of a chunk."""
     dot = 0.0
-    square = 0.0
-    own = 0.0
+    squares = np.int64(0)
     s32 = np.int32(s)
     for k in range(codes.size):
-        u = np.float64(np.float32(np.int32(codes[k]) - s32) * step)
-        c = np.float64(cs[k]) + weight * u
-        dot += u * c
-        square += c * c
-        own += u * u
-    return dot, square, own
+        q = np.int32(codes[k]) - s32
+        squares += np.int64(q) * np.int64(q)
+        dot += np.float64(np.float32(q) * step) * np.float64(cs[k])
+    return dot, squares
 
 
 @njit(cache=True)
-def _buckets_cosine(codes, c0, c1, d, steps, s, consensus, weight):
+def _buckets_dot(codes, c0, c1, d, steps, s, consensus):
     dot = 0.0
-    square = 0.0
     own = 0.0
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
-        x, y, z = _segment_cosine(codes[i - c0 : hi - c0], s, steps[b], consensus[i:hi], weight)
+        step = steps[b]
+        x, q = _segment_dot(codes[i - c0 : hi - c0], s, step, consensus[i:hi])
         dot += x
-        square += y
-        own += z
+        own += np.float64(q) * (np.float64(step) * np.float64(step))
         i = hi
-    return dot, square, own
+    return dot, own
 
 
 @njit(cache=True)
-def _chunk_cosine(data, n, d, steps, s, width, consensus, weight, c):
+def _chunk_dot(data, n, d, steps, s, width, consensus, c):
     c0 = c * CHUNK
     c1 = min(c0 + CHUNK, n)
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
         unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
-        return _buckets_cosine(small, c0, c1, d, steps, s, consensus, weight)
+        return _buckets_dot(small, c0, c1, d, steps, s, consensus)
     wide = np.empty(CHUNK, np.uint16)
     unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
-    return _buckets_cosine(wide, c0, c1, d, steps, s, consensus, weight)
+    return _buckets_dot(wide, c0, c1, d, steps, s, consensus)
 
 
 @parallel_kernel(count_arg=1)
-def packed_cosine_terms(data, n, d, steps, s, width, consensus, weight):
-    """:func:`~fedquant.codecs.kernels.norms.cosine_terms` of a decoded grid update, from its packed
-    symbols: ``(<u, c'>, <c', c'>, <u, u>)`` with ``c' = consensus + weight x u`` (the caller has
-    refused updates with symbols above ``2s`` before)."""
+def packed_dot_terms(data, n, d, steps, s, width, consensus):
+    """:func:`~fedquant.codecs.kernels.norms.dot_terms` of a decoded grid update, from its packed
+    symbols: ``(<u, c>, <u, u>)`` (the caller has refused updates with symbols above ``2s`` before)."""
     nchunks = (n + CHUNK - 1) // CHUNK
     dots = np.zeros(nchunks, np.float64)
-    squares = np.zeros(nchunks, np.float64)
     owns = np.zeros(nchunks, np.float64)
     for c in prange(nchunks):
-        dots[c], squares[c], owns[c] = _chunk_cosine(data, n, d, steps, s, width, consensus, weight, c)
-    return dots.sum(), squares.sum(), owns.sum()
+        dots[c], owns[c] = _chunk_dot(data, n, d, steps, s, width, consensus, c)
+    return dots.sum(), owns.sum()

@@ -104,7 +104,7 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         add_sum_squares,
         checked_accumulate,
         checked_sum_squares,
-        cosine_terms,
+        dot_terms,
         sum_squares,
     )
 
@@ -115,8 +115,8 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         checked_sum_squares(x, x)
         add_scaled(np.zeros(n), x, 0.5)
         add_scaled_float32(np.zeros(n), x, 0.5, np.empty_like(x))
-        cosine_terms(x, x.astype(np.float64), -1.0)
-        cosine_terms(x, x.copy(), -1.0)
+        dot_terms(x, x.astype(np.float64))
+        dot_terms(x, x.copy())
         checked_accumulate(x, x, np.zeros(n, np.float32), np.zeros(n), 0.5)
         checked_accumulate(x, x, np.zeros(0, np.float32), np.zeros(0), 0.5)
 

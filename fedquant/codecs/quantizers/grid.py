@@ -28,7 +28,7 @@ from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.kernels import grid_sums
 from fedquant.codecs.kernels.common import kernel_key
-from fedquant.codecs.kernels.norms import cosine_terms
+from fedquant.codecs.kernels.norms import dot_terms
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import BucketScaledQuantizer, LevelsLadder, Quantized, relative_error
 from fedquant.errors import PayloadError
@@ -180,12 +180,10 @@ class GridValues(DeferredValues):
         self._checked = True
         return float(squares), int(nonfinite)
 
-    def cosine_terms(self, consensus, weight) -> tuple[float, float, float]:
+    def dot_terms(self, consensus) -> tuple[float, float]:
         if not self._checked:
-            return cosine_terms(self.materialize().numpy(), consensus, weight)
-        return grid_sums.packed_cosine_terms(
-            self.packed, self.numel, self.d, self.steps, self.s, self.width, consensus, weight
-        )
+            return dot_terms(self.materialize().numpy(), consensus)
+        return grid_sums.packed_dot_terms(self.packed, self.numel, self.d, self.steps, self.s, self.width, consensus)
 
     def materialize(self) -> torch.Tensor:
         values, bad = kernels.unpack_dequant(self.packed, self.numel, self.d, self.steps, self.s, self.width)

@@ -14,7 +14,8 @@ from fedquant.codecs.kernels.norms import (
     add_sum_squares,
     checked_accumulate,
     checked_sum_squares,
-    cosine_terms,
+    cosine_with,
+    dot_terms,
     sum_squares,
 )
 
@@ -80,19 +81,23 @@ def test_add_sum_squares_writes_the_float32_sum_and_counts_non_finite_results(n)
 
 @pytest.mark.parametrize("n", [0, 1, 4097, PARALLEL_MIN + 11])
 @pytest.mark.parametrize("weight", [1.0, -1.0, 0.0])
-def test_cosine_terms_are_the_exact_inner_products_of_the_update_and_the_shifted_consensus(n, weight):
-    # The direction rules' three inner products, against math.fsum of the float64 products (the
-    # NumPy expression they replace made two float64 copies of every update).
+def test_the_cosine_terms_from_one_pass_are_the_exact_inner_products_of_the_shifted_consensus(n, weight):
+    # The direction rules' three inner products with c' = c + weight u, against math.fsum of the
+    # float64 products, from dot_terms' two sums and the consensus's own squares (taken once).
     rng = np.random.default_rng(n + 7)
     update = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
-    consensus = rng.standard_normal(n) * 1e3
     u = update.astype(np.float64)
-    c = consensus + weight * u
-    exact = (math.fsum((u * c).tolist()), math.fsum((c * c).tolist()), math.fsum((u * u).tolist()))
-    for version in (cosine_terms, cosine_terms.serial, cosine_terms.parallel, cosine_terms.twin):
-        got = version(update, consensus, weight)
-        for value, want, scale in zip(got, exact, (math.sqrt(exact[1] * exact[2]), exact[1], exact[2]), strict=True):
-            assert abs(value - want) <= 1e-12 * scale + 1e-300
+    for consensus in (rng.standard_normal(n) * 1e3, (rng.standard_normal(n) * 1e3).astype(np.float32)):
+        c64 = consensus.astype(np.float64)
+        c = c64 + weight * u
+        exact = (math.fsum((u * c).tolist()), math.fsum((c * c).tolist()), math.fsum((u * u).tolist()))
+        for version in (dot_terms, dot_terms.serial, dot_terms.parallel, dot_terms.twin):
+            dot, own = version(update, consensus)
+            assert dot == pytest.approx(math.fsum((u * c64).tolist()), rel=1e-12, abs=1e-300)
+            got = cosine_with(dot, own, math.fsum((c64 * c64).tolist()), weight)
+            scales = (math.sqrt(exact[1] * exact[2]), exact[1], exact[2])
+            for value, want, scale in zip(got, exact, scales, strict=True):
+                assert abs(value - want) <= 1e-12 * scale + 1e-300
 
 
 @pytest.mark.parametrize("n", [5, PARALLEL_MIN + 7])
