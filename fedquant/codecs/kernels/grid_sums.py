@@ -110,32 +110,25 @@ def packed_accumulate(data, n, d, steps, s, width, base, consensus, weighted, we
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
-def _segment_dot(codes, s, step, cs):
-    """``(<u, c>, sum (code - s)**2)`` of one bucket's part of a chunk."""
+def _segment_dot(codes, s, cs):
+    """``sum (code - s) c`` of one bucket's part of a chunk (its step applied by the caller)."""
     dot = 0.0
-    squares = np.int64(0)
     s32 = np.int32(s)
     for k in range(codes.size):
-        q = np.int32(codes[k]) - s32
-        squares += np.int64(q) * np.int64(q)
-        dot += np.float64(np.float32(q) * step) * np.float64(cs[k])
-    return dot, squares
+        dot += np.float64(np.int32(codes[k]) - s32) * np.float64(cs[k])
+    return dot
 
 
 @njit(cache=True)
 def _buckets_dot(codes, c0, c1, d, steps, s, consensus):
     dot = 0.0
-    own = 0.0
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
-        step = steps[b]
-        x, q = _segment_dot(codes[i - c0 : hi - c0], s, step, consensus[i:hi])
-        dot += x
-        own += np.float64(q) * (np.float64(step) * np.float64(step))
+        dot += np.float64(steps[b]) * _segment_dot(codes[i - c0 : hi - c0], s, consensus[i:hi])
         i = hi
-    return dot, own
+    return dot
 
 
 @njit(cache=True)
@@ -152,12 +145,12 @@ def _chunk_dot(data, n, d, steps, s, width, consensus, c):
 
 
 @parallel_kernel(count_arg=1)
-def packed_dot_terms(data, n, d, steps, s, width, consensus):
-    """:func:`~fedquant.codecs.kernels.norms.dot_terms` of a decoded grid update, from its packed
-    symbols: ``(<u, c>, <u, u>)`` (the caller has refused updates with symbols above ``2s`` before)."""
+def packed_dot(data, n, d, steps, s, width, consensus):
+    """``<u, consensus>`` of a decoded grid update, from its packed symbols (float64: each bucket's
+    ``sum (code - s) c`` times its step; within a few float64 roundings of the inner product of
+    the float32 values). The caller has refused updates with symbols above ``2s`` before."""
     nchunks = (n + CHUNK - 1) // CHUNK
     dots = np.zeros(nchunks, np.float64)
-    owns = np.zeros(nchunks, np.float64)
     for c in prange(nchunks):
-        dots[c], owns[c] = _chunk_dot(data, n, d, steps, s, width, consensus, c)
-    return dots.sum(), owns.sum()
+        dots[c] = _chunk_dot(data, n, d, steps, s, width, consensus, c)
+    return dots.sum()

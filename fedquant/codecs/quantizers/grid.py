@@ -165,7 +165,7 @@ class GridValues(DeferredValues):
         self.steps = steps
         self.width = width
         self.s = quantizer.grid()[0]
-        self._checked = False  # the alphabet, once a pass has counted the symbols beyond it
+        self._squares: float | None = None  # sum(u**2), once accumulate has checked the symbols
         # |u| <= s x step (the float32 product rounds up by at most one part in 2**24)
         self.bound = float(self.s) * float(steps.max()) * (1 + 2.0**-22) if steps.size else 0.0
 
@@ -177,17 +177,17 @@ class GridValues(DeferredValues):
         if top > 2 * self.s:
             q = self.quantizer
             raise PayloadError(f"{q.name} payload holds symbols beyond the {q.num_symbols()} levels (up to {top})")
-        self._checked = True
-        return float(squares), int(nonfinite)
+        self._squares = float(squares)
+        return self._squares, int(nonfinite)
 
     def dot_terms(self, consensus) -> tuple[float, float]:
-        if not self._checked:
+        if self._squares is None:  # not checked yet: the values written out check them
             return dot_terms(self.materialize().numpy(), consensus)
-        return grid_sums.packed_dot_terms(self.packed, self.numel, self.d, self.steps, self.s, self.width, consensus)
+        dot = grid_sums.packed_dot(self.packed, self.numel, self.d, self.steps, self.s, self.width, consensus)
+        return float(dot), self._squares
 
     def materialize(self) -> torch.Tensor:
         values, bad = kernels.unpack_dequant(self.packed, self.numel, self.d, self.steps, self.s, self.width)
-        self._checked = True
         return self.quantizer._checked(torch.from_numpy(values), int(bad))
 
 
