@@ -337,8 +337,8 @@ def time_split(codec, x: torch.Tensor, payload: bytes, threads: Threads, seed: i
     section = np.frombuffer(body.take_rest(), np.uint8)
     parts["coder dec"] = threads.time(lambda: entropy_decode(section, flat.numel(), k), True)
     decoded = entropy_decode(section, flat.numel(), k)
-    parts["dequantize"] = threads.time(lambda: quantizer.dequantize(side, decoded, flat.numel(), seed, None), True)
-    values = quantizer.dequantize(side, decoded, flat.numel(), seed, None)
+    parts["dequantize"] = threads.time(lambda: quantizer.dequantize(side, decoded, flat.numel(), seed), True)
+    values = quantizer.dequantize(side, decoded, flat.numel(), seed)
     for t, size in zip(reversed(codec.wire_transforms), reversed(sizes[:-1]), strict=True):
         parts[f"{t.name} inv"] = threads.time(lambda t=t, v=values, s=size: t.inverse(v, s, seed), True)
     return {name: seconds / copy for name, seconds in parts.items()}

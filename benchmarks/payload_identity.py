@@ -7,6 +7,10 @@ inputs) with the code on ``PYTHONPATH`` and, in a subprocess, with the checkout 
 ``--base``, and compares the SHA-256 of every payload and of every decoded tensor (each side
 decodes its own payload). It exits 1 on any difference or on a case only one side can run.
 
+With ``--ignore-version`` a payload's digest leaves out its format version byte and the CRC-32
+that covers it: a format version bump alone is then no difference, and what differs is what the
+new version changed. Differences are summed up per spec (payload bytes, decoded values).
+
 Usage::
 
     git worktree add --detach /tmp/base main
@@ -111,7 +115,12 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:24]
 
 
-def run_cases(sizes: list[int]) -> dict[str, list[str]]:
+def payload_digest(payload: bytes, ignore_version: bool) -> str:
+    """:func:`digest` of a payload, without its version byte and CRC-32 if ``ignore_version``."""
+    return digest(payload[:2] + payload[3:-4] if ignore_version else payload)
+
+
+def run_cases(sizes: list[int], ignore_version: bool = False) -> dict[str, list[str]]:
     """``case -> [payload digest, decoded digest]`` (or ``["error", message]``) with this process's fedquant."""
     import torch
 
@@ -135,12 +144,13 @@ def run_cases(sizes: list[int]) -> dict[str, list[str]]:
                         if codec.stateful:
                             payload, state = codec.encode_stateful(x, seed, None)
                             payload2, _ = codec.encode_stateful(x, seed + 1, state)
-                            payload += payload2
-                            decoded = codec.decode(payload[: len(payload) - len(payload2)], seed)
+                            decoded = codec.decode(payload, seed)
+                            sent = payload_digest(payload, ignore_version) + payload_digest(payload2, ignore_version)
                         else:
                             payload = codec.encode(x, seed)
                             decoded = codec.decode(payload, seed, side_info=side)
-                        results[key] = [digest(payload), digest(decoded.numpy().tobytes())]
+                            sent = payload_digest(payload, ignore_version)
+                        results[key] = [sent, digest(decoded.numpy().tobytes())]
                     except (ValueError, RuntimeError) as err:
                         results[key] = ["error", f"{type(err).__name__}: {err}"]
     return results
@@ -150,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", help="root of the checkout to compare with (its fedquant is imported there)")
     ap.add_argument("--quick", action="store_true", help="sizes up to 4097 only")
+    ap.add_argument("--ignore-version", action="store_true", help="leave the format version byte (and CRC) out")
     args = ap.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
     if not args.base:
@@ -157,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     base_root = Path(args.base).resolve()
     env = {**os.environ, "PYTHONPATH": str(base_root)}
     worker = [str(Path(__file__).resolve())] + (["--quick"] if args.quick else [])
+    worker += ["--ignore-version"] if args.ignore_version else []
     # The script runs from this checkout; its own path insert would shadow the base's fedquant.
     probe = subprocess.run(
         [sys.executable, "-c", "import fedquant, sys; print(fedquant.__file__)"],
@@ -181,21 +193,29 @@ def main(argv: list[str] | None = None) -> int:
         print(base_run.stderr)
         return 2
     base = json.loads(base_run.stdout)
-    here = run_cases(sizes)
+    here = run_cases(sizes, args.ignore_version)
     same = differ = 0
     lines = []
+    per_spec: dict[str, list[int]] = {}
     for key in sorted(set(base) | set(here)):
         if base.get(key) == here.get(key):
             same += 1
             continue
         differ += 1
         lines.append(f"  {key}: base {base.get(key)} here {here.get(key)}")
+        b, h = base.get(key) or ["", ""], here.get(key) or ["", ""]
+        counts = per_spec.setdefault(key.split("|")[0], [0, 0, 0])
+        counts[0] += 1
+        counts[1] += b[0] != h[0]
+        counts[2] += b[1] != h[1]
     errors = sum(1 for v in here.values() if v[0] == "error")
     print(
         f"{len(here)} cases ({len(SPECS)} specs x sizes {sizes} x seeds {SEEDS} x inputs {list(INPUTS)}): "
         f"{same} identical (payload bytes and decoded values), {differ} different; "
         f"{errors} cases refused by both sides alike"
     )
+    for spec, (cases, payloads, values) in per_spec.items():
+        print(f"  {spec}: {cases} cases differ ({payloads} payloads, {values} decoded values)")
     for line in lines[:50]:
         print(line)
     return 1 if differ else 0
@@ -208,7 +228,7 @@ import json, runpy, sys
 path = sys.argv[1]
 module = runpy.run_path(path, run_name="payload_identity_worker")
 sizes = module["QUICK_SIZES"] if "--quick" in sys.argv else module["SIZES"]
-json.dump(module["run_cases"](sizes), sys.stdout)
+json.dump(module["run_cases"](sizes, "--ignore-version" in sys.argv), sys.stdout)
 """
 
 

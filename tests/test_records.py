@@ -18,7 +18,7 @@ from fedquant.protocol import (
     payload_array,
     tensor_seed,
 )
-from fedquant.records import RecordCodec, RecordError, _rebuilt, numpy_array
+from fedquant.records import RecordCodec, RecordError, _rebuilt, check_plain_entry, npy_header, numpy_array
 
 SEED = 77
 
@@ -232,3 +232,24 @@ def test_an_update_of_another_length_than_the_received_tensor_is_refused_before_
             _rebuilt("w", received, np.ones(length, np.float32))
     array, squares = _rebuilt("w", received, np.ones((4, 8), np.float32))
     assert squares == 32.0 and array.numpy().shape == (4, 8)
+
+
+@pytest.mark.parametrize("value", [np.arange(16, dtype=np.float32), np.zeros((3, 4), np.float16), np.array(2.5)])
+def test_a_plain_entry_is_read_as_np_load_reads_it_whichever_way_its_bytes_are_parsed(value):
+    """Bytes that are exactly np.save's are read without parsing the header; anything else goes
+    through Array.numpy (np.load) and its checks, so both readers give the same value or error."""
+    array = Array(value)
+    got = check_plain_entry("x", array, value)
+    assert got.dtype == value.dtype and got.flags.writeable
+    np.testing.assert_array_equal(got, value)
+    header = npy_header(value.dtype, value.shape)
+    assert array.data.startswith(header)
+    body = array.data[len(header) :]
+    # the same header padded otherwise (np.load parses it), trailing bytes: np.load's value
+    padded = header[:-2] + b"\t\n"
+    for data in (padded + body, array.data + b"\0" * value.dtype.itemsize):
+        other = Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=data)
+        np.testing.assert_array_equal(check_plain_entry("x", other, value), other.numpy())
+    short = Array(dtype=array.dtype, shape=array.shape, stype=array.stype, data=array.data[:-1])
+    with pytest.raises(RecordError, match="not a valid NumPy array"):
+        check_plain_entry("x", short, value)

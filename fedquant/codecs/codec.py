@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from fedquant.codecs.coders.layout import decode_body, encode_body, max_body_bytes
+from fedquant.codecs.coders.layout import decode_body, defer_body, defers_body, encode_body, max_body_bytes
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.quantizers.base import NonFiniteInput, Quantizer
 from fedquant.codecs.transforms.base import StatefulTransform, Transform
 from fedquant.errors import PayloadError
@@ -336,6 +337,7 @@ class Codec:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         max_numel: int | None = None,
+        check_finite: bool = True,
     ) -> torch.Tensor:
         """Check and decode a payload produced by ``encode`` with the same pipeline.
 
@@ -355,6 +357,10 @@ class Codec:
         max_numel : int, optional
             Largest element count accepted when ``shape`` is not given (guards allocation).
             Default: :func:`numel_limit` of the payload's size.
+        check_finite : bool
+            Refuse a payload that decodes to NaN or Inf (one reduction over the result). Only a
+            caller that checks every value itself in a later pass (the server adds each decoded
+            update to the model it sent and refuses any non-finite sum) may turn this off.
 
         Returns
         -------
@@ -366,6 +372,56 @@ class Codec:
         PayloadError
             For any malformed, corrupted or mismatched payload, or one that decodes to NaN/Inf.
         """
+        p, quantizer, sizes, body = self._open(payload, seed, side_info, shape, dtype, max_numel)
+        flat = decode_body(quantizer, body, sizes[-1], seed)
+        body.expect_end()
+        if flat.numel() != sizes[-1]:
+            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
+        for t, n in zip(reversed(self.wire_transforms), reversed(sizes[:-1])):
+            flat = t.inverse(flat, n, seed)
+        # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
+        # range becomes Inf in the cast.
+        out = flat.reshape(p.shape).to(dtype=p.dtype)
+        if check_finite and not all_finite(out):
+            raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
+        return out.to(device=device)
+
+    def decode_deferred(
+        self, payload: bytes | bytearray | memoryview, seed: int, *, shape: Sequence[int]
+    ) -> DeferredValues | None:
+        """The float32 values :meth:`decode` would return, flat, without writing them out.
+
+        A :class:`~fedquant.codecs.deferred.DeferredValues` for the pipelines whose decoder is
+        cheap enough to run in every pass over the values (no transforms, a quantizer that defers
+        its fixed-width symbols: QSGD, TernGrad, on the CPU kernels); None for the others, before
+        anything is read (call :meth:`decode` then). The payload must declare ``shape`` and
+        float32, and is checked as :meth:`decode` checks it, except for the values: out-of-range
+        symbols raise from the first pass over them, and their finiteness is the caller's to
+        check (:meth:`DeferredValues.accumulate` counts it).
+
+        Raises
+        ------
+        PayloadError
+            As :meth:`decode`.
+        """
+        if self.wire_transforms or not defers_body(self.quantizer):
+            return None
+        _, quantizer, sizes, body = self._open(payload, seed, None, shape, torch.float32, None)
+        values = defer_body(quantizer, body, sizes[-1], seed)
+        body.expect_end()
+        return values
+
+    def _open(
+        self,
+        payload: bytes | bytearray | memoryview,
+        seed: int,
+        side_info: torch.Tensor | None,
+        shape: Sequence[int] | None,
+        dtype: torch.dtype | None,
+        max_numel: int | None,
+    ) -> tuple[Payload, Quantizer, list[int], BodyReader]:
+        """The checked payload, its body's quantizer, the element counts through the transforms
+        (the declared count first) and a reader positioned at the body."""
         check_seed(seed)
 
         def check_header(p: Payload) -> None:  # before the CRC: cheap rejections first
@@ -404,18 +460,7 @@ class Codec:
         for t in self.wire_transforms:
             sizes.append(t.output_numel(sizes[-1]))
         body = BodyReader(p.body, self.name)
-        flat = decode_body(quantizer, body, sizes[-1], seed)
-        body.expect_end()
-        if flat.numel() != sizes[-1]:
-            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
-        for t, n in zip(reversed(self.wire_transforms), reversed(sizes[:-1])):
-            flat = t.inverse(flat, n, seed)
-        # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
-        # range becomes Inf in the cast.
-        out = flat.reshape(p.shape).to(dtype=p.dtype)
-        if not all_finite(out):
-            raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
-        return out.to(device=device)
+        return p, quantizer, sizes, body
 
     def _body_quantizer(self, numel: int, seed: int, side_info: torch.Tensor | None) -> Quantizer:
         """The quantizer that decodes the body (the side-information kind binds its side information)."""

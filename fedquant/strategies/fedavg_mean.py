@@ -48,11 +48,11 @@ def without_arrays(reply: Message) -> Message:
     return Message(content=content, metadata=reply.metadata)
 
 
-def fedavg_weights(replies: Sequence[Message], weight_key: str) -> list[float]:
-    """The weight shares ``w_i / W`` FedAvg gives the replies (``aggregate_arrayrecords``'s arithmetic)."""
+def fedavg_weights(replies: Sequence[Message], weight_key: str) -> tuple[list[float], float]:
+    """The weights ``w_i`` FedAvg gives the replies and their total ``W`` (its shares are ``w_i / W``,
+    ``aggregate_arrayrecords``'s arithmetic)."""
     weights = [single_metric_record(r.content)[weight_key] for r in replies]
-    total = sum(weights)
-    return [w / total for w in weights]
+    return weights, sum(weights)
 
 
 def _fedavg_dtype(dtype: np.dtype) -> np.dtype:
@@ -65,6 +65,8 @@ def weighted_mean(
     received: Sequence[Mapping[str, np.ndarray]],
     shares: Sequence[float],
     scratch: dict[str, np.ndarray] | None = None,
+    summed: Mapping[str, np.ndarray] | None = None,
+    total: float = 1.0,
 ) -> ArrayRecord:
     """``sum_i shares[i] x (received[i] + update of decoded[i])``, entry by entry, as FedAvg's ArrayRecord.
 
@@ -80,11 +82,26 @@ def weighted_mean(
         Float64 buffers of the entries' shapes that nothing needs any more (the round's consensus):
         taken (popped) as the entries' sums instead of new memory, which costs more to fault in
         than to write.
+    summed : mapping of str to numpy.ndarray, optional
+        For some encoded entries (flat), ``total`` times ``sum_i shares[i] update_i`` (the vote's
+        running sums, :meth:`~fedquant.strategies.vote_sums.VoteSums.weighted_sum_of`), taken
+        (scaled in place) instead of reading every update again.
+    total : float
+        What ``summed`` is divided by.
 
     Entries come in the order of the first reply's model, each in the dtype FedAvg gives it.
     """
     out: dict[str, Array] = {}
     for name, first in received[0].items():
+        if summed is not None and name in summed:
+            acc = np.multiply(summed[name], 1.0 / total, out=summed[name])
+            bases: dict[int, list] = {}
+            for sent, share in zip(received, shares, strict=True):
+                bases.setdefault(id(sent), [sent[name], 0.0])[1] += share
+            out[name] = numpy_array(
+                _with_bases(acc, list(bases.values()), _fedavg_dtype(first.dtype)).reshape(first.shape)
+            )
+            continue
         target = _buffer(scratch, name, first.shape)
         acc: np.ndarray | None = None  # float64, flat
         base_shares: dict[int, list] = {}  # id(received model) -> [its entry, the shares of the replies sent it]

@@ -37,7 +37,9 @@ from fedquant.strategies.update_bounds import (
     non_float_names,
     scale_integers,
     sent_bool_digest,
+    squares_of,
 )
+from fedquant.strategies.vote_sums import VoteSums
 
 Reject = Callable[[int, tuple[str, str]], None]
 
@@ -61,8 +63,7 @@ class InfluenceBounds:
         self.weights = {"train": MedianReference(), "evaluate": MedianReference()}
         self.consensus: dict[str, np.ndarray] = {}  # the sum of the round's first-vote updates
         self.voters = 0  # how many updates that sum holds
-        self._running: dict[str, np.ndarray] = {}  # the sum of the vote's updates as they were decoded
-        self._summed: list[DecodedReply] = []  # the updates in it, in order
+        self.consensus_squares: dict[str, float] = {}  # <c, c> of each of its entries
         persistence = rules.persistent_opposition
         self.directions = DirectionHistory(persistence) if persistence is not None else None
         self.round_weight: dict[str, float | None] = {}  # per kind, the round's reference weight
@@ -161,34 +162,38 @@ class InfluenceBounds:
 
     def start_round(self) -> None:
         """Forget the previous round's consensus."""
-        self.consensus, self.voters = {}, 0
-        self._running, self._summed = {}, []
+        self.consensus, self.voters, self.consensus_squares = {}, 0, {}
 
-    def _directions_on(self) -> bool:
+    def directions_on(self) -> bool:
+        """Whether a direction rule needs the round's consensus."""
         return self.rules.reject_opposing or self.directions is not None
 
-    def add_to_vote(self, decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> None:
-        """Add a decoded update of the vote to a running sum, while it is still in cache: the
-        consensus when the vote's judged updates are exactly those added (no reply rejected or
-        clipped by the norm rule), summed in the same order as :meth:`set_consensus` would."""
-        if self._directions_on():
-            _add_update(self._running, float_update(decoded, received))
-            self._summed.append(decoded)
-
-    def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
+    def set_consensus(
+        self,
+        decoded: Sequence[DecodedReply],
+        received: Sequence[Mapping[str, np.ndarray]],
+        sums: VoteSums | None = None,
+    ) -> None:
         """The round's consensus: the sum of the first vote's updates after the norm rule (clipped,
-        so a minority moves it by at most its clipped share)."""
-        running, summed = self._running, self._summed
-        self._running, self._summed = {}, []
-        if not self._directions_on() or not decoded:
+        so a minority moves it by at most its clipped share).
+
+        ``sums``, the vote's running sums, give the encoded entries' part when they hold exactly
+        ``decoded`` (nobody rejected or clipped by the norm rule); else every update is summed again.
+        """
+        if not self.directions_on() or not decoded:
             return
-        if len(summed) == len(decoded) and all(a is b for a, b in zip(summed, decoded, strict=True)):
-            total = running
+        total: dict[str, np.ndarray] = {}
+        if sums is not None and sums.keeps_consensus and sums.holds_exactly(decoded):
+            for reply, sent in zip(decoded, received, strict=True):
+                plain = {k: v for k, v in float_update(reply, sent, deferred=True).items() if k not in reply.updates}
+                _add_update(total, plain)
+            for name, flat in sums.consensus.items():
+                total[name] = flat.reshape(received[0][name].shape)
         else:
-            total = {}
             for reply, sent in zip(decoded, received, strict=True):
                 _add_update(total, float_update(reply, sent))
         self.consensus, self.voters = total, len(decoded)
+        self.consensus_squares = squares_of(total)
 
     def take_consensus(self) -> dict[str, np.ndarray]:
         """The round's consensus buffers (float64), forgotten here: the direction rules are done with
@@ -212,17 +217,17 @@ class InfluenceBounds:
         """
         if not self.consensus:
             return None
-        update = float_update(decoded, received)
+        update = float_update(decoded, received, deferred=True)
         # with one other update, who opposes whom is undecidable: both would be flagged
         if self.directions is not None and self.voters - in_vote >= 2:
-            others = consensus_cosine(update, self.consensus, self_weight=-1 if in_vote else 0)
+            others = consensus_cosine(update, self.consensus, -1 if in_vote else 0, self.consensus_squares)
             if others is not None:
                 self.directions.observe(node, others)
         if self.directions is not None and self.directions.persistent(node):
             return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
         if not self.rules.reject_opposing:
             return None
-        cosine = consensus_cosine(update, self.consensus, self_weight=0 if in_vote else 1)
+        cosine = consensus_cosine(update, self.consensus, 0 if in_vote else 1, self.consensus_squares)
         if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"

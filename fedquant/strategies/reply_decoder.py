@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -11,12 +11,45 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.threads import current_kernel_threads, kernel_threads
 from fedquant.records import RecordCodec, RecordError, rebuilt_array
 
 
 class RejectedReply(Exception):
     """A reply that cannot be aggregated; the message says why."""
+
+
+class Updates(Mapping[str, torch.Tensor]):
+    """A reply's decoded updates by entry name: float32 tensors of the shapes sent.
+
+    Some may be held as :class:`~fedquant.codecs.deferred.DeferredValues` (their values computed
+    in each pass, never stored, :meth:`deferred`): looking one up writes it out (once).
+    """
+
+    def __init__(self, values: Mapping[str, torch.Tensor | DeferredValues], shapes: Mapping[str, tuple[int, ...]]):
+        self._values = dict(values)
+        self._shapes = shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._values[name]
+        if isinstance(value, DeferredValues):
+            value = self._values[name] = value.materialize().reshape(self._shapes[name])
+        return value
+
+    def deferred(self, name: str) -> DeferredValues | None:
+        """Entry ``name`` while it is deferred (None once written out, or if it never was)."""
+        value = self._values.get(name)
+        return value if isinstance(value, DeferredValues) else None
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would look the entry up (writing it out)
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 @dataclass
@@ -31,8 +64,9 @@ class DecodedReply:
         The entries that travel as they are (the trained values), in the record's order.
     plain_values : dict of str to numpy.ndarray
         Their values, as checked.
-    updates : dict of str to torch.Tensor
-        The decoded updates of the encoded entries (float32).
+    updates : mapping of str to torch.Tensor
+        The decoded updates of the encoded entries (float32; an :class:`Updates`, whose deferred
+        entries are written out when looked up).
     update_norm : float
         L2 norm of the whole update over every float entry (decoded updates of the encoded
         entries, ``trained - received`` of the others): squares added in float64, from the
@@ -45,7 +79,7 @@ class DecodedReply:
     record_name: str
     plain: dict[str, Array]
     plain_values: dict[str, np.ndarray]
-    updates: dict[str, torch.Tensor]
+    updates: Mapping[str, torch.Tensor]
     update_norm: float
 
     def dense(self, received: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -69,7 +103,11 @@ def single_array_record(content: RecordDict) -> tuple[str, ArrayRecord]:
 
 
 def decode_reply(
-    content: RecordDict, received: Mapping[str, np.ndarray], codec: RecordCodec, client_seed: int
+    content: RecordDict,
+    received: Mapping[str, np.ndarray],
+    codec: RecordCodec,
+    client_seed: int,
+    squares: Callable[[str, np.ndarray, np.ndarray], float] | None = None,
 ) -> DecodedReply:
     """Check one reply against what its client received and rebuild dense arrays.
 
@@ -83,6 +121,10 @@ def decode_reply(
         The client's assigned record codec (its decode plan's, see ``DecodePlan.reply_codec``).
     client_seed : int
         The client's seed for this round.
+    squares : callable, optional
+        How each decoded update is checked and its squared norm taken (``RecordCodec.decode``'s
+        hook; default its own check), e.g. :meth:`~fedquant.strategies.vote_sums.VoteSums.squares`;
+        it also receives the updates that codecs can defer (``decode(..., defer=True)``).
 
     Raises
     ------
@@ -92,7 +134,7 @@ def decode_reply(
     record_name, record = single_array_record(content)
     try:
         plain = codec.check_layout(record, received)
-        decoded = codec.decode(record, client_seed, received, rebuild=False)
+        decoded = codec.decode(record, client_seed, received, rebuild=False, squares=squares, defer=squares is not None)
     except RecordError as err:
         raise RejectedReply(str(err)) from err
     squared_norm = 0.0
@@ -103,7 +145,8 @@ def decode_reply(
             squared_norm += float(np.sum((plain[name].astype(np.float64) - sent.astype(np.float64)) ** 2))
     kept = {name: record[name] for name in received if name not in decoded.updates}
     values = {name: plain[name] for name in kept}
-    return DecodedReply(record_name, kept, values, decoded.updates, math.sqrt(squared_norm))
+    updates = Updates(decoded.updates, {name: received[name].shape for name in decoded.updates})
+    return DecodedReply(record_name, kept, values, updates, math.sqrt(squared_norm))
 
 
 def decode_threads_for(replies: int, available: int | None = None) -> int:

@@ -30,9 +30,10 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedquant.codecs.kernels.norms import cosine_terms
+from fedquant.codecs.deferred import DeferredValues
+from fedquant.codecs.kernels.norms import cosine_with, dot_terms, sum_squares
 from fedquant.records import RecordError, check_plain_entry, numpy_array
-from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, single_array_record
+from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, Updates, single_array_record
 
 
 def _check_plain_entry(name: str, array: Array, sent: np.ndarray) -> np.ndarray:
@@ -145,15 +146,19 @@ def restore_dtypes(arrays: ArrayRecord | None, dtypes: Mapping[str, np.dtype]) -
     return ArrayRecord(out) if changed else arrays
 
 
-def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def float_update(
+    decoded: DecodedReply, received: Mapping[str, np.ndarray], deferred: bool = False
+) -> dict[str, np.ndarray | DeferredValues]:
     """The reply's whole float update per entry (float32), in the order sent: the decoded update of
-    the encoded entries (no copy), ``trained - received`` of the plain ones."""
+    the encoded entries (no copy; with ``deferred``, the entries still deferred as they are), ``trained
+    - received`` of the plain ones."""
     out = {}
     for name, sent in received.items():
         if sent.dtype.kind != "f":
             continue
         if name in decoded.updates:
-            out[name] = decoded.updates[name].reshape(sent.shape).numpy()
+            later = decoded.updates.deferred(name) if deferred and isinstance(decoded.updates, Updates) else None
+            out[name] = later if later is not None else decoded.updates[name].reshape(sent.shape).numpy()
         else:
             value = decoded.plain_values[name]
             out[name] = (value.astype(np.float64) - sent.astype(np.float64)).astype(np.float32)
@@ -161,18 +166,42 @@ def float_update(decoded: DecodedReply, received: Mapping[str, np.ndarray]) -> d
 
 
 def consensus_cosine(
-    update: Mapping[str, np.ndarray], consensus: Mapping[str, np.ndarray], self_weight: float
+    update: Mapping[str, np.ndarray | DeferredValues],
+    consensus: Mapping[str, np.ndarray],
+    self_weight: float,
+    consensus_squares: Mapping[str, float] | None = None,
 ) -> float | None:
     """Cosine between an update and ``consensus + self_weight x update``, over the entries both hold;
     None when either is zero. ``self_weight`` 1 adds the update to a consensus without it, -1 leaves
-    it out of one that holds it (leave-one-out), 0 takes the consensus as it is."""
-    keys = [k for k in update if k in consensus and consensus[k].shape == update[k].shape]
+    it out of one that holds it (leave-one-out), 0 takes the consensus as it is. An entry may be
+    deferred (:func:`float_update` with ``deferred``): its values are computed in the pass.
+    ``consensus_squares`` (:func:`squares_of`) saves a pass over the consensus per call."""
+    keys = [k for k in update if k in consensus and _same_layout(update[k], consensus[k])]
     dot = square = own = 0.0
     for k in keys:
-        u = np.ascontiguousarray(update[k], dtype=np.float32).ravel()
-        c = np.ascontiguousarray(consensus[k], dtype=np.float64).ravel()
-        terms = cosine_terms(u, c, float(self_weight))
+        c = np.ascontiguousarray(consensus[k]).ravel()  # float32 (the vote's running sum) or float64
+        if isinstance(update[k], DeferredValues):
+            terms = update[k].dot_terms(c)
+        else:
+            terms = dot_terms(np.ascontiguousarray(update[k], dtype=np.float32).ravel(), c)
+        cc = consensus_squares[k] if consensus_squares is not None else _squares(c)
+        terms = cosine_with(*terms, cc, float(self_weight))
         dot, square, own = dot + terms[0], square + terms[1], own + terms[2]
     if not (square > 0 and own > 0):
         return None
     return dot / math.sqrt(square * own)
+
+
+def squares_of(consensus: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """``<c, c>`` of each entry of a consensus (float64 sums), for :func:`consensus_cosine`."""
+    return {k: _squares(np.ascontiguousarray(v).ravel()) for k, v in consensus.items()}
+
+
+def _squares(c: np.ndarray) -> float:
+    return float(sum_squares(c)) if c.dtype == np.float32 else float(np.dot(c, c))
+
+
+def _same_layout(update: np.ndarray | DeferredValues, consensus: np.ndarray) -> bool:
+    if isinstance(update, DeferredValues):
+        return update.numel == consensus.size
+    return update.shape == consensus.shape

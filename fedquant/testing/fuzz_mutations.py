@@ -4,9 +4,10 @@ A *family* is a codec spec (one per registered codec and coding it offers, plus 
 variants); its *bases* are valid payloads of a handful of tensors. :func:`mutate` turns a base
 into one case: bit flips, truncation, extension, splices of two payloads, byte overwrites in
 the body, header rewrites (dtype, shape, spec, body length, version) and forged Elias / rANS
-sections behind the real bucket scales. Entropy-coded families also get a base whose rANS
-section is laid out in several blocks of 8 lanes (:func:`relaid`), which the encoder itself
-picks only for streams of millions of symbols. Most mutations rebuild the envelope with a valid CRC,
+sections behind the real bucket scales. Entropy-coded families also get two bases whose rANS
+section is laid out in several blocks (:func:`relaid`): 32 lanes of the 32-bit coder and 8 lanes
+of the 64-bit one, layouts the encoder itself picks only for streams of millions of symbols (and
+the second only for models above 12 bits). Most mutations rebuild the envelope with a valid CRC,
 which otherwise stops almost everything before the body parsers. The harness that runs the
 cases is :mod:`fedquant.testing.fuzzing`.
 """
@@ -122,20 +123,24 @@ def bases(spec: str) -> tuple[object, list[Base]]:
             continue
         out.append(Base(payload, tuple(x.shape), x.dtype, seed, side, coded_offset(codec, x.numel())))
     if "coding=entropy" in spec and codec.quantizer.num_symbols():
-        # One section of one alphabet re-laid in blocks of 8 lanes (ecdq's many small tables, of
-        # alphabets of their own, get the multi-block layouts from forged_entropy instead).
+        # One section of one alphabet re-laid in blocks of 32 lanes (rans32) and of 8 lanes
+        # (rans64); ecdq's many small tables, of alphabets of their own, get the multi-block
+        # layouts from forged_entropy instead.
         x = torch.randn(5000, generator=torch.Generator().manual_seed(2025))
         side = x + 0.01 if codec.needs_side_info else None
-        payload = relaid(codec, codec.encode(x, seed=2000), x.numel())
-        codec.decode(payload, 2000, side)
-        out.append(Base(payload, tuple(x.shape), x.dtype, 2000, side, coded_offset(codec, x.numel())))
+        for lanes, coder in ((32, "rans32"), (8, "rans64")):
+            payload = relaid(codec, codec.encode(x, seed=2000), x.numel(), lanes, coder=coder)
+            codec.decode(payload, 2000, side)
+            out.append(Base(payload, tuple(x.shape), x.dtype, 2000, side, coded_offset(codec, x.numel())))
     return codec, out
 
 
-def relaid(codec, payload: bytes, numel: int, lanes: int = 8, block_log2: int = 10) -> bytes:
+def relaid(codec, payload: bytes, numel: int, lanes: int = 32, block_log2: int = 10, coder: str = "rans32") -> bytes:
     """``payload`` with its rANS section re-coded in blocks of ``2**block_log2`` symbols of ``lanes`` lanes.
 
-    The same symbols and count table: the payload decodes to the same tensor.
+    The same symbols and count table: the payload decodes to the same tensor. ``coder`` is
+    ``"rans32"`` (models of at most 12 bits: a stream that needs more is laid out in 8 lanes of
+    ``"rans64"``) or ``"rans64"``.
     """
     from fedquant.wire.entropy import Layout, choose_layout, encode_section, entropy_decode, quantize_counts
 
@@ -149,9 +154,11 @@ def relaid(codec, payload: bytes, numel: int, lanes: int = 8, block_log2: int = 
     counts = np.bincount(symbols, minlength=k)
     present = np.flatnonzero(counts)
     precision = choose_layout(counts[present], numel)[0].precision
+    if coder == "rans32" and precision > 12:  # a model rans32 cannot take
+        coder, lanes = "rans64", 8
     freq = quantize_counts(counts[present], numel, precision)
     table = section[: section.size - _rans_bytes(section, numel, k)]
-    coded = encode_section(symbols, present, freq, Layout(precision, lanes, block_log2), table)
+    coded = encode_section(symbols, present, freq, Layout(precision, lanes, block_log2, coder), table)
     return envelope(spec_b, dtype_code, shape, body[:offset] + coded.tobytes())
 
 
@@ -247,9 +254,10 @@ def forged_elias(rng: np.random.Generator) -> bytes:
 def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
     """A count table (consistent with ``count`` or not), then a rANS section of random words.
 
-    The section's header is mostly plausible (a precision the table allows, any lanes, sometimes
-    several blocks with lengths that add up or not), and the first words are often valid coder
-    states, so the forgeries reach the block decoders.
+    The section's header is mostly plausible (either coder, a precision the table allows, any
+    lanes, sometimes several blocks with lengths that add up or not), and the first words are
+    often valid coder states, so the forgeries reach the block decoders (rans32 sections of 32
+    lanes with enough words reach its vector rounds).
     """
     from fedquant.wire.elias import elias_omega_encode
 
@@ -263,13 +271,29 @@ def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
     table = np.empty(1 + 2 * k, np.int64)
     table[0], table[1::2], table[2::2] = k, gaps, counts
     head, _ = elias_omega_encode(table)
-    lanes_log2 = int(rng.integers(0, 4))
-    precision = int(rng.integers(max(1, (k - 1).bit_length()), 25)) if rng.random() < 0.8 else int(rng.integers(1, 33))
-    nwords = int(rng.choice([0, 1, 2, 3, 16, int(rng.integers(0, 80))]))
-    words = rng.integers(0, 2**32, nwords, dtype=np.uint64).astype("<u4")
-    if rng.random() < 0.6:  # valid initial states in [2**31, 2**63): high words below 2**31
-        words[1 : 2 << lanes_log2 : 2] = rng.integers(1, 2**31, words[1 : 2 << lanes_log2 : 2].size)
-    section = [bytes([(precision - 1) & 0x1F | lanes_log2 << 5])]
+    rans32 = rng.random() < 0.6
+    if rans32:
+        lanes_log2 = int(rng.choice([0, 5, 5, int(rng.integers(0, 6))]))
+        top = 12
+    else:
+        lanes_log2 = int(rng.integers(0, 4))
+        top = 24
+    if rng.random() < 0.05:
+        lanes_log2 = int(rng.integers(0, 256))  # beyond what a coder takes
+    low = max(1, (k - 1).bit_length())
+    precision = int(rng.integers(low, max(low, top) + 1)) if rng.random() < 0.8 else int(rng.integers(1, 33))
+    nwords = int(rng.choice([0, 1, 2, 3, 16, int(rng.integers(0, 80)), int(rng.integers(64, 600))]))
+    state_words = 2 << min(lanes_log2, 6)
+    if rans32:  # 16-bit words; valid initial states in [2**15, 2**31): high words in [1, 2**15)
+        words = rng.integers(0, 2**16, nwords, dtype=np.uint64).astype("<u2")
+        if rng.random() < 0.6:
+            words[1:state_words:2] = rng.integers(1, 2**15, words[1:state_words:2].size)
+    else:  # 32-bit words; valid initial states in [2**31, 2**63): high words below 2**31
+        words = rng.integers(0, 2**32, nwords, dtype=np.uint64).astype("<u4")
+        if rng.random() < 0.6:
+            words[1:state_words:2] = rng.integers(1, 2**31, words[1:state_words:2].size)
+    flags = (precision - 1) & 0x1F | (0x20 if rans32 else 0) | (0x40 if rng.random() < 0.02 else 0)
+    section = [bytes([flags, lanes_log2 & 0xFF])]
     if rng.random() < 0.3:  # several blocks: a block size, then the lengths of all blocks but the last
         block_log2 = int(rng.integers(10, 14)) if rng.random() < 0.8 else int(rng.integers(0, 256))
         blocks = max(2, -(-count // (1 << min(block_log2, 40)))) if rng.random() < 0.8 else int(rng.integers(1, 6))
@@ -277,9 +301,9 @@ def forged_entropy(rng: np.random.Generator, count: int) -> bytes:
         lengths = (
             np.diff(np.concatenate([[0], np.sort(split)])) if rng.random() < 0.7 else rng.integers(0, 2**32, split.size)
         )
-        section = [bytes([section[0][0] | 0x80, block_log2 & 0xFF]), lengths.astype("<u4").tobytes()]
+        section = [bytes([flags | 0x80, lanes_log2 & 0xFF, block_log2 & 0xFF]), lengths.astype("<u4").tobytes()]
     elif rng.random() < 0.1:
-        section = [bytes([int(rng.integers(0, 256))])]
+        section = [rng.integers(0, 256, int(rng.integers(1, 3)), dtype=np.uint8).tobytes()]
     return head.tobytes() + b"".join(section) + words.tobytes()
 
 

@@ -8,22 +8,26 @@ Wire format of :func:`entropy_encode` (``n`` symbols; ``n`` itself is the caller
   in increasing order, ``omega(gap)`` (1-based, the first gap is ``symbol + 1``) and
   ``omega(count)``. Absent symbols take no table space and get no probability mass.
 - With ``k == 1`` nothing follows: the data is that one symbol repeated. With ``k >= 2``:
-- one byte: bits 0-4 hold ``P - 1``, the model precision ``P`` in ``1..24`` (``2**P >= k``);
-  bits 5-6 ``log2`` of the lanes (1, 2, 4 or 8 coder states); bit 7 is set when the symbols
-  come in several blocks;
+- two header bytes: bits 0-4 of the first hold ``P - 1``, the model precision ``P``; bit 5 names
+  the coder (1: ``rans32``, 32-bit states and 16-bit words, ``P <= 12``; 0: ``rans64``, 64-bit
+  states and 32-bit words, ``P <= 24``; ``2**P >= k``); bit 6 is reserved (0); bit 7 is set when
+  the symbols come in several blocks. The second byte is ``log2`` of the lanes (rans32: 1 to 32
+  coder states; rans64: 1 to 8);
 - with several blocks: one byte ``b`` (blocks of ``2**b`` symbols, ``10 <= b <= 32``, the last
   one shorter; ``ceil(n / 2**b) >= 2`` blocks), then for each block but the last its length in
   words (uint32);
-- the blocks' rANS words, little-endian uint32, each block as :mod:`fedquant.wire.rans` lays it
-  out (its lanes' final states, then the words in decoding order).
+- the blocks' rANS words, little-endian uint16 (rans32) or uint32 (rans64), each block as
+  :mod:`fedquant.wire.rans` lays it out (its lanes' final states, then the words in decoding
+  order).
 
 Both ends turn the integer counts into the same frequencies ``f`` (integers >= 1 summing to
 ``2**P``, :func:`quantize_counts`), so the format is fully specified by integer arithmetic.
 
-Size: the rANS words stay within ``n * KL(counts || f)`` plus about 64 bits per lane and block
+Size: the rANS words stay within ``n * KL(counts || f)`` plus a lane's state per lane and block
 of ``n * H``. The encoder picks the smallest precision from 12 (less for short streams) that
-loses at most 0.02% of ``n * H`` to the rounded model, 8 lanes from 2**17 bits of output (one
-below) and blocks of at least 2**16 symbols, long enough that their overhead stays below 0.05%.
+loses at most 0.02% of ``n * H`` to the rounded model; rans32 up to 12 bits (32 lanes from 2**18
+bits of output, one below), rans64 above (8 lanes from 2**17 bits, one below); and blocks of at
+least 2**16 symbols, long enough that their overhead stays below 0.05%.
 
 Decoding checks the table (symbols below ``num_symbols``, counts summing to ``n``), the header
 (precision, lanes, block count against ``n``), the block lengths against the section, rejects a
@@ -31,7 +35,7 @@ section too short for the information the table implies before decoding anything
 each block that every word was consumed and every lane returned to the coder's initial state.
 Anything else raises :class:`~fedquant.errors.PayloadError`. Work and memory are bounded by
 ``n`` and the section's size: the decode table has at most ``max(2**12, 8 n)`` entries (larger
-models are decoded through a table of buckets of slots).
+rans64 models are decoded through a table of buckets of slots).
 
 The decoder no longer recounts the decoded symbols against the table (format version 2 did): a
 corrupted stream breaks a lane's final state, the CRC-32 of the envelope catches transmission
@@ -66,6 +70,10 @@ MIN_BLOCK_LOG2 = 10
 MAX_BLOCK_LOG2 = 32  # a block's length in words fits a uint32
 _MAX_CODEWORD_BITS = 76  # Elias omega codeword of 2**64 - 1
 _MULTI_BLOCK = 0x80
+_RANS32 = 0x20
+_RESERVED = 0x40
+MAX_PRECISION32 = 12  # rans32 models (fedquant.wire.rans.MAX_PRECISION32)
+_CODERS = {"rans32": (16, 5), "rans64": (32, 3)}  # word bits, largest log2 of the lanes
 _DIRECT_MIN = 1 << 12  # a direct decode table of up to max(this, 8 n) entries
 _HISTOGRAM_PART = 1 << 20  # symbols per parallel piece of the histogram
 _PROBLEMS = {
@@ -212,14 +220,17 @@ def empirical_entropy_bits(symbols, num_symbols: int) -> float:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a stream of symbols is coded: model precision, lanes, blocks (a wire choice of the encoder).
+    """How a stream of symbols is coded: model precision, lanes, blocks, coder (a wire choice of the encoder).
 
-    ``block_log2 = None`` codes all symbols as one block.
+    ``block_log2 = None`` codes all symbols as one block. ``coder``: ``"rans32"`` (32-bit states,
+    16-bit words, precision at most 12, 1 to 32 lanes) or ``"rans64"`` (64-bit states, 32-bit
+    words, precision at most 24, 1 to 8 lanes).
     """
 
     precision: int
     lanes: int
     block_log2: int | None = None
+    coder: str = "rans32"
 
 
 def choose_layout(counts: np.ndarray, n: int) -> tuple[Layout, np.ndarray]:
@@ -227,10 +238,11 @@ def choose_layout(counts: np.ndarray, n: int) -> tuple[Layout, np.ndarray]:
 
     Precision: the smallest ``P`` from ``max(ceil(log2 k), min(12, bitlen(n) + 1))`` up to 16
     whose rounded model costs at most ``0.02% n H + 16`` bits more than ``n H``; else 16 if it is
-    within 0.1%, else 24 (decoded through buckets, slower). Lanes: 8 from ``2**17`` coded bits
-    (the 7 extra final states then cost under 0.35%), else 1. Blocks: at least ``2**16`` symbols,
-    and enough of them that each block's states and length (``64 lanes + 32`` bits) cost under
-    0.05% of its bits.
+    within 0.1%, else 24 (decoded through buckets, slower). Coder: ``rans32`` up to precision 12
+    (32 lanes from ``2**18`` coded bits, the 31 extra final states then costing under 0.4%, else
+    1), ``rans64`` above (8 lanes from ``2**17`` coded bits, else 1). Blocks: at least ``2**16``
+    symbols, and enough of them that each block's states and length (``32 lanes + 32`` bits, or
+    ``64 lanes + 32``) cost under 0.05% of its bits.
     """
     from fedquant.wire import rans
 
@@ -248,12 +260,15 @@ def choose_layout(counts: np.ndarray, n: int) -> tuple[Layout, np.ndarray]:
             precision = MAX_PRECISION
             freq = rans.quantize_counts(counts, n, precision)
             cost = rans.model_bits(counts, freq, precision)
-    lanes = 8 if cost >= 1 << 17 else 1
-    overhead = 64 * lanes + 32
+    if precision <= MAX_PRECISION32:
+        coder, lanes, state_bits = "rans32", 32 if cost >= 1 << 18 else 1, 32
+    else:
+        coder, lanes, state_bits = "rans64", 8 if cost >= 1 << 17 else 1, 64
+    overhead = state_bits * lanes + 32
     per_symbol = max(cost / n, 1e-12)
     block_log2 = max(16, math.ceil(math.log2(2000 * overhead / per_symbol)))
     block_log2 = min(block_log2, MAX_BLOCK_LOG2)
-    return Layout(precision, lanes, block_log2 if n > 1 << block_log2 else None), freq
+    return Layout(precision, lanes, block_log2 if n > 1 << block_log2 else None, coder), freq
 
 
 def _table_bytes(present: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -344,15 +359,19 @@ def encode_section(
     """``header`` followed by the rANS section of canonical ``symbols`` coded with ``layout``.
 
     ``present`` are the symbol values with a frequency (increasing), ``freq`` their frequencies
-    (``quantize_counts`` of their counts at ``layout.precision``), ``rows`` a bound on the symbol
-    values (default: the symbols' dtype range). Tests and the fuzzer call it with layouts the
-    encoder's own choice would not pick for a short stream.
+    (``quantize_counts`` of their counts at ``layout.precision``), ``rows`` a bound on the values
+    of uint16 symbols (default: 65536; uint8 symbols always get 256 rows). Tests and the fuzzer
+    call it with layouts the encoder's own choice would not pick for a short stream.
     """
     from fedquant.wire import rans
 
     n = symbols.size
-    p, lanes, b = layout.precision, layout.lanes, layout.block_log2
-    if not (1 <= p <= MAX_PRECISION and (1 << p) >= present.size and lanes in (1, 2, 4, 8)):
+    p, lanes, b, coder = layout.precision, layout.lanes, layout.block_log2, layout.coder
+    if coder not in _CODERS:
+        raise ValueError(f"invalid layout {layout}: unknown coder")
+    word_bits, max_lanes_log2 = _CODERS[coder]
+    top = MAX_PRECISION32 if coder == "rans32" else MAX_PRECISION
+    if not (1 <= p <= top and (1 << p) >= present.size and lanes in [1 << j for j in range(max_lanes_log2 + 1)]):
         raise ValueError(f"invalid layout {layout} for {present.size} symbols")
     if b is not None and not (MIN_BLOCK_LOG2 <= b <= MAX_BLOCK_LOG2 and n > 1 << b):
         raise ValueError(f"invalid layout {layout} for {n} symbols")
@@ -360,27 +379,36 @@ def encode_section(
     num_blocks = -(-n // block)
     sizes = np.full(num_blocks, block, np.int64)
     sizes[-1] = n - block * (num_blocks - 1)
-    # Each symbol adds at most P + 0.02 bits to the state (rans.py): room for any valid block.
-    ends = np.cumsum(sizes * (p + 1) // 32 + 2 * lanes + 8)
-    rows = (256 if symbols.itemsize == 1 else 65536) if rows is None else rows
-    table = rans.encoder_table(np.ascontiguousarray(present, np.int64), freq, rows, p)
-    out = np.empty(int(ends[-1]), np.uint32)
+    # Each symbol adds at most P + 0.2 bits to the state (rans.py): room for any valid block.
+    ends = np.cumsum(sizes * (p + 1) // word_bits + 2 * lanes + 8)
+    # uint8 symbols always get every row: the vector encoder reads a row per symbol unchecked.
+    rows = 256 if symbols.itemsize == 1 else 65536 if rows is None else rows
+    syms = np.ascontiguousarray(present, np.int64)
     starts = np.empty(num_blocks, np.int64)
     ok = np.zeros(num_blocks, np.bool_)
-    rans.encode_blocks(symbols, block, lanes, table, out, ends, starts, ok)
+    if coder == "rans32":
+        table = rans.encoder_table32(syms, freq, rows, p)
+        out = np.empty(int(ends[-1]), np.uint16)
+        rans.encode_blocks32(symbols, block, lanes, table, p, out, ends, starts, ok)
+    else:
+        table = rans.encoder_table(syms, freq, rows, p)
+        out = np.empty(int(ends[-1]), np.uint32)
+        rans.encode_blocks(symbols, block, lanes, table, out, ends, starts, ok)
     if not ok.all():
         raise ValueError("the symbols hold a value that counts= says is absent (or beyond num_symbols)")
     lengths = ends - starts
-    head = [header, np.array([(p - 1) | (lanes.bit_length() - 1) << 5 | (_MULTI_BLOCK if b else 0)], np.uint8)]
+    flags = (p - 1) | (_RANS32 if coder == "rans32" else 0) | (_MULTI_BLOCK if b else 0)
+    head = [header, np.array([flags, lanes.bit_length() - 1], np.uint8)]
     if b is not None:
         head += [np.array([b], np.uint8), lengths[:-1].astype("<u4").view(np.uint8)]
     head_size = sum(h.size for h in head)
-    result = np.empty(head_size + 4 * int(lengths.sum()), np.uint8)
+    word_bytes = word_bits // 8
+    result = np.empty(head_size + word_bytes * int(lengths.sum()), np.uint8)
     pos = 0
     for h in head:
         result[pos : pos + h.size] = h
         pos += h.size
-    words = result[pos:].view("<u4")
+    words = result[pos:].view(out.dtype.newbyteorder("<"))
     pos = 0
     for start, end in zip(starts, ends, strict=True):
         words[pos : pos + end - start] = out[start:end]
@@ -449,17 +477,25 @@ def entropy_decode(data, count: int, num_symbols: int) -> np.ndarray:
 
 def _read_section(rest: np.ndarray, count: int, k: int, counts: np.ndarray) -> tuple[Layout, np.ndarray, np.ndarray]:
     """The layout, the words (aligned, read-only) and the block offsets of a rANS section, all checked."""
-    if rest.size < 1:
-        raise PayloadError("rANS section is missing its header byte")
-    flags = int(rest[0])
-    precision, lanes = (flags & 0x1F) + 1, 1 << ((flags >> 5) & 3)
-    if precision > MAX_PRECISION or (1 << precision) < k:
-        raise PayloadError(f"rANS section names precision {precision} for {k} symbols (at most {MAX_PRECISION})")
-    pos, block_log2, num_blocks = 1, None, 1
+    if rest.size < 2:
+        raise PayloadError("rANS section is missing its header bytes")
+    flags, lanes_log2 = int(rest[0]), int(rest[1])
+    if flags & _RESERVED:
+        raise PayloadError(f"rANS section header {flags:#04x} sets a reserved bit")
+    coder = "rans32" if flags & _RANS32 else "rans64"
+    word_bits, max_lanes_log2 = _CODERS[coder]
+    precision = (flags & 0x1F) + 1
+    top = MAX_PRECISION32 if coder == "rans32" else MAX_PRECISION
+    if precision > top or (1 << precision) < k:
+        raise PayloadError(f"{coder} section names precision {precision} for {k} symbols (at most {top})")
+    if lanes_log2 > max_lanes_log2:
+        raise PayloadError(f"{coder} section names 2**{lanes_log2} lanes (at most {1 << max_lanes_log2})")
+    lanes = 1 << lanes_log2
+    pos, block_log2, num_blocks = 2, None, 1
     if flags & _MULTI_BLOCK:
-        if rest.size < 2:
+        if rest.size < 3:
             raise PayloadError("rANS section is missing its block size")
-        block_log2 = int(rest[1])
+        block_log2 = int(rest[2])
         if not MIN_BLOCK_LOG2 <= block_log2 <= MAX_BLOCK_LOG2:
             raise PayloadError(
                 f"rANS blocks of 2**{block_log2} symbols (allowed 2**{MIN_BLOCK_LOG2}..2**{MAX_BLOCK_LOG2})"
@@ -467,34 +503,38 @@ def _read_section(rest: np.ndarray, count: int, k: int, counts: np.ndarray) -> t
         num_blocks = -(-count // (1 << block_log2))
         if num_blocks < 2:
             raise PayloadError(f"rANS section names blocks of 2**{block_log2} for {count} symbols, one block")
-        pos = 2 + 4 * (num_blocks - 1)
+        pos = 3 + 4 * (num_blocks - 1)
         if rest.size < pos:
             raise PayloadError(f"rANS section is too short for the lengths of its {num_blocks} blocks")
     body = rest[pos:]
-    if body.size % 4:
-        raise PayloadError(f"rANS words take {body.size} bytes, not a multiple of 4")
+    word_bytes = word_bits // 8
+    if body.size % word_bytes:
+        raise PayloadError(f"{coder} words take {body.size} bytes, not a multiple of {word_bytes}")
     # A guard against forged tables that declare many symbols over a few bytes. Each rANS step
-    # grows the state by at least log2(2**P / f) + log2(1 - 2**-7) bits (the state is at least
-    # 2**7 * f when it is divided by f), so a valid section holds at least
-    # n * (cross-entropy - 0.0113) >= n * H - n / 64 bits (Gibbs: cross-entropy >= H).
+    # grows the state by at least log2(2**P / f) + log2(1 - f / x) bits, and the state x is at
+    # least 2**7 f (rans64) or 2**3 f (rans32) when it is divided by f, so a valid section holds
+    # at least n * (cross-entropy - 0.0113) or n * (cross-entropy - 0.193) bits, and the
+    # cross-entropy is at least H (Gibbs).
     info = _information_bits(counts)
-    if body.size * 8 < (info - count / 64) * (1 - 1e-9):
+    slack = 1 / 64 if coder == "rans64" else 0.2
+    if body.size * 8 < (info - count * slack) * (1 - 1e-9):
         raise PayloadError(
             f"rANS section of {body.size} bytes is too short for {count} symbols of {info / count:.3f} bits each"
         )
-    num_words = body.size // 4
+    num_words = body.size // word_bytes
     lengths = np.empty(num_blocks, np.int64)
     if num_blocks > 1:
-        lengths[:-1] = rest[2:pos].view("<u4")
+        lengths[:-1] = rest[3:pos].view("<u4")
     lengths[-1] = num_words - int(lengths[:-1].sum())
     if int(lengths.min()) < 2 * lanes:
         raise PayloadError(f"a rANS block holds fewer words than its {lanes} coder states need")
     offsets = np.zeros(num_blocks + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    words = body.view("<u4") if body.ctypes.data % 4 == 0 else body.copy().view("<u4")
+    dtype = "<u2" if coder == "rans32" else "<u4"
+    words = body.view(dtype) if body.ctypes.data % word_bytes == 0 else body.copy().view(dtype)
     words = words.view()
     words.flags.writeable = False  # one kernel signature, whatever buffer the payload came in
-    return Layout(precision, lanes, block_log2), words, offsets
+    return Layout(precision, lanes, block_log2, coder), words, offsets
 
 
 def _decode_blocks(
@@ -504,6 +544,14 @@ def _decode_blocks(
 
     p = layout.precision
     freq = quantize_counts(counts, count, p)
+    block = count if layout.block_log2 is None else 1 << layout.block_log2
+    out = np.empty(count, dtype)
+    status = np.zeros(offsets.size - 1, np.int64)
+    if layout.coder == "rans32":  # precision <= 12: direct tables of at most 4096 slots
+        freq_offset, symbol = rans.direct_table(present, freq, p)
+        vector = rans.decoder_table32(present, freq, p) if out.itemsize == 1 else np.zeros(0, np.uint32)
+        rans.decode_blocks32(words, offsets, out, block, layout.lanes, p, (vector, freq_offset, symbol), status)
+        return _checked_status(status, out)
     # Lookup tables sized by the work: a direct table when small enough, buckets of slots otherwise.
     if p <= rans.MAX_DIRECT_PRECISION and 1 << p <= max(_DIRECT_MIN, 8 * count):
         freq_offset, symbol = rans.direct_table(present, freq, p)
@@ -511,11 +559,13 @@ def _decode_blocks(
     else:
         freq_offset, symbol = np.zeros(0, np.uint32), np.zeros(0, dtype)
         bucket, cum = rans.bucket_table(freq, p, min(p, rans.BUCKET_BITS, max(8, count.bit_length() + 1)))
-    block = count if layout.block_log2 is None else 1 << layout.block_log2
-    out = np.empty(count, dtype)
-    status = np.zeros(offsets.size - 1, np.int64)
     lookup = (freq_offset, symbol, bucket, cum, present)
     rans.decode_blocks(words, offsets, out, block, layout.lanes, p, lookup, status)
+    return _checked_status(status, out)
+
+
+def _checked_status(status: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out``, or PayloadError naming the first block whose status is not 0."""
     bad = np.flatnonzero(status)
     if bad.size:
         where = f" (block {int(bad[0])} of {status.size})" if status.size > 1 else ""

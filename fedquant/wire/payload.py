@@ -34,10 +34,14 @@ from fedquant.wire.checksum import crc32
 MAGIC = b"FQ"
 #: 2: the codec pipeline (every quantizer's spec names its ``coding``; transforms such as ``rht+``
 #: prefix the spec). 3: ``coding=entropy`` sections are the interleaved rANS of
-#: :mod:`fedquant.wire.entropy` (a header byte, lanes, blocks). Older payloads are rejected with a
-#: message naming both versions.
-FORMAT_VERSION = 3
-_CHANGED_IN = {3: "version 3 changed the entropy-coded sections (interleaved rANS)"}
+#: :mod:`fedquant.wire.entropy` (a header byte, lanes, blocks). 4: entropy-coded sections name
+#: their coder (32-bit states with 16-bit words in 32 lanes, or 64-bit states with 32-bit words) in
+#: two header bytes. Older payloads are rejected with a message naming both versions.
+FORMAT_VERSION = 4
+_CHANGED_IN = {
+    3: "version 3 changed the entropy-coded sections (interleaved rANS)",
+    4: "version 4 changed the entropy-coded sections (a 32-lane rANS coder with 16-bit words)",
+}
 MAX_NDIM = 8
 MAX_SPEC_LEN = 512
 DTYPE_CODES: dict[torch.dtype, int] = {

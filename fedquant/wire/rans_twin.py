@@ -297,3 +297,143 @@ def decode_blocks(words, offsets, out, block, lanes, precision, lookup, status):
         lo = b * block
         hi = min(lo + block, n)
         status[b] = _decode_block(w, int(offsets[b]), int(offsets[b + 1]), lo, hi, lanes, precision, tables, out)
+
+
+# ---------------------------------------------------------------------------------------------- rans32
+_L32 = 1 << 15
+_ABSENT32 = 1 << 31
+
+
+def encoder_table32(symbols, freq, rows, precision):
+    """Twin of :func:`fedquant.wire.rans.encoder_table32`."""
+    table = np.full(rows, _ABSENT32 << 32, np.uint64)
+    total = 1 << precision
+    start = 0
+    for s, f in zip(symbols.tolist(), freq.tolist(), strict=True):
+        if f == 1:
+            r, shift, bias = _M32, 0, start + total - 1
+        else:
+            bits = (f - 1).bit_length()  # ceil(log2 f)
+            r, shift, bias = ((1 << (bits + 31)) + f - 1) // f, bits - 1, start
+        table[s] = r | (bias | ((total - f) << 13) | (shift << 25)) << 32
+        start += f
+    return table
+
+
+def decoder_table32(symbols, freq, precision):
+    """Twin of :func:`fedquant.wire.rans.decoder_table32`."""
+    freq = np.asarray(freq, np.int64)
+    starts = np.cumsum(freq) - freq
+    offsets = np.arange(1 << precision, dtype=np.int64) - np.repeat(starts, freq)
+    return ((np.repeat(freq, freq) << 20) | (offsets << 8) | np.repeat(symbols.astype(np.int64), freq)).astype(
+        np.uint32
+    )
+
+
+def _encode_block32(sym, lo, hi, lanes, step, floor, end):
+    """Port of ``rans._encode_block32``: ``(start, ok, words)``, ``words`` the block's stream from ``start``.
+
+    The kernel checks the room before each symbol of the last partial round (and of every symbol
+    when it does not run rounds of 32 lanes), and once per round (``wp >= floor + 32``) in its
+    rounds; only a symbol without frequency can fail either, and :func:`encode_blocks32` looks for
+    one first, so any check that passes for the last symbol passes for all.
+    """
+    states = [_L32] * lanes
+    emitted = []
+    for i in range(hi - 1, lo - 1, -1):
+        j = (i - lo) % lanes
+        x = states[j]
+        top, f, bias, cmpl = step[sym[i]]
+        if x >= top:
+            emitted.append(x & _M16)
+            x >>= 16
+        states[j] = x + bias + (x // f) * cmpl
+    wp = end - len(emitted)
+    if wp < floor + 2 * lanes:
+        return wp, False, None
+    head = []
+    for x in states:  # lane 0's state comes first, low word first
+        head += [x & _M16, x >> 16]
+    emitted.reverse()
+    return wp - 2 * lanes, True, head + emitted
+
+
+def encode_blocks32(symbols, block, lanes, table, precision, out, ends, starts, ok):
+    """Twin of :func:`fedquant.wire.rans.encode_blocks32` (same words in ``out[starts[b]:ends[b]]``).
+
+    The reciprocal step ``x + bias + (x * rcp >> 32 >> shift) * (M - f)`` is ``x + c + (x // f) * (M - f)``
+    for every state below ``2**31`` (and ``f = 1``: the bias ``c + M - 1`` with ``q = x - 1``), so
+    each row is ``(x_max, f, c, M - f)``; absent rows are never used.
+    """
+    n = symbols.size
+    sym = symbols.tolist()
+    total = 1 << precision
+    step = []
+    absent = []
+    for k in (table >> np.uint64(32)).tolist():
+        cmpl = (k >> 13) & 0xFFF
+        f = total - cmpl
+        bias = k & 0x1FFF
+        step.append((f << (31 - precision), f, bias - cmpl if f == 1 else bias, cmpl))
+        absent.append(bool(k & _ABSENT32))
+    for b in range(ends.size):
+        lo = b * block
+        floor = int(ends[b - 1]) if b else 0
+        end = int(ends[b])
+        hi = min(lo + block, n)
+        if any(absent[v] for v in set(sym[lo:hi])):
+            start, good, words = end, False, None
+        else:
+            start, good, words = _encode_block32(sym, lo, hi, lanes, step, floor, end)
+        starts[b] = start
+        ok[b] = good
+        if good:
+            out[start:end] = words
+
+
+def _decode_block32(words, rp, end, lo, hi, lanes, precision, freq, offset, symbol, out):
+    """Port of ``rans._decode_block32`` (every word read checked): the same status codes 0-4."""
+    if end - rp < 2 * lanes:
+        return 2
+    states = []
+    for _ in range(lanes):
+        x = words[rp] | (words[rp + 1] << 16)
+        if x < _L32 or x >= 1 << 31:
+            return 1
+        states.append(x)
+        rp += 2
+    mask = (1 << precision) - 1
+    decoded = []
+    append = decoded.append
+    for k in range(hi - lo):
+        j = k % lanes
+        x = states[j]
+        slot = x & mask
+        append(symbol[slot])
+        x = freq[slot] * (x >> precision) + offset[slot]
+        if x < _L32:
+            if rp >= end:
+                return 2
+            x = (x << 16) | words[rp]
+            rp += 1
+        states[j] = x
+    out[lo:hi] = decoded
+    if rp != end:
+        return 3
+    if any(x != _L32 for x in states):
+        return 4
+    return 0
+
+
+def decode_blocks32(words, offsets, out, block, lanes, precision, lookup, status):
+    """Twin of :func:`fedquant.wire.rans.decode_blocks32`: the same symbols and per-block status."""
+    n = out.size
+    w = words.tolist()
+    _, freq_offset, symbol = lookup
+    freq, offset, sym = (freq_offset >> 16).tolist(), (freq_offset & _M16).tolist(), symbol.tolist()
+    for b in range(offsets.size - 1):
+        lo = b * block
+        hi = min(lo + block, n)
+        status[b] = _decode_block32(
+            w, int(offsets[b]), int(offsets[b + 1]), lo, hi, lanes, precision, freq, offset, sym, out
+        )

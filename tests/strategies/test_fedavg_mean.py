@@ -25,11 +25,13 @@ from flwr.serverapp.strategy import (
 
 from fedquant.clients import quantize_mod
 from fedquant.codecs import get_codec
+from fedquant.codecs.quantizers.grid import GridValues
 from fedquant.protocol import payload_array, tensor_seed
 from fedquant.rng import derive_seed
 from fedquant.strategies import QuantizedStrategy
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg, weighted_mean
 from fedquant.strategies.reply_decoder import DecodedReply
+from fedquant.strategies.vote_sums import VoteSums
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
 
 NUM_NODES = 6
@@ -96,11 +98,29 @@ CASES = {
 }
 
 
+#: The cases whose vote ends as its running sums assumed (nobody rejected or clipped): the mean
+#: comes from the sums taken while decoding; the others sum the updates again.
+FROM_RUNNING_SUMS = {"honest", "small update"}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("codec", ["qsgd:levels=16", "eden:bits=2", "fp32"])
-def test_the_mean_of_the_updates_is_fedavg_of_the_dense_replies(codec, case):
+def test_the_mean_of_the_updates_is_fedavg_of_the_dense_replies(codec, case, monkeypatch):
     inner = dict(min_available_nodes=NUM_NODES, fraction_evaluate=0.0)
+    taken = []
+    weighted_sum_of = VoteSums.weighted_sum_of
+    monkeypatch.setattr(
+        VoteSums, "weighted_sum_of", lambda self, *a: taken.append(weighted_sum_of(self, *a)) or taken[-1]
+    )
+    deferred, written = [], []
+    accumulate, materialize = GridValues.accumulate, GridValues.materialize
+    monkeypatch.setattr(GridValues, "accumulate", lambda self, *a: deferred.append(self) or accumulate(self, *a))
+    monkeypatch.setattr(GridValues, "materialize", lambda self: written.append(self) or materialize(self))
     fast, fast_metrics = _round(SortedFedAvg(**inner), codec, CASES[case](codec))
+    assert len(taken) == 1 and (taken[0] is not None) == (case in FROM_RUNNING_SUMS)
+    assert bool(deferred) == codec.startswith("qsgd")  # QSGD's updates are never written out in the vote
+    if case in FROM_RUNNING_SUMS:
+        assert not written  # ... nor afterwards, when the vote's sums stand
     dense, dense_metrics = _round(DenseFedAvg(**inner), codec, CASES[case](codec))
     assert list(fast.keys()) == list(dense.keys())
     for key in fast.keys():

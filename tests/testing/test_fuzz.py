@@ -78,28 +78,36 @@ def test_harness_reports_crash_hang_and_nonfinite():
     assert set(FAILURES) >= {o for _, o in outcomes}
 
 
-def test_entropy_families_fuzz_the_multi_block_eight_lane_format():
-    """The mutations reach every part of the rANS section: one base of each entropy family is laid
-    out in several blocks of 8 lanes, and forged sections name several blocks too."""
+def test_entropy_families_fuzz_the_multi_block_layouts_of_both_coders():
+    """The mutations reach every part of the rANS section: two bases of each entropy family are laid
+    out in several blocks (32 lanes of rans32, 8 lanes of rans64), and forged sections name both
+    coders, several blocks and 32 lanes too."""
     from fedquant.testing.fuzz_mutations import _rans_bytes, forged_entropy
     from fedquant.wire.payload import read_payload
 
-    def header_byte(section: np.ndarray, count: int, k: int) -> int:
-        return int(section[section.size - _rans_bytes(section, count, k)])
+    def header(section: np.ndarray, count: int, k: int) -> tuple[int, int]:
+        at = section.size - _rans_bytes(section, count, k)
+        return int(section[at]), int(section[at + 1])
 
     for spec in ("qsgd:coding=entropy", "rht+qsgd:coding=entropy"):
         codec, valid = bases(spec)
-        relaid = valid[-1]
         count = codec.wire_transforms[0].output_numel(5000) if codec.wire_transforms else 5000
-        section = np.frombuffer(bytes(read_payload(relaid.payload).body)[relaid.offset :], np.uint8)
-        flags = header_byte(section, count, codec.quantizer.num_symbols())
-        assert flags & 0x80 and (flags >> 5) & 3 == 3, spec  # several blocks, 8 lanes
+        layouts = []
+        for relaid in valid[-2:]:
+            section = np.frombuffer(bytes(read_payload(relaid.payload).body)[relaid.offset :], np.uint8)
+            layouts.append(header(section, count, codec.quantizer.num_symbols()))
+        (flags32, lanes32), (flags64, lanes64) = layouts
+        assert flags32 & 0x80 and flags32 & 0x20 and lanes32 == 5, spec  # several blocks of 32 rans32 lanes
+        assert flags64 & 0x80 and not flags64 & 0x20 and lanes64 == 3, spec  # several blocks of 8 rans64 lanes
     rng = np.random.default_rng(3)
-    multi = 0
+    multi = wide = narrow = 0
     for _ in range(300):
         section = np.frombuffer(forged_entropy(rng, 5000), np.uint8)
         try:
-            multi += bool(header_byte(section, 5000, 2**16) & 0x80)
+            flags, lanes = header(section, 5000, 2**16)
         except (PayloadError, IndexError):  # a table inconsistent with the count, or no header
-            pass
-    assert multi > 30
+            continue
+        multi += bool(flags & 0x80)
+        wide += bool(flags & 0x20) and lanes == 5
+        narrow += not flags & 0x20
+    assert multi > 30 and wide > 30 and narrow > 30

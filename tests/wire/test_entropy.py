@@ -48,10 +48,11 @@ def table_bits(symbols: np.ndarray, num_symbols: int) -> int:
 
 
 def section_layout(data: np.ndarray, symbols: np.ndarray, num_symbols: int) -> Layout:
-    """The layout a coded stream declares (the header byte after the table)."""
-    flags = int(data[(table_bits(symbols, num_symbols) + 7) // 8])
-    block = int(data[(table_bits(symbols, num_symbols) + 7) // 8 + 1]) if flags & 0x80 else None
-    return Layout((flags & 0x1F) + 1, 1 << ((flags >> 5) & 3), block)
+    """The layout a coded stream declares (the two header bytes after the table, then the block size)."""
+    at = (table_bits(symbols, num_symbols) + 7) // 8
+    flags, lanes_log2 = int(data[at]), int(data[at + 1])
+    block = int(data[at + 2]) if flags & 0x80 else None
+    return Layout((flags & 0x1F) + 1, 1 << lanes_log2, block, "rans32" if flags & 0x20 else "rans64")
 
 
 def forced(symbols: np.ndarray, num_symbols: int, layout: Layout) -> np.ndarray:
@@ -75,7 +76,7 @@ CASES = {
     "gaussian-65536": (gaussian_indices(50000, 65536, 6), 65536),
     "skewed-16": (skewed_indices(30000, 16, 7), 16),
     "two-far-symbols": (np.where(np.random.default_rng(8).random(3000) < 0.3, 65535, 0), 65536),
-    "eight-lanes": (gaussian_indices(300_001, 9, 9, spread=4.0), 9),
+    "many-lanes": (gaussian_indices(300_001, 9, 9, spread=4.0), 9),
     "several-blocks": (gaussian_indices(1_500_003, 9, 10, spread=4.0), 9),
 }
 
@@ -94,32 +95,51 @@ def test_round_trip(case):
     np.testing.assert_array_equal(entropy_decode(shifted, symbols.size, num_symbols), symbols)
 
 
-def test_long_streams_use_eight_lanes_and_blocks():
-    s, k = CASES["eight-lanes"]
-    assert section_layout(entropy_encode(s, k), s, k).lanes == 8
+def test_long_streams_use_many_lanes_and_blocks():
+    s, k = CASES["many-lanes"]
+    assert section_layout(entropy_encode(s, k), s, k) == Layout(12, 32, None, "rans32")
     s, k = CASES["several-blocks"]
     layout = section_layout(entropy_encode(s, k), s, k)
-    assert layout.lanes == 8 and layout.block_log2 is not None and s.size > 1 << layout.block_log2
+    assert layout.lanes == 32 and layout.block_log2 is not None and s.size > 1 << layout.block_log2
     small, k = CASES["qsgd-s4-levels"]
-    assert section_layout(entropy_encode(small, k), small, k) == Layout(12, 1, None)
+    assert section_layout(entropy_encode(small, k), small, k) == Layout(12, 1, None, "rans32")
+    # Models above 12 bits: 64-bit states (8 lanes for long streams).
+    s, k = CASES["gaussian-4096"]
+    assert section_layout(entropy_encode(s, k), s, k).coder == "rans64"
 
 
 LAYOUTS = [
-    (precision, lanes, block_log2, n)
-    for precision in (4, 12, 16, 17, 24)
-    for lanes in (1, 2, 4, 8)
-    for block_log2, sizes in ((None, (2, 7, 8, 9, 1024)), (10, (1025, 3 * 1024 + 5)))
+    (coder, precision, lanes, block_log2, n)
+    for coder, precisions, lane_counts in (
+        ("rans64", (4, 12, 16, 17, 24), (1, 2, 4, 8)),
+        ("rans32", (4, 12), (1, 2, 4, 8, 16, 32)),
+    )
+    for precision in precisions
+    for lanes in lane_counts
+    for block_log2, sizes in ((None, (2, 7, 8, 9, 33, 1024)), (10, (1025, 3 * 1024 + 5)))
     for n in sizes
 ]
 
 
-@pytest.mark.parametrize(("precision", "lanes", "block_log2", "n"), LAYOUTS)
-def test_every_layout_round_trips(precision, lanes, block_log2, n):
+@pytest.mark.parametrize(("coder", "precision", "lanes", "block_log2", "n"), LAYOUTS)
+def test_every_layout_round_trips(coder, precision, lanes, block_log2, n):
     symbols = gaussian_indices(n, 9, n + precision, spread=4.0)
     symbols[:2] = (3, 5)  # at least two distinct symbols: a rANS section
-    data = forced(symbols, 9, Layout(precision, lanes, block_log2))
-    assert section_layout(data, symbols, 9) == Layout(precision, lanes, block_log2)
+    layout = Layout(precision, lanes, block_log2, coder)
+    data = forced(symbols, 9, layout)
+    assert section_layout(data, symbols, 9) == layout
     np.testing.assert_array_equal(entropy_decode(data, n, 9), symbols)
+    # uint16 symbols (an alphabet above 256) take the one-at-a-time paths of every coder
+    wide = forced(symbols.astype(np.uint16), 300, layout)
+    np.testing.assert_array_equal(entropy_decode(wide, n, 300), symbols)
+
+
+def test_layouts_a_coder_cannot_take_are_refused():
+    symbols = gaussian_indices(1000, 9, 3, spread=4.0)
+    for layout in (Layout(13, 32, None, "rans32"), Layout(12, 64, None, "rans32"), Layout(12, 16, None, "rans64"),
+                   Layout(25, 1, None, "rans64"), Layout(12, 1, None, "rans16")):  # fmt: skip
+        with pytest.raises(ValueError, match="layout"):
+            forced(symbols, 9, layout)
 
 
 def test_precision_follows_the_model_loss():
@@ -143,7 +163,7 @@ def test_precision_follows_the_model_loss():
         ("gaussian-4096", gaussian_indices(100_000, 4096, 13), 4096),
         ("skewed-4096", skewed_indices(100_000, 4096, 14), 4096),
         ("very-skewed-2", (np.random.default_rng(15).random(100_000) < 0.002).astype(np.uint8), 2),
-        ("eight-lanes-9", gaussian_indices(2_000_000, 9, 16, spread=4.0), 9),
+        ("many-lanes-9", gaussian_indices(2_000_000, 9, 16, spread=4.0), 9),
         ("extremely-skewed-2", (np.random.default_rng(17).random(2_000_000) < 1e-4).astype(np.uint8), 2),
     ],
 )
@@ -154,8 +174,8 @@ def test_size_close_to_empirical_entropy(name, symbols, num_symbols):
     layout = section_layout(data, symbols, num_symbols)
     coded_bits = 8 * data.size - 8 * ((table + 7) // 8)
     # What rANS with the rounded model achieves: the rounding costs at most 0.1% (the encoder's
-    # rule); the header byte and each lane's final state (64 bits) come on top.
-    overhead = 8 + 64 * layout.lanes
+    # rule); the header bytes and each lane's final state (32 or 64 bits) come on top.
+    overhead = 16 + (32 if layout.coder == "rans32" else 64) * layout.lanes
     assert coded_bits <= 1.001 * entropy + overhead + 64, (name, coded_bits, entropy, layout)
     # and never below the information content (a lossless code cannot beat n*H by more than the state)
     assert coded_bits >= entropy - 64
@@ -215,7 +235,7 @@ def test_encode_validates_input():
 # Precomputed counts (a quantizer kernel's histogram)
 
 
-@pytest.mark.parametrize("case", ["qsgd-s4-levels", "gaussian-4096", "eight-lanes"])
+@pytest.mark.parametrize("case", ["qsgd-s4-levels", "gaussian-4096", "many-lanes"])
 def test_precomputed_counts_give_the_same_bytes(case):
     symbols, num_symbols = CASES[case]
     counts = np.bincount(symbols.astype(np.int64), minlength=num_symbols)
@@ -294,6 +314,29 @@ def test_reciprocals_divide_exactly():
             assert int(row[2]) == f << (63 - precision)
 
 
+def test_rans32_reciprocals_divide_exactly():
+    """The rans32 step ``x + bias + (x * rcp >> 32 >> shift) * (M - f)`` is ``(x // f) M + x % f + c``
+    for every state below ``2**31``: at the top, at the last quotient steps below it and on random
+    states, for both symbols of two-symbol models ``(f, M - f)`` over every frequency of small models
+    and a sample of 12-bit ones (``f = 1`` included)."""
+    rng = np.random.default_rng(72)
+    for precision in (1, 2, 5, 12):
+        top = 1 << precision
+        freqs = range(1, top) if precision < 12 else [1, 2, 3, 2047, 2048, 2049, *rng.integers(4, top - 1, 60)]
+        for f0 in freqs:
+            freq = np.array([f0, top - f0], np.int64)
+            table = rans.encoder_table32(np.arange(2), freq, 2, precision)
+            for i, f in enumerate(freq.tolist()):
+                rcp, k = int(table[i]) & 0xFFFFFFFF, int(table[i]) >> 32
+                shift, cmpl, bias = (k >> 25) & 0xF, (k >> 13) & 0xFFF, k & 0x1FFF
+                assert cmpl == top - f and k >> 31 == 0
+                xs = [(1 << 31) - 1, 1 << 15, *(((1 << 31) // f) * f + d for d in (-2, -1)),
+                      *rng.integers(1 << 15, 1 << 31, 50).tolist()]  # fmt: skip
+                for x in xs:
+                    q = (x * rcp) >> 32 >> shift
+                    assert x + bias + q * cmpl == (x // f) * top + x % f + (0 if i == 0 else f0), (precision, f, x)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch tensors (the CUDA path is a host round trip: the same bytes)
 
@@ -353,15 +396,25 @@ def coded():
     return symbols, entropy_encode(symbols, 64)
 
 
+def _blocks(coder: str):
+    symbols = gaussian_indices(4 * 1024 + 300, 9, 32, spread=4.0)
+    return symbols, forced(symbols, 9, Layout(12, 32 if coder == "rans32" else 8, 10, coder))
+
+
 @pytest.fixture(scope="module")
 def coded_blocks():
-    """A stream of 8 lanes in 5 blocks with a short last block (every kind of word in the format)."""
-    symbols = gaussian_indices(4 * 1024 + 300, 9, 32, spread=4.0)
-    return symbols, forced(symbols, 9, Layout(12, 8, 10))
+    """A stream of 32 lanes in 5 blocks with a short last block (every kind of word in the format)."""
+    return _blocks("rans32")
 
 
-def test_truncated_and_extended(coded, coded_blocks):
-    for (symbols, data), k in ((coded, 64), (coded_blocks, 9)):
+@pytest.fixture(scope="module")
+def coded_blocks64():
+    """The same in 8 lanes of 64-bit states."""
+    return _blocks("rans64")
+
+
+def test_truncated_and_extended(coded, coded_blocks, coded_blocks64):
+    for (symbols, data), k in ((coded, 64), (coded_blocks, 9), (coded_blocks64, 9)):
         n = symbols.size
         for bad in (data[:-1], data[:-4], data[:-5], data[:10], data[:1], data[:0]):
             with pytest.raises(PayloadError):
@@ -387,35 +440,46 @@ def _header_at(symbols, data, num_symbols) -> int:
     return (table_bits(symbols, num_symbols) + 7) // 8
 
 
-def test_invalid_headers_are_rejected(coded, coded_blocks):
+@pytest.mark.parametrize("blocks", ["coded_blocks", "coded_blocks64"])
+def test_invalid_headers_are_rejected(coded, blocks, request):
     symbols, data = coded
     at = _header_at(symbols, data, 64)
+    assert data[at] & 0x20  # a rans32 section
     cases = {
-        "precision": (0x1F, "precision 32"),  # P = 32 > 24
+        "precision": (0x1F, "precision 32"),  # rans64, P = 32 > 24
+        "rans32 precision": (0x20 | 12, "rans32 section names precision 13"),  # rans32 models: P <= 12
         "precision for k": ((data[at] & 0xE0) | 2, "precision 3 for"),  # 2**3 < k symbols
+        "reserved": (data[at] | 0x40, "reserved"),
     }
     for value, match in cases.values():
         bad = data.copy()
         bad[at] = value
         with pytest.raises(PayloadError, match=match):
             entropy_decode(bad, symbols.size, 64)
+    for flags, lanes_log2, match in ((0x2B, 6, "2\\*\\*6 lanes"), (0x0B, 4, "2\\*\\*4 lanes"), (0x0B, 255, "lanes")):
+        bad = data.copy()
+        bad[at], bad[at + 1] = flags, lanes_log2
+        with pytest.raises(PayloadError, match=match):
+            entropy_decode(bad, symbols.size, 64)
     one_block = data.copy()
     one_block[at] |= 0x80
     with pytest.raises(PayloadError):
-        entropy_decode(np.insert(one_block, at + 1, 12), symbols.size, 64)  # 2**12 < 5000: 2 blocks, no lengths
+        entropy_decode(np.insert(one_block, at + 2, 12), symbols.size, 64)  # 2**12 < 5000: 2 blocks, no lengths
     with pytest.raises(PayloadError, match="one block"):
-        entropy_decode(np.insert(one_block, at + 1, 13), symbols.size, 64)
-    symbols, data = coded_blocks
+        entropy_decode(np.insert(one_block, at + 2, 13), symbols.size, 64)
+    with pytest.raises(PayloadError, match="header bytes"):
+        entropy_decode(data[: at + 1], symbols.size, 64)
+    symbols, data = request.getfixturevalue(blocks)
     at = _header_at(symbols, data, 9)
     for b in (9, 33, 255):
         bad = data.copy()
-        bad[at + 1] = b
+        bad[at + 2] = b
         with pytest.raises(PayloadError, match="blocks of"):
             entropy_decode(bad, symbols.size, 9)
-    lengths = data[at + 2 : at + 2 + 16].view("<u4")
+    lengths = data[at + 3 : at + 3 + 16].view("<u4")
     for edit in ((0, 1), (0, int(lengths[0]) + 1), (3, 2**32 - 1), (1, int(lengths[1]) - 1)):
         bad = data.copy()
-        bad[at + 2 : at + 18].view("<u4")[edit[0]] = edit[1]
+        bad[at + 3 : at + 19].view("<u4")[edit[0]] = edit[1]
         with pytest.raises(PayloadError):
             entropy_decode(bad, symbols.size, 9)
 
@@ -424,7 +488,7 @@ def test_declared_huge_counts_fail_without_big_allocation():
     # A forged table: two symbols with 5e8 occurrences each, followed by a few bytes. Decoding
     # would allocate gigabytes; the information bound rejects it first.
     header, _ = elias_omega_encode(np.array([2, 1, 500_000_000, 1, 500_000_000]))
-    forged = np.concatenate([header, np.array([0x0B, 1, 2, 3, 4, 5, 0, 0, 1], np.uint8)])
+    forged = np.concatenate([header, np.array([0x0B, 0, 1, 2, 3, 4, 5, 0, 0, 1], np.uint8)])
     with pytest.raises(PayloadError, match="too short"):
         entropy_decode(forged, 1_000_000_000, 2)
     # A table claiming more distinct symbols than the alphabet or the count allows.
@@ -444,7 +508,7 @@ def test_random_garbage(coded):
             entropy_decode(garbage, symbols.size, 64)
 
 
-@pytest.mark.parametrize("which", ["coded", "coded_blocks"])
+@pytest.mark.parametrize("which", ["coded", "coded_blocks", "coded_blocks64"])
 def test_bit_flips_are_rejected_or_change_nothing_silently(which, request):
     symbols, data = request.getfixturevalue(which)
     k = 64 if which == "coded" else 9
@@ -510,10 +574,12 @@ def test_payloads_of_the_previous_format_version_are_rejected_with_the_reason():
 
     codec = get_codec("qsgd:coding=entropy")
     data = codec.encode(torch.randn(1000, generator=torch.Generator().manual_seed(3)), seed=1)
-    assert data[2] == FORMAT_VERSION == 3
-    old = reseal(data[:2] + bytes([2]) + data[3:])
-    with pytest.raises(PayloadError, match=r"version 2 is not supported \(this fedquant reads 3\): .*entropy"):
-        codec.decode(old, seed=1)
+    assert data[2] == FORMAT_VERSION == 4
+    for version in (2, 3):
+        old = reseal(data[:2] + bytes([version]) + data[3:])
+        why = rf"version {version} is not supported \(this fedquant reads 4\): version {version + 1} changed .*entropy"
+        with pytest.raises(PayloadError, match=why):
+            codec.decode(old, seed=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +606,7 @@ def test_entropy_codecs_give_the_same_bytes_on_the_torch_path_and_decode_like_fi
     from fedquant.codecs import get_codec
     from fedquant.wire.payload import read_payload
 
-    x = torch.randn(200_000, generator=torch.Generator().manual_seed(81))  # 8 lanes for every codec
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(81))  # 32 lanes for every codec but signsgd
     fast, slow = get_codec(spec), get_codec(spec)
     slow.force_torch = True
     data = fast.encode(x, seed=5)
@@ -551,7 +617,7 @@ def test_entropy_codecs_give_the_same_bytes_on_the_torch_path_and_decode_like_fi
     fixed = get_codec(spec.replace("coding=entropy", "coding=fixed"))
     assert torch.equal(fixed.decode(fixed.encode(x, seed=5), seed=5, **kwargs), y)
     coded, packed = len(read_payload(data).body), len(read_payload(fixed.encode(x, seed=5)).body)
-    # Signs of a Gaussian are incompressible: the table, header and 8 final states (72 bytes) on top.
+    # Signs of a Gaussian are incompressible: the table, header and final states on top.
     assert coded < packed if not spec.startswith("signsgd") else coded <= packed + 80
 
 

@@ -29,7 +29,16 @@ from tests.wire.test_elias import LEVEL_CASES, random_levels
 from tests.wire.test_entropy import CASES, forced, gaussian_indices
 
 TWIN_CASES = sorted(set(CASES) - {"several-blocks"})  # 1.5 M symbols: seconds in Python; blocks are below
-LAYOUTS = [Layout(12, 8, 10), Layout(12, 1, None), Layout(10, 2, 10), Layout(14, 4, None), Layout(24, 8, 10)]
+LAYOUTS = [
+    Layout(12, 32, 10, "rans32"),
+    Layout(12, 1, None, "rans32"),
+    Layout(10, 4, 10, "rans32"),
+    Layout(12, 8, 10, "rans64"),
+    Layout(12, 1, None, "rans64"),
+    Layout(10, 2, 10, "rans64"),
+    Layout(14, 4, None, "rans64"),
+    Layout(24, 8, 10, "rans64"),
+]
 
 
 @contextmanager

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedquant.codecs.coders.symbols import fixed_width, read_packed, read_symbols, write_symbols
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.quantizers.base import Quantizer
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import BodyReader, BodyWriter
@@ -101,3 +102,22 @@ def decode_body(quantizer: Quantizer, body: BodyReader, numel: int, seed: int) -
         return quantizer.dequantize_packed(side, packed, fixed_width(k), numel, seed)
     symbols = read_symbols(body, numel, k, coding, quantizer.name)
     return quantizer.dequantize(side, symbols, numel, seed)
+
+
+def defers_body(quantizer: Quantizer) -> bool:
+    """Whether :func:`defer_body` can defer this quantizer's decoded values (fixed-width symbols,
+    a quantizer that defers them)."""
+    return (
+        not quantizer.own_stream
+        and quantizer.num_symbols() > 0
+        and quantizer.coding == "fixed"
+        and quantizer.defers_packed()
+    )
+
+
+def defer_body(quantizer: Quantizer, body: BodyReader, numel: int, seed: int) -> DeferredValues:
+    """What :func:`decode_body` decodes, deferred (a quantizer for which :func:`defers_body` holds)."""
+    side = read_side(quantizer, body, numel)
+    k = quantizer.num_symbols()
+    packed = read_packed(body, numel, k, quantizer.name)
+    return quantizer.defer_packed(side, packed, fixed_width(k), numel, seed)

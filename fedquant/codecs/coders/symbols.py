@@ -26,10 +26,15 @@ from fedquant.wire.body import BodyReader, BodyWriter
 
 ELIAS_SPARSE = 0
 ELIAS_DENSE = 1
-#: rANS costs at most this many bits per symbol beyond ``log2`` of the present symbols: the
-#: state grows by at most ``log2(1 + 2**-7)`` = 0.0113 bits over the ideal per step, and the
-#: 24-bit frequencies lose a few ``1e-3`` bits more (bounded in ``tests`` over skewed counts).
+#: rANS costs about this many bits per symbol beyond ``log2`` of the present symbols, at most: the
+#: 64-bit coder's state grows by at most ``log2(1 + 2**-7)`` = 0.0113 bits over the ideal per step,
+#: the 32-bit coder's (16-bit words, 12-bit models) by ``3e-5`` bits on average (its worst single
+#: step, ``log2(1 + 2**-3)``, needs a state at the bottom of its range), and the rounded
+#: frequencies lose a few ``1e-3`` bits more (checked in ``tests`` over skewed counts).
 RANS_EXCESS_BITS = 0.02
+#: Bits of the rANS header and final states: two header bytes and 32 lanes of 32-bit states
+#: (coded streams from ``2**17`` bits; the 64-bit coder's 8 lanes take 512), else one 64-bit state.
+RANS_LANE_BITS, RANS_ONE_LANE_BITS = 16 + 32 * 32, 16 + 64
 
 
 def fixed_width(num_symbols: int) -> int:
@@ -63,7 +68,8 @@ def _entropy_stream_bound(count: int, num_symbols: int) -> int:
     k = np.arange(1, most + 1, dtype=np.float64)  # symbols present; the bound is the worst of them
     # The table: omega(k), then per present symbol its gap (they sum to at most num_symbols) and its count (sum: count).
     table_bits = omega_bits(most) + k * (omega_bits_bound(num_symbols / k) + omega_bits_bound(count / k))
-    rans_bits = np.where(k >= 2, count * (np.log2(k) + RANS_EXCESS_BITS) + 64, 0.0)
+    coded = count * (np.log2(k) + RANS_EXCESS_BITS)
+    rans_bits = np.where(k >= 2, coded + np.where(coded >= 1 << 17, RANS_LANE_BITS, RANS_ONE_LANE_BITS), 0.0)
     return int((np.ceil(table_bits / 8) + 4 * np.ceil(rans_bits / 32)).max())
 
 
@@ -75,7 +81,7 @@ def stream_bytes(count: int, num_symbols: int, coding: str) -> int:
       sends the shorter of the two variants, and larger levels never code shorter).
     * ``entropy``: over the number ``k`` of symbols present, the worst of the count table (gaps
       and counts bounded by Jensen's inequality on :func:`omega_bits_bound`) plus rANS at
-      ``log2 k + RANS_EXCESS_BITS`` bits per symbol and its 64-bit final state. Symbols far from
+      ``log2 k + RANS_EXCESS_BITS`` bits per symbol, its header and final states. Symbols far from
       uniform code well below it. An estimate rather than a bound for more than ``2**24``
       symbols with some of them rarer than ``2**-24`` (the frequency quantization may then cost
       more).

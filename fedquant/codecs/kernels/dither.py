@@ -487,13 +487,15 @@ def encode_symbols(
     alpha: float = 1.0,
     count: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """Like :func:`encode_packed` but returns the unpacked symbols (uint16), for entropy coding.
+    """Like :func:`encode_packed` but returns the unpacked symbols, for entropy coding.
 
-    With ``count``, returns ``(symbols, histogram)``, the histogram counted in the same pass.
+    uint8 while the alphabet fits a byte (what the coder reads without a conversion pass), else
+    uint16. With ``count``, returns ``(symbols, histogram)``, the histogram counted in the same pass.
     """
     nested, levels, rho = _args(nested, levels, rho)
-    out = np.empty(x.size, np.uint16)
-    counts = count_table(x.size, (rho if nested else 2 * levels + 1) if count else 0)
+    k = rho if nested else 2 * levels + 1
+    out = np.empty(x.size, np.uint8 if k <= 256 else np.uint16)
+    counts = count_table(x.size, k if count else 0)
     _codes(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), out, counts)
     return (out, counts.sum(axis=0)) if count else out
 
@@ -555,7 +557,7 @@ def decode_symbols(
 ) -> tuple[np.ndarray, int, bool]:
     """Like :func:`decode_packed` from unpacked symbols (as an entropy decoder returns them)."""
     nested, levels, rho = _args(nested, levels, rho)
-    codes = np.ascontiguousarray(codes, dtype=np.uint16)
+    codes = np.ascontiguousarray(codes, dtype=codes.dtype if codes.dtype in (np.uint8, np.uint16) else np.uint16)
     _require_buckets(codes.size, d, steps, nested, side_info)
     out = np.empty(codes.size, np.float32)
     top, bad = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)

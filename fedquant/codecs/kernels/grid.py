@@ -191,7 +191,7 @@ def scale_round_pack(
 
 @parallel_kernel
 def round_codes_into(x, d, steps, s, key, out, counts):
-    """Like :func:`round_pack_into` but writes the unpacked symbols ``q + s`` (uint16) into ``out``.
+    """Like :func:`round_pack_into` but writes the unpacked symbols ``q + s`` (uint8 or uint16) into ``out``.
 
     ``counts`` is a ``(groups, K)`` table (:func:`~fedquant.codecs.kernels.common.count_table`)
     that receives the symbol histogram of each run of chunks, or ``(groups, 0)`` for none.
@@ -214,8 +214,12 @@ def round_codes_into(x, d, steps, s, key, out, counts):
 def round_codes(
     x: np.ndarray, d: int, steps: np.ndarray, s: int, key: np.uint64, count: bool = False
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """The unpacked symbols ``q + s`` (uint16) for the entropy coder; with ``count``, also their histogram."""
-    out = np.empty(x.size, np.uint16)
+    """The unpacked symbols ``q + s`` for the entropy coder; with ``count``, also their histogram.
+
+    uint8 while the ``2s + 1`` symbols fit a byte (what the coder reads without a conversion
+    pass), else uint16.
+    """
+    out = np.empty(x.size, np.uint8 if 2 * s + 1 <= 256 else np.uint16)
     counts = count_table(x.size, (2 * s + 1) if count else 0)
     round_codes_into(x, d, steps, s, key, out, counts)
     return (out, counts.sum(axis=0)) if count else out
@@ -291,7 +295,7 @@ def codes_dequant_into(codes, d, steps, s, out):
 
 
 def codes_dequant(codes: np.ndarray, d: int, steps: np.ndarray, s: int) -> tuple[np.ndarray, int]:
-    """Decode unpacked symbols into new float32 values. Returns ``(values, symbols > 2s)``."""
+    """Decode unpacked symbols (uint8 or uint16) into new float32 values. Returns ``(values, symbols > 2s)``."""
     out = np.empty(codes.size, np.float32)
     return out, codes_dequant_into(codes, d, steps, s, out)
 

@@ -10,8 +10,8 @@ then added pairwise), so the result matches the float64 reference to ~1e-12 rela
 size, never overflows (``2**31`` squares of the largest float32 fit a float64) and keeps tiny
 values. :func:`add_sum_squares` also writes ``received + update`` in the same pass and counts
 the non-finite sums, :func:`checked_sum_squares` counts them without writing the sum (a server
-that aggregates the updates themselves never builds it); :func:`cosine_terms` gives the three
-inner products of an update's cosine with the round's consensus (the direction rules) and
+that aggregates the updates themselves never builds it); :func:`dot_terms` gives the inner
+products of an update's cosine with the round's consensus (the direction rules) and
 :func:`add_scaled` adds ``factor x update`` to a float64 sum (the consensus, the weighted mean of
 a round's updates), both without the float64 copies NumPy would make.
 """
@@ -52,10 +52,20 @@ def _add_scaled_twin(acc: np.ndarray, update: np.ndarray, factor: float) -> None
     acc += factor * update.astype(np.float64)
 
 
-def _cosine_terms_twin(update: np.ndarray, consensus: np.ndarray, weight: float) -> tuple[float, float, float]:
+def _checked_accumulate_twin(
+    base: np.ndarray, update: np.ndarray, consensus: np.ndarray, weighted: np.ndarray, weight: float
+) -> tuple[float, int]:
+    squares, nonfinite = _checked_sum_squares_twin(base, update)
+    if consensus.size:
+        consensus += update
+    if weighted.size:
+        weighted += weight * update.astype(np.float64)
+    return squares, nonfinite
+
+
+def _dot_terms_twin(update: np.ndarray, consensus: np.ndarray) -> tuple[float, float]:
     u = update.astype(np.float64)
-    c = consensus + weight * u if weight else consensus
-    return float(np.dot(u, c)), float(np.dot(c, c)), float(np.dot(u, u))
+    return float(np.dot(u, consensus.astype(np.float64))), float(np.dot(u, u))
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
@@ -126,6 +136,47 @@ def checked_sum_squares(base, update):
     return partial.sum(), bad.sum()
 
 
+@njit(cache=True, fastmath=REASSOCIATE)
+def _block_accumulate(base, update, consensus, weighted, weight, lo, hi):
+    """:func:`_block_checked` of ``lo .. hi`` that also adds the update to the running sums."""
+    acc = 0.0
+    nonfinite = 0
+    us, bs = update[lo:hi], base[lo:hi]
+    if consensus.size:
+        cs = consensus[lo:hi]
+        for j in range(us.size):
+            cs[j] += us[j]
+    if weighted.size:
+        ws = weighted[lo:hi]
+        for j in range(us.size):
+            ws[j] += weight * np.float64(us[j])
+    for j in range(us.size):
+        u = us[j]
+        nonfinite += not abs(bs[j] + u) <= _F32_MAX
+        v = np.float64(u)
+        acc += v * v
+    return acc, nonfinite
+
+
+@parallel_kernel(count_arg=1, twin=_checked_accumulate_twin)
+def checked_accumulate(base, update, consensus, weighted, weight):
+    """:func:`checked_sum_squares` of ``update`` against ``base``, and the update added to two running
+    sums in the same pass (while it is in cache): ``consensus += update`` (float32) and
+    ``weighted += weight x update`` (float64). Either
+    sum may be an empty array (not kept). Returns ``(sum(update**2), non-finite base + update)``;
+    the sums are written whatever the count (a caller that rejects the update discards them).
+    """
+    n = update.size
+    blocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(blocks, np.float64)
+    bad = np.zeros(blocks, np.int64)
+    for b in prange(blocks):
+        partial[b], bad[b] = _block_accumulate(
+            base, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK)
+        )
+    return partial.sum(), bad.sum()
+
+
 @parallel_kernel(count_arg=1, twin=_add_scaled_twin)
 def add_scaled(acc, update, factor):
     """``acc += factor x update`` in place: ``acc`` float64, ``update`` float32, 1-D, one length.
@@ -150,29 +201,35 @@ def add_scaled_float32(acc, base, factor, out):
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
-def _block_cosine(update, consensus, weight, lo, hi):
+def _block_dot(update, consensus, lo, hi):
     dot = 0.0
-    square = 0.0
     own = 0.0
     us, cs = update[lo:hi], consensus[lo:hi]
     for j in range(us.size):
         u = np.float64(us[j])
-        c = cs[j] + weight * u
-        dot += u * c
-        square += c * c
+        dot += u * np.float64(cs[j])
         own += u * u
-    return dot, square, own
+    return dot, own
 
 
-@parallel_kernel(twin=_cosine_terms_twin)
-def cosine_terms(update, consensus, weight):
-    """``(<u, c'>, <c', c'>, <u, u>)`` with ``c' = consensus + weight x update``: ``update`` float32,
-    ``consensus`` float64, both 1-D of one length; float64 by blocks, no temporary arrays."""
+@parallel_kernel(twin=_dot_terms_twin)
+def dot_terms(update, consensus):
+    """``(<u, c>, <u, u>)`` of ``update`` (float32) and ``consensus`` (float32 or float64), both 1-D of
+    one length: float64 by blocks, no temporary arrays (the direction rules' inner products; see
+    :func:`cosine_with`)."""
     n = update.size
     blocks = (n + BLOCK - 1) // BLOCK
     dots = np.zeros(blocks, np.float64)
-    squares = np.zeros(blocks, np.float64)
     owns = np.zeros(blocks, np.float64)
     for b in prange(blocks):
-        dots[b], squares[b], owns[b] = _block_cosine(update, consensus, weight, b * BLOCK, min(n, (b + 1) * BLOCK))
-    return dots.sum(), squares.sum(), owns.sum()
+        dots[b], owns[b] = _block_dot(update, consensus, b * BLOCK, min(n, (b + 1) * BLOCK))
+    return dots.sum(), owns.sum()
+
+
+def cosine_with(dot: float, own: float, consensus_squares: float, weight: float) -> tuple[float, float, float]:
+    """``(<u, c'>, <c', c'>, <u, u>)`` for ``c' = c + weight x u`` from ``dot = <u, c>``, ``own = <u, u>``
+    and ``consensus_squares = <c, c>`` (one pass over each update instead of three sums; the
+    consensus's own squares are taken once per round). ``<c', c'>`` is expanded in float64, which
+    loses to cancellation only where ``c'`` is ~1e-8 of ``c`` and ``u``: never for a consensus of two
+    or more other updates, which is when the direction rules look at it."""
+    return dot + weight * own, consensus_squares + 2.0 * weight * dot + weight * weight * own, own

@@ -76,6 +76,14 @@ def exercise_wire(sizes: tuple[int, ...]) -> None:
         for num_symbols in (9, 300):
             symbols = np.minimum(rng.geometric(0.3, n) - 1, num_symbols - 1).astype(entropy._symbol_dtype(num_symbols))
             entropy.entropy_decode(entropy.entropy_encode(symbols, num_symbols), n, num_symbols)
+            # Both coders whatever the encoder picks at this size: 32 lanes of rans32, 8 of rans64.
+            counts = entropy.symbol_counts(symbols, num_symbols)
+            present = np.flatnonzero(counts)
+            header = entropy._table_bytes(present, counts[present])
+            for layout in (entropy.Layout(12, 32, None, "rans32"), entropy.Layout(16, 8, None, "rans64")):
+                freq = entropy.quantize_counts(counts[present], n, layout.precision)
+                data = entropy.encode_section(symbols, present, freq, layout, header, num_symbols + 1)
+                entropy.entropy_decode(data, n, num_symbols)
         for s in (4, 1000):
             levels = (rng.integers(-s, s + 1, n) * (rng.random(n) < 0.2)).astype(np.int8 if s < 128 else np.int32)
             elias.code_s_decode(elias.code_s_encode(levels)[0], n, s)
@@ -94,8 +102,9 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         add_scaled,
         add_scaled_float32,
         add_sum_squares,
+        checked_accumulate,
         checked_sum_squares,
-        cosine_terms,
+        dot_terms,
         sum_squares,
     )
 
@@ -106,7 +115,10 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         checked_sum_squares(x, x)
         add_scaled(np.zeros(n), x, 0.5)
         add_scaled_float32(np.zeros(n), x, 0.5, np.empty_like(x))
-        cosine_terms(x, x.astype(np.float64), -1.0)
+        dot_terms(x, x.astype(np.float64))
+        dot_terms(x, x.copy())
+        checked_accumulate(x, x, np.zeros(n, np.float32), np.zeros(n), 0.5)
+        checked_accumulate(x, x, np.zeros(0, np.float32), np.zeros(0), 0.5)
 
 
 def warm(*, verbose: bool = True) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from fedquant.codecs.params import Configurable, Param
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import unpack_bits
 from fedquant.wire.body import BodyReader, require_items
+
+if TYPE_CHECKING:
+    from fedquant.codecs.deferred import DeferredValues
 
 CODINGS = ("fixed", "elias", "entropy")
 
@@ -172,6 +175,7 @@ class Quantizer(Configurable, KernelDispatch):
         True when the symbols go to an entropy coder that takes a histogram counted elsewhere.
         """
         return getattr(self, "coding", None) == "entropy" and coder_takes_counts()
+
     # ------------------------------------------------------------------ error declarations
     def error_bound(self, numel: int) -> float | None:
         """A bound on the relative error ``E||Q(x) - x||^2 / ||x||^2`` over every ``x`` of ``numel`` elements.
@@ -192,6 +196,7 @@ class Quantizer(Configurable, KernelDispatch):
         which is what error feedback scales by (a worst-case bound would shrink every update).
         """
         return self.error_bound(flat.numel())
+
     # ------------------------------------------------------------------ size model and rate ladder
     def body_bytes(self, numel: int) -> int:
         """Bytes of the body for ``numel`` elements, without encoding anything.
@@ -253,6 +258,17 @@ class Quantizer(Configurable, KernelDispatch):
         symbols = unpack_bits(packed, width, numel)
         check_alphabet(symbols, self.num_symbols(), self.name)
         return self.dequantize(side, symbols, numel, seed)
+
+    def defers_packed(self) -> bool:
+        """Whether :meth:`defer_packed` gives deferred values (default: no)."""
+        return False
+
+    def defer_packed(
+        self, side: list[np.ndarray], packed: np.ndarray, width: int, numel: int, seed: int
+    ) -> DeferredValues:
+        """What :meth:`dequantize_packed` decodes, as :class:`~fedquant.codecs.deferred.DeferredValues`
+        (quantizers whose :meth:`defers_packed` is True)."""
+        raise NotImplementedError(f"{self.name} does not defer its decoded values")
 
     def read_stream(self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int) -> torch.Tensor:
         """Values from the symbol section this quantizer wrote itself (:attr:`own_stream`): the rest

@@ -24,8 +24,11 @@ import torch
 
 from fedquant.codecs.buckets import bucket_stat, effective_bucket_size, to_buckets
 from fedquant.codecs.clipping import clip_sigma
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.kernels import grid_sums
 from fedquant.codecs.kernels.common import kernel_key
+from fedquant.codecs.kernels.norms import dot_terms
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import (
     BucketScaledQuantizer,
@@ -136,7 +139,10 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         s = self.grid()[0]
         d, steps = self._steps(side, numel)
         if self.uses_kernels():
-            values, bad = kernels.codes_dequant(np.ascontiguousarray(symbols, dtype=np.uint16), d, steps, s)
+            codes = np.ascontiguousarray(
+                symbols, dtype=symbols.dtype if symbols.dtype in (np.uint8, np.uint16) else np.uint16
+            )
+            values, bad = kernels.codes_dequant(codes, d, steps, s)
             return self._checked(torch.from_numpy(values), int(bad))
         codes = torch.from_numpy(np.asarray(symbols).astype(np.int32))
         return self._checked(*kernels.torch_dequantize(codes, d, steps, s))
@@ -148,6 +154,58 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         require_items(packed, packed_size(numel, width), "packed symbols")
         values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width)
         return self._checked(torch.from_numpy(values), int(bad))
+
+    def defers_packed(self) -> bool:
+        """Decoded values can be deferred (:class:`GridValues`) where the kernels run."""
+        return self.uses_kernels()
+
+    def defer_packed(self, side, packed, width, numel, seed) -> GridValues:
+        d, steps = self._steps(side, numel)
+        require_items(packed, packed_size(numel, width), "packed symbols")
+        return GridValues(self, packed, numel, d, steps, width)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+class GridValues(DeferredValues):
+    """A scaled grid's decoded values, computed from its packed symbols in every pass
+    (:mod:`fedquant.codecs.kernels.grid_sums`)."""
+
+    def __init__(
+        self, quantizer: ScaledGridQuantizer, packed: np.ndarray, numel: int, d: int, steps: np.ndarray, width: int
+    ) -> None:
+        self.quantizer = quantizer
+        self.packed = packed
+        self.numel = numel
+        self.d = d
+        self.steps = steps
+        self.width = width
+        self.s = quantizer.grid()[0]
+        self._squares: float | None = None  # sum(u**2), once accumulate has checked the symbols
+        # |u| <= s x step (the float32 product rounds up by at most one part in 2**24)
+        self.bound = float(self.s) * float(steps.max()) * (1 + 2.0**-22) if steps.size else 0.0
+
+    def accumulate(self, base, consensus, weighted, weight, base_bound=None) -> tuple[float, int]:
+        check = base_bound is None or not base_bound + self.bound <= _F32_MAX
+        squares, top, nonfinite = grid_sums.packed_accumulate(
+            self.packed, self.numel, self.d, self.steps, self.s, self.width, base, consensus, weighted, weight, check
+        )
+        if top > 2 * self.s:
+            q = self.quantizer
+            raise PayloadError(f"{q.name} payload holds symbols beyond the {q.num_symbols()} levels (up to {top})")
+        self._squares = float(squares)
+        return self._squares, int(nonfinite)
+
+    def dot_terms(self, consensus) -> tuple[float, float]:
+        if self._squares is None:  # not checked yet: the values written out check them
+            return dot_terms(self.materialize().numpy(), consensus)
+        dot = grid_sums.packed_dot(self.packed, self.numel, self.d, self.steps, self.s, self.width, consensus)
+        return float(dot), self._squares
+
+    def materialize(self) -> torch.Tensor:
+        values, bad = kernels.unpack_dequant(self.packed, self.numel, self.d, self.steps, self.s, self.width)
+        return self.quantizer._checked(torch.from_numpy(values), int(bad))
 
 
 class QSGDQuantizer(LevelsLadder, ScaledGridQuantizer):

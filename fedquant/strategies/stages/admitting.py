@@ -13,6 +13,7 @@ from fedquant.strategies.influence import InfluenceBounds
 from fedquant.strategies.metric_screen import conform
 from fedquant.strategies.reply_decoder import DecodedReply
 from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
+from fedquant.strategies.vote_sums import VoteSums
 
 
 class Admitting:
@@ -23,13 +24,35 @@ class Admitting:
     ``state.accepted``, its update (as admitted: clipped if need be) to ``state.decoded``.
     """
 
-    def __init__(self, bounds: InfluenceBounds, decode_plan: DecodePlan) -> None:
+    def __init__(self, bounds: InfluenceBounds, decode_plan: DecodePlan, weighted_sum: bool = False) -> None:
         self.bounds = bounds
         self.decode_plan = decode_plan
+        self.weighted_sum = weighted_sum  # the aggregation stage takes the vote's weighted sum
 
     def start(self, state: TrainRound) -> None:
-        """Begin the round's norm and direction bookkeeping."""
+        """Begin the round's norm and direction bookkeeping and the vote's running sums."""
         self.bounds.start_round()
+        state.vote_sums = VoteSums(consensus=self.bounds.directions_on(), weighted=self.weighted_sum)
+
+    def vote_hook(self, state: TrainRound, node_id: int):
+        """The check of a first-vote reply's decoded updates that also adds them to the vote's sums
+        (None when no sum is kept); :meth:`vote_joined` or :meth:`vote_failed` follows."""
+        sums = state.vote_sums
+        if sums is None or not sums.active:
+            return None
+        weight = single_metric_record(state.screened[node_id].content).get(self.bounds.weight_key)
+        usable = isinstance(weight, int | float) and not isinstance(weight, bool)
+        return sums.squares(float(weight) if usable else float("nan"))  # NaN: never matches, slow mean
+
+    def vote_joined(self, state: TrainRound, decoded: DecodedReply) -> None:
+        """The reply the last :meth:`vote_hook` served decoded in full."""
+        if state.vote_sums is not None:
+            state.vote_sums.joined(decoded)
+
+    def vote_failed(self, state: TrainRound) -> None:
+        """The reply the last :meth:`vote_hook` served was refused while decoding."""
+        if state.vote_sums is not None:
+            state.vote_sums.failed()
 
     def finish(self, state: TrainRound) -> None:
         """End the round: the admitted norms become the next round's reference; the consensus
@@ -46,10 +69,6 @@ class Admitting:
         if (judged := self._judge(state, node_id, decoded, reference)) is not None:
             self._accept(state, node_id, judged, in_vote=False)
 
-    def add_to_vote(self, state: TrainRound, node_id: int, decoded: DecodedReply) -> None:
-        """A reply of the coming vote was decoded (its update joins the running consensus sum)."""
-        self.bounds.add_to_vote(decoded, state.received(node_id))
-
     def admit_vote(self, state: TrainRound, pending: list[tuple[int, DecodedReply]]) -> None:
         """Judge a vote's updates against the reference they set together, then accept the survivors."""
         norms = [d.update_norm for _, d in pending]
@@ -58,7 +77,7 @@ class Admitting:
         judged = [
             (n, d) for n, d in ((n, self._judge(state, n, d, group_reference)) for n, d in pending) if d is not None
         ]
-        self.bounds.set_consensus([d for _, d in judged], [state.received(n) for n, _ in judged])
+        self.bounds.set_consensus([d for _, d in judged], [state.received(n) for n, _ in judged], state.vote_sums)
         for node_id, decoded in judged:
             self._accept(state, node_id, decoded, in_vote=True)
 

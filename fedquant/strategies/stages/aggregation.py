@@ -56,6 +56,7 @@ class Aggregation(RoundStage):
             arrays, metrics, state.failed = guarded_train(self.strategy, server_round, survivors)
         state.decoded.clear()
         state.scratch.clear()
+        state.vote_sums = None
         state.arrays = restore_dtypes(arrays, state.dtypes)
         state.inner_metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
 
@@ -68,11 +69,14 @@ class Aggregation(RoundStage):
         arrays, metrics, state.failed = guarded_train(self.strategy, state.server_round, light)
         if arrays is None:
             return None, metrics
-        shares = fedavg_weights(admitted, self.strategy.weighted_by_key)
+        weights, total = fedavg_weights(admitted, self.strategy.weighted_by_key)
+        shares = [w / total for w in weights]
         decoded = [state.decoded[id(r)] for r in admitted]
         received = [state.received(r.metadata.src_node_id) for r in admitted]
+        running = None if state.vote_sums is None else state.vote_sums.weighted_sum_of(decoded, weights)
+        summed, divisor = (None, total) if running is None else running
         with decode_threads(len(state.sent)):
-            return weighted_mean(decoded, received, shares, state.scratch), metrics
+            return weighted_mean(decoded, received, shares, state.scratch, summed, divisor), metrics
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
         """Whether the inner strategy failed, and how many zero-norm updates it was spared."""

@@ -47,12 +47,11 @@ class Decoding(RoundStage):
             reference = self.admitting.reference(state)
             pending: list[tuple[int, DecodedReply]] = []
             for node_id in group:
-                decoded = self._decode_one(state, node_id)
+                decoded = self._decode_one(state, node_id, in_vote=not admitted_before)
                 if decoded is None:
                     continue
                 if not admitted_before:
                     pending.append((node_id, decoded))
-                    self.admitting.add_to_vote(state, node_id, decoded)
                 else:
                     self.admitting.admit_one(state, node_id, decoded, reference)
             if pending:
@@ -62,20 +61,27 @@ class Decoding(RoundStage):
         """The decode plan's metrics of the round (NDQSG's groups, for instance)."""
         return self.decode_plan.round_metrics(state.server_round)
 
-    def _decode_one(self, state: TrainRound, node_id: int) -> DecodedReply | None:
-        """Decode one admitted reply, or reject it (plan refusal, bad payload) and return None."""
+    def _decode_one(self, state: TrainRound, node_id: int, in_vote: bool = False) -> DecodedReply | None:
+        """Decode one admitted reply, or reject it (plan refusal, bad payload) and return None.
+
+        A reply of the first vote is added to the vote's running sums in the pass that checks it
+        (:meth:`Admitting.vote_hook`)."""
         server_round, reply = state.server_round, state.screened[node_id]
         assignment = state.assignments[node_id]
         reason = self.decode_plan.admit(server_round, node_id, assignment)
         if reason is not None:
             state.reject(node_id, (REASON_PLAN, reason))
             return None
+        hook = self.admitting.vote_hook(state, node_id) if in_vote else None
         try:
             codec = self.decode_plan.reply_codec(server_round, assignment, self.min_numel)
-            return decode_reply(reply.content, state.received(node_id), codec, state.seeds[node_id])
+            decoded = decode_reply(reply.content, state.received(node_id), codec, state.seeds[node_id], hook)
         except RejectedReply as err:
+            self.admitting.vote_failed(state)
             state.reject(node_id, (REASON_PAYLOAD, str(err)))
             return None
+        self.admitting.vote_joined(state, decoded)
+        return decoded
 
 
 def _vote_groups(order: list[int], assignments: dict[int, ClientAssignment], min_numel: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ from fedquant.strategies.admission import AdmissionRules, weight_key_of
 from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import DecodePlan, default_plan
 from fedquant.strategies.downlink import DownlinkCompressor
+from fedquant.strategies.fedavg_mean import aggregates_like_fedavg
 from fedquant.strategies.influence import InfluenceBounds
 from fedquant.strategies.stages.admitting import Admitting
 from fedquant.strategies.stages.aggregation import Aggregation
@@ -107,7 +108,7 @@ def build_stages(
         Downlink(s.downlink),
         Arrival(s.uplink_bandwidth),
         screening,
-        Decoding(s.decode_plan, s.min_numel, Admitting(bounds, s.decode_plan)),
+        Decoding(s.decode_plan, s.min_numel, Admitting(bounds, s.decode_plan, aggregates_like_fedavg(s.strategy))),
         *([Budgeting(s.budget)] if s.budget is not None else []),
         Aggregation(s.strategy, s.admission, weight_key, bounds),
         recording,

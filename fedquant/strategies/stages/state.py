@@ -14,6 +14,7 @@ from fedquant.strategies.budget import BudgetChoice
 from fedquant.strategies.decode_plan import ClientAssignment
 from fedquant.strategies.metric_screen import MetricSchema
 from fedquant.strategies.reply_decoder import DecodedReply
+from fedquant.strategies.vote_sums import VoteSums
 
 LOG_PREFIX = "QuantizedStrategy"
 
@@ -49,6 +50,7 @@ class TrainRound:
     accepted: dict[int, Message] = field(default_factory=dict)  # id(reply) -> reply, in the order accepted
     decoded: dict[int, DecodedReply] = field(default_factory=dict)  # id(reply) -> its update, as admitted
     scratch: dict[str, np.ndarray] = field(default_factory=dict)  # float64 buffers admission is done with
+    vote_sums: VoteSums | None = None  # the first vote's running sums (consensus, weighted sum)
     admitted: list[Message] = field(default_factory=list)
     # aggregation
     arrays: ArrayRecord | None = None

@@ -12,8 +12,10 @@ from fedquant.codecs.kernels.norms import (
     add_scaled,
     add_scaled_float32,
     add_sum_squares,
+    checked_accumulate,
     checked_sum_squares,
-    cosine_terms,
+    cosine_with,
+    dot_terms,
     sum_squares,
 )
 
@@ -79,19 +81,23 @@ def test_add_sum_squares_writes_the_float32_sum_and_counts_non_finite_results(n)
 
 @pytest.mark.parametrize("n", [0, 1, 4097, PARALLEL_MIN + 11])
 @pytest.mark.parametrize("weight", [1.0, -1.0, 0.0])
-def test_cosine_terms_are_the_exact_inner_products_of_the_update_and_the_shifted_consensus(n, weight):
-    # The direction rules' three inner products, against math.fsum of the float64 products (the
-    # NumPy expression they replace made two float64 copies of every update).
+def test_the_cosine_terms_from_one_pass_are_the_exact_inner_products_of_the_shifted_consensus(n, weight):
+    # The direction rules' three inner products with c' = c + weight u, against math.fsum of the
+    # float64 products, from dot_terms' two sums and the consensus's own squares (taken once).
     rng = np.random.default_rng(n + 7)
     update = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
-    consensus = rng.standard_normal(n) * 1e3
     u = update.astype(np.float64)
-    c = consensus + weight * u
-    exact = (math.fsum((u * c).tolist()), math.fsum((c * c).tolist()), math.fsum((u * u).tolist()))
-    for version in (cosine_terms, cosine_terms.serial, cosine_terms.parallel, cosine_terms.twin):
-        got = version(update, consensus, weight)
-        for value, want, scale in zip(got, exact, (math.sqrt(exact[1] * exact[2]), exact[1], exact[2]), strict=True):
-            assert abs(value - want) <= 1e-12 * scale + 1e-300
+    for consensus in (rng.standard_normal(n) * 1e3, (rng.standard_normal(n) * 1e3).astype(np.float32)):
+        c64 = consensus.astype(np.float64)
+        c = c64 + weight * u
+        exact = (math.fsum((u * c).tolist()), math.fsum((c * c).tolist()), math.fsum((u * u).tolist()))
+        for version in (dot_terms, dot_terms.serial, dot_terms.parallel, dot_terms.twin):
+            dot, own = version(update, consensus)
+            assert dot == pytest.approx(math.fsum((u * c64).tolist()), rel=1e-12, abs=1e-300)
+            got = cosine_with(dot, own, math.fsum((c64 * c64).tolist()), weight)
+            scales = (math.sqrt(exact[1] * exact[2]), exact[1], exact[2])
+            for value, want, scale in zip(got, exact, scales, strict=True):
+                assert abs(value - want) <= 1e-12 * scale + 1e-300
 
 
 @pytest.mark.parametrize("n", [5, PARALLEL_MIN + 7])
@@ -124,3 +130,34 @@ def test_add_scaled_is_numpys_float64_axpy_bit_for_bit(n):
     out = np.empty(n, np.float32)
     add_scaled_float32(acc, update, 0.7, out)
     np.testing.assert_array_equal(out, (acc + 0.7 * update.astype(np.float64)).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [5, 4097, PARALLEL_MIN + 7])
+def test_checked_accumulate_checks_as_checked_sum_squares_and_adds_to_both_sums(n):
+    rng = np.random.default_rng(n + 2)
+    base = rng.standard_normal(n).astype(np.float32)
+    update = rng.standard_normal(n).astype(np.float32) * np.float32(1e-2)
+    consensus0 = rng.standard_normal(n).astype(np.float32)
+    weighted0 = rng.standard_normal(n)
+    for version in (
+        checked_accumulate,
+        checked_accumulate.serial,
+        checked_accumulate.parallel,
+        checked_accumulate.twin,
+    ):
+        consensus, weighted = consensus0.copy(), weighted0.copy()
+        squares, nonfinite = version(base, update, consensus, weighted, 2.5)
+        assert nonfinite == 0 and squares == pytest.approx(_exact(update), rel=1e-12)
+        np.testing.assert_array_equal(consensus, consensus0 + update)  # float32 additions, bit for bit
+        np.testing.assert_allclose(weighted, weighted0 + 2.5 * update.astype(np.float64), rtol=1e-15, atol=1e-300)
+        # a sum may be left out (an empty array)
+        assert version(base, update, np.zeros(0, np.float32), np.zeros(0), 2.5) == pytest.approx((squares, 0))
+    base[:2] = F32_MAX
+    update[:2] = np.float32(F32_MAX)  # base + update overflows to +Inf
+    update[-1] = np.nan
+    for version in (checked_accumulate, checked_accumulate.twin):
+        assert (
+            version(base, update, consensus0.copy(), weighted0.copy(), 1.0)[1]
+            == checked_sum_squares(base, update)[1]
+            == 3
+        )
