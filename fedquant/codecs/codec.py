@@ -21,7 +21,7 @@ import torch
 
 from fedquant.codecs.coders.layout import decode_body, defer_body, defers_body, encode_body, max_body_bytes
 from fedquant.codecs.deferred import DeferredValues
-from fedquant.codecs.quantizers.base import Quantizer
+from fedquant.codecs.quantizers.base import NonFiniteInput, Quantizer
 from fedquant.codecs.transforms.base import StatefulTransform, Transform
 from fedquant.errors import PayloadError
 from fedquant.wire.body import BodyReader
@@ -201,7 +201,7 @@ class Codec:
         bytes
             Envelope (format version, wire spec, dtype, shape) + body + CRC-32.
         """
-        return self._encode_flat(self._flat_input(x, seed), seed, x.dtype, tuple(x.shape))
+        return self._encode_checked(self._flat_input(x, seed, self._quantizer_checks_finite()), seed, x.dtype, x.shape)
 
     def encode_stateful(
         self, x: torch.Tensor, seed: int, state: Mapping[str, torch.Tensor | None] | None
@@ -249,19 +249,20 @@ class Codec:
             The payload, the new state (empty for a stateless pipeline) and the summed squared
             error (None when not measured).
         """
-        flat = self._flat_input(x, seed)
         if not self.stateful_transforms:
-            payload = self._encode_flat(flat, seed, x.dtype, tuple(x.shape))
+            flat = self._flat_input(x, seed, self._quantizer_checks_finite())
+            payload = self._encode_checked(flat, seed, x.dtype, x.shape)
             if not (measure and self.measurable):
                 return Encoded(payload, {}, None)
             decoded = self._decoded_by_encoder(payload, seed, flat, x.shape)
             return Encoded(payload, {}, _squared_error(flat, decoded))
+        flat = self._flat_input(x, seed)
         state = state or {}
         kept = []
         for t in self.stateful_transforms:
             flat, keep = t.apply(flat, state.get(t.name), lambda v: self.expected_error(v, seed))
             kept.append(keep)
-        payload = self._encode_flat(flat.contiguous(), seed, x.dtype, tuple(x.shape))
+        payload = self._encode_checked(flat.contiguous(), seed, x.dtype, x.shape)
         decoded = self._decoded_by_encoder(payload, seed, flat, x.shape)
         error = _squared_error(flat, decoded) if measure else None
         new_state = {}
@@ -294,7 +295,19 @@ class Codec:
             flat = t.forward(flat.contiguous(), seed)
         return q.expected_error(flat.contiguous())
 
-    def _flat_input(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+    def _quantizer_checks_finite(self) -> bool:
+        """Whether the quantizer, given the input as it is (no wire transform first), rejects NaN/Inf itself."""
+        return not self.wire_transforms and self.quantizer.checks_finite()
+
+    def _encode_checked(self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+        """:meth:`_encode_flat`, with the quantizer's own rejection of NaN/Inf worded as :meth:`_flat_input`'s."""
+        try:
+            return self._encode_flat(flat, seed, dtype, tuple(shape))
+        except NonFiniteInput:
+            raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf") from None
+
+    def _flat_input(self, x: torch.Tensor, seed: int, quantizer_checks: bool = False) -> torch.Tensor:
+        """``x`` flat, float32 and contiguous; ValueError on NaN/Inf unless ``quantizer_checks`` (it does)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.name}.encode expects a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in DTYPE_CODES:
@@ -303,7 +316,7 @@ class Codec:
         flat = x.detach().reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.to(torch.float32)
-        if not all_finite(flat):
+        if not quantizer_checks and not all_finite(flat):
             raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf")
         return flat.contiguous()
 

@@ -76,6 +76,51 @@ def test_encode_rejects_non_finite_and_non_float(any_codec):
         any_codec.encode([1.0, 2.0])
 
 
+SELF_CHECKING = [
+    "qsgd",
+    "qsgd:levels=7,bucket_size=1000",
+    "qsgd:coding=entropy",
+    "qsgd:coding=elias",
+    "terngrad",
+    "dqsg",
+    "dqsg:bucket_size=0",
+    "dqsg:coding=entropy",
+    "ndqsg",
+    "ndqsg:coding=entropy",
+    "signsgd",
+    "signsgd:bucket_size=100,coding=entropy",
+]
+
+
+@pytest.mark.parametrize("spec", SELF_CHECKING)
+@pytest.mark.parametrize("n", [5, 70_001])
+@pytest.mark.parametrize("force_torch", [False, True])
+def test_quantizers_that_check_their_input_reject_non_finite_values_everywhere(spec, n, force_torch):
+    # these skip the codec's own pass over the input: their bucket maxima are finite exactly
+    # when the bucket is (float64 inputs beyond the float32 range count as Inf)
+    codec = get_codec(spec)
+    codec.quantizer.force_torch = force_torch
+    assert codec.quantizer.checks_finite() and codec._quantizer_checks_finite()
+    x = sample_tensor((n,), seed=n)
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e39):
+        for pos in (0, n // 2, n - 1):
+            y = x.double() if bad == 1e39 else x.clone()
+            y[pos] = bad
+            with pytest.raises(ValueError, match=rf"^{codec.name}.encode: the tensor contains NaN or Inf$"):
+                codec.encode(y, seed=1)
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                codec.encode_measured(y, seed=1)
+    codec.encode(x.double() * 1e30, seed=1)  # large but finite as float32
+
+
+@pytest.mark.parametrize("spec", ["qsgd:norm=l2", "terngrad:clip=2.5", "rht+qsgd", "signsgd:bucket_size=0", "orq"])
+def test_other_quantizers_leave_the_check_to_the_codec(spec):
+    codec = get_codec(spec)
+    assert not codec._quantizer_checks_finite()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.encode(torch.tensor([1.0, float("inf")]))
+
+
 # ---------------------------------------------------------------- untrusted payloads
 def _payload(codec):
     x = sample_tensor((40, 30), seed=6)

@@ -25,10 +25,15 @@ The rounding rule (one element ``v`` of a bucket with grid step ``step = scale /
     code = q + s                       # unsigned symbol in [0, 2s]
 
 (a bucket with ``step = 0`` is all zeros and gets ``q = 0``), and decoding is
-``(code - s) * step`` in float32.
+``(code - s) * step`` in float32. The kernels take ``|v| / step`` as a float64 product with
+``1 / step`` rounded to float32, bit for bit the division
+(:func:`~fedquant.codecs.kernels.common.exact_quotient`; a chunk where a quotient may be
+subnormal divides), and do the rest in float32 on 32-bit lanes.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -36,15 +41,18 @@ from numba import njit, prange
 
 from fedquant.codecs.kernels.common import (
     _ABS_MASK,
+    _ONE32,
+    _U_SCALE,
     _ZERO32,
     CHUNK,
     _sum_f64,
     add_counts,
+    chunk_quotients,
     count_table,
     group_chunks,
+    hash24_run,
     pack_into,
     parallel_kernel,
-    uniform24,
     unpack_from,
 )
 from fedquant.rng import uniform
@@ -52,42 +60,64 @@ from fedquant.wire.bitpack import packed_size
 
 
 # ---------------------------------------------------------------- rounding to the grid
-@njit(cache=True)
-def _chunk_codes(x, d, steps, s, key, c0, c1, codes):
-    """Symbols ``q + s`` of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``, bucket by bucket.
+@njit(cache=True, inline="always")
+def _grid_symbol(v, t, h, sf):
+    """Symbol ``q + s`` of value ``v`` with ``t = |v| / step`` and random bits ``h``.
 
-    Branch-free per element, on slices indexed from 0, so that LLVM vectorizes the loop (the
-    hash included).
+    In float32 (``sf = float32(s)``; every intermediate is a small integer, exact; the sign goes
+    on with ``copysign``, so ``-0.0`` gives ``+s`` like ``0.0``): integer arithmetic would be
+    typed int64 and take the loop to 64-bit lanes.
     """
+    f = np.floor(t)
+    lvl = min(f + _ONE32 if np.float32(h) * _U_SCALE < t - f else f, sf)
+    return np.int32(sf + math.copysign(lvl, v))
+
+
+@njit(cache=True)
+def _chunk_codes(x, d, steps, s, key, c0, c1, codes, hs, ts):
+    """Symbols ``q + s`` of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
+
+    Three loops over the chunk, each vectorized on its own lanes: the random bits into ``hs``
+    (uint32, :func:`~fedquant.codecs.kernels.common.hash24_run`, 64-bit lanes), the quotients
+    ``|v| / step`` into ``ts`` (float32, :func:`~fedquant.codecs.kernels.common.chunk_quotients`,
+    float64 lanes), then the
+    rounding (:func:`_grid_symbol`), 32-bit lanes only, branch-free on slices indexed from 0. A
+    chunk where a quotient may be a subnormal float32 is rounded with the division instead.
+    """
+    m = c1 - c0
+    hash24_run(key, c0, m, hs)
+    sf = np.float32(s)
+    cs = codes[:m]
+    us = hs[:m]
+    if not chunk_quotients(x, d, steps, _ONE32, False, False, c0, c1, ts):
+        xs = x[c0:c1]
+        tt = ts[:m]
+        for k in range(m):
+            cs[k] = _grid_symbol(xs[k], tt[k], us[k], sf)
+        return
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
-        xs = x[i:hi]
-        cs = codes[i - c0 : hi - c0]
-        if step > _ZERO32:
-            for k in range(hi - i):
-                v = xs[k]
-                t = abs(v) / step
-                f = np.floor(t)
-                lvl = min(np.int64(f) + np.int64(uniform24(key, i + k) < t - f), s)
-                cs[k] = s - lvl if v < _ZERO32 else s + lvl
-        else:
-            cs[:] = s
+        for k in range(i, hi):
+            cs[k - c0] = _grid_symbol(x[k], abs(x[k]) / step, us[k - c0], sf) if step > _ZERO32 else s
         i = hi
 
 
 @njit(cache=True)
 def _pack_chunk(x, d, steps, s, key, width, c0, c1, out):
     """Round elements ``c0 .. c1`` (``c0`` a multiple of 8) and pack them into ``out``."""
+    n = c1 - c0  # scratch of the chunk's size: a small tensor allocates little
+    hs = np.empty(min(CHUNK, n), np.uint32)
+    ts = np.empty(min(CHUNK, n), np.float32)
     if width <= 8:  # byte symbols: half the traffic through the chunk buffer
-        small = np.empty(CHUNK, np.uint8)
-        _chunk_codes(x, d, steps, s, key, c0, c1, small)
+        small = np.empty(min(CHUNK, n), np.uint8)
+        _chunk_codes(x, d, steps, s, key, c0, c1, small, hs, ts)
         pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
-        wide = np.empty(CHUNK, np.uint16)
-        _chunk_codes(x, d, steps, s, key, c0, c1, wide)
+        wide = np.empty(min(CHUNK, n), np.uint16)
+        _chunk_codes(x, d, steps, s, key, c0, c1, wide, hs, ts)
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
@@ -116,19 +146,19 @@ def _chunk_scales(x, d, s, l2, c0, c1, scales, steps):
     """Scales (max |x| or L2) and grid steps of the buckets of elements ``c0 .. c1`` (whole buckets)."""
     n = x.size
     bits = x.view(np.uint32)
+    scale_bits = scales.view(np.uint32)
     for b in range(c0 // d, (c1 + d - 1) // d):
         lo = b * d
         hi = min(lo + d, n)
         if l2:
-            m = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
+            scales[b] = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
         else:
             mb = np.uint32(0)
             seg = bits[lo:hi]
             for i in range(hi - lo):
-                mb = max(mb, seg[i] & _ABS_MASK)
-            m = np.array([mb], np.uint32).view(np.float32)[0]
-        scales[b] = m
-        steps[b] = m / np.float32(s)
+                mb = max(mb, np.uint32(seg[i] & _ABS_MASK))
+            scale_bits[b] = mb  # the float32 max |x|, without an array per bucket to reinterpret it
+        steps[b] = scales[b] / np.float32(s)
 
 
 @parallel_kernel
@@ -171,10 +201,12 @@ def round_codes_into(x, d, steps, s, key, out, counts):
     groups = counts.shape[0]
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
+        hs = np.empty(min(CHUNK, n), np.uint32)
+        ts = np.empty(min(CHUNK, n), np.float32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
-            _chunk_codes(x, d, steps, s, key, c0, c1, out[c0:c1])
+            _chunk_codes(x, d, steps, s, key, c0, c1, out[c0:c1], hs, ts)
             if counts.shape[1]:
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 
@@ -203,11 +235,11 @@ def unpack_dequant_into(data, n, d, steps, s, width, out):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
         if width <= 8:
-            small = np.empty(CHUNK, np.uint8)
+            small = np.empty(min(CHUNK, n), np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
             bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, out)
         else:
-            wide = np.empty(CHUNK, np.uint16)
+            wide = np.empty(min(CHUNK, n), np.uint16)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
             bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
     return bad.sum()
@@ -221,9 +253,14 @@ def unpack_dequant(data: np.ndarray, n: int, d: int, steps: np.ndarray, s: int, 
 
 @njit(cache=True)
 def _chunk_dequant(codes, d, steps, s, c0, c1, out):
-    """``(code - s) * step`` for elements ``c0 .. c1``; returns how many codes exceed ``2s``."""
-    bad = 0
-    top = 2 * s
+    """``(code - s) * step`` for elements ``c0 .. c1``; returns how many codes exceed ``2s``.
+
+    In float32 (symbols below ``2**16`` convert exactly) with a flag for bad codes, so that the
+    loop runs on 32-bit lanes; a chunk with a bad code is counted again.
+    """
+    sf = np.float32(s)
+    top = np.float32(2 * s)
+    bad = False
     i = c0
     while i < c1:
         b = i // d
@@ -232,11 +269,16 @@ def _chunk_dequant(codes, d, steps, s, c0, c1, out):
         cs = codes[i - c0 : hi - c0]
         ys = out[i:hi]
         for k in range(hi - i):
-            c = np.int64(cs[k])
-            bad += c > top
-            ys[k] = np.float32(c - s) * step
+            c = np.float32(cs[k])
+            bad |= c > top
+            ys[k] = (c - sf) * step
         i = hi
-    return bad
+    if not bad:
+        return 0
+    count = 0
+    for k in range(c1 - c0):
+        count += np.int64(codes[k]) > 2 * s
+    return count
 
 
 @parallel_kernel
@@ -274,6 +316,45 @@ def sign_pack_into(x, out):
         for k in range(n - 8 * full):
             acc |= np.int64(x[8 * full + k] < _ZERO32) << k
         out[full] = acc
+
+
+@parallel_kernel
+def l1_sign_pack_into(x, d, scales, out):
+    """``bucket_l1_mean`` fused with :func:`sign_pack_into`: one read of ``x``.
+
+    Each chunk computes the means of its own buckets (the same float64 sums in the same order)
+    and packs its signs (a chunk starts on a byte: ``CHUNK`` is a multiple of 8); this needs whole
+    buckets per chunk, so ``CHUNK % d == 0`` (callers check).
+    """
+    n = x.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        for b in range(c0 // d, (c1 + d - 1) // d):
+            lo = b * d
+            hi = min(lo + d, n)
+            scales[b] = np.float32(_sum_f64(x, lo, hi, False) / (hi - lo))
+        xs = x[c0:c1]
+        bytes_ = out[c0 // 8 : (c1 + 7) // 8]
+        full = (c1 - c0) // 8
+        for j in range(full):
+            acc = 0
+            for k in range(8):
+                acc |= np.int64(xs[8 * j + k] < _ZERO32) << k
+            bytes_[j] = acc
+        if full < bytes_.size:
+            acc = 0
+            for k in range(c1 - c0 - 8 * full):
+                acc |= np.int64(xs[8 * full + k] < _ZERO32) << k
+            bytes_[full] = acc
+
+
+def l1_sign_pack(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`l1_sign_pack_into` new arrays: ``(scales, packed signs)``."""
+    scales = np.empty((x.size + d - 1) // d, np.float32)
+    out = np.empty(packed_size(x.size, 1), np.uint8)
+    l1_sign_pack_into(x, d, scales, out)
+    return scales, out
 
 
 def sign_pack(x: np.ndarray) -> np.ndarray:
@@ -331,7 +412,7 @@ def sign_unpack_into(data, n, d, scales, out):
     for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        bits = np.empty(CHUNK, np.uint8)
+        bits = np.empty(min(CHUNK, n), np.uint8)
         unpack_from(data, c0 // 8, c1 - c0, 1, bits)
         _chunk_signs(bits, d, scales, c0, c1, out)
 

@@ -15,7 +15,7 @@ shared chunk packer of :mod:`fedquant.codecs.kernels.common` (LSB first, the lay
 :mod:`fedquant.wire.bitpack`): :func:`round_pack_into` encodes, :func:`unpack_gather_into` decodes; at
 width 8 they write and read one byte per index, the unpacked symbols of the entropy coder.
 Random numbers are :func:`fedquant.rng.uniform` computed inline
-(:func:`~fedquant.codecs.kernels.common.uniform24`), so the torch twin's ``random_round``
+(:func:`~fedquant.codecs.kernels.common.hash24_run`, a chunk at a time), so the torch twin's ``random_round``
 gives the same indices. Every kernel runs in parallel from ``PARALLEL_MIN`` elements on
 (:func:`~fedquant.codecs.kernels.common.parallel_kernel`).
 """
@@ -30,15 +30,18 @@ from fedquant.codecs.kernels.common import (
     add_counts,
     count_table,
     group_chunks,
+    hash24_run,
     pack_into,
     parallel_kernel,
-    uniform24,
     unpack_from,
 )
 from fedquant.wire.bitpack import packed_size
 
 #: Level selection runs over this many runs of buckets (each with its own scratch buffers).
 BUCKET_GROUPS = 64
+_U_SCALE64 = np.float64(2.0**-24)
+_ZERO32 = np.float32(0.0)
+_ONE32 = np.float32(1.0)
 
 
 @njit(cache=True)
@@ -277,17 +280,48 @@ def partially_biased_levels(x, d, max_sweeps):
 
 
 # ---------------------------------------------------------------- rounding onto the levels
+@njit(cache=True, inline="always")
+def _random_round_bucket(xs, row, us, cs, s):
+    """Random rounding of one bucket onto ``row`` (``s`` levels, a constant where inlined).
+
+    The levels loop is innermost: with ``s`` constant LLVM unrolls it and vectorizes over the
+    elements, the interval ``[lo, hi]`` and index of every value in registers (selects: rows are
+    non-decreasing, so the levels at or below ``v`` are ``1 .. index``); the index counts in
+    float32 so that every lane is 32 bits wide.
+    """
+    first = row[0]
+    second = row[1]
+    for k in range(xs.size):
+        v = xs[k]
+        lo = first
+        hi = second
+        index = _ZERO32
+        for q in range(1, s - 1):
+            below = v >= row[q]
+            lo = row[q] if below else lo
+            hi = row[q + 1] if below else hi
+            index = index + _ONE32 if below else index
+        base = np.float64(lo)
+        up = np.float64(us[k]) * _U_SCALE64 * (np.float64(hi) - base) < np.float64(v) - base
+        cs[k] = np.int32(index + _ONE32 if up else index)
+
+
 @njit(cache=True)
-def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes):
+def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes, hs, count):
     """Level indices of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]`` (uint8), bucket by bucket.
 
-    Random rounding runs two passes that LLVM vectorizes: the interval index of every value (a
-    count over the interior levels), then the random decision. Element ``i`` moves up iff
-    ``u_i (hi - lo) < v - lo``, in float64, exactly as ``levels_torch.random_round``. Nearest
-    rounding (two levels): 1 where ``v >= (b0 + b1) / 2``, as ``levels_torch.nearest_of_two``.
+    Random rounding: the elements' random bits go to ``hs`` first (uint32,
+    :func:`~fedquant.codecs.kernels.common.hash24_run`), then each value's interval between
+    its bucket's levels (:func:`_random_round_bucket` for 2 and 16 levels; other counts count
+    over the interior levels into ``count``, int32 scratch, one pass per level) and the random
+    decision: element ``i`` moves up iff ``u_i (hi - lo) < v - lo``, in float64, exactly as
+    ``levels_torch.random_round``. Nearest rounding (two levels): 1 where ``v >= (b0 + b1) / 2``,
+    as ``levels_torch.nearest_of_two``.
     """
     s = levels.shape[1]
-    top = max(s - 2, 0)
+    m = c1 - c0
+    if not nearest:
+        hash24_run(key, c0, m, hs)
     i = c0
     while i < c1:
         b = i // d
@@ -295,23 +329,29 @@ def _chunk_indices(x, levels, d, key, nearest, c0, c1, codes):
         row = levels[b]
         xs = x[i:hi]
         cs = codes[i - c0 : hi - c0]
+        us = hs[i - c0 : hi - c0]
         if nearest:
             mid = (np.float64(row[0]) + np.float64(row[1])) * 0.5
             for k in range(hi - i):
                 cs[k] = 1 if np.float64(xs[k]) >= mid else 0
+        elif s == 16:
+            _random_round_bucket(xs, row, us, cs, 16)
+        elif s == 2:
+            _random_round_bucket(xs, row, us, cs, 2)
         else:
-            # A fresh array, so that LLVM knows it aliases nothing and vectorizes the count.
-            count = np.zeros(hi - i, np.int32)
+            # rows are non-decreasing: the levels at or below v are 1 .. count, so count <= s - 2
+            cnt = count[: hi - i]
+            cnt[:] = 0
             for q in range(1, s - 1):
                 level = row[q]
                 for k in range(hi - i):
-                    count[k] += 1 if xs[k] >= level else 0
+                    cnt[k] += np.int32(xs[k] >= level)
             for k in range(hi - i):
-                kk = min(np.int64(count[k]), top)
+                kk = cnt[k]
                 lo = np.float64(row[kk])
                 gap = np.float64(row[min(kk + 1, s - 1)]) - lo
-                u = np.float64(uniform24(key, i + k))
-                cs[k] = kk + (1 if u * gap < np.float64(xs[k]) - lo else 0)
+                u = np.float64(us[k]) * _U_SCALE64
+                cs[k] = kk + np.int32(u * gap < np.float64(xs[k]) - lo)
         i = hi
 
 
@@ -344,16 +384,18 @@ def round_pack_into(x, levels, d, key, nearest, width, out, counts):
     groups = counts.shape[0]
     for g in prange(groups):
         first, end = group_chunks(g, groups, nchunks)
-        codes = np.empty(CHUNK, np.uint8)
+        codes = np.empty(min(CHUNK, n), np.uint8)
+        hs = np.empty(min(CHUNK, n), np.uint32)
+        count = np.empty(min(CHUNK, n), np.int32)
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
             if width == 8:  # one byte per index: nothing to pack
-                _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1])
+                _chunk_indices(x, levels, d, key, nearest, c0, c1, out[c0:c1], hs, count)
                 if counts.shape[1]:
                     add_counts(out[c0:c1], c1 - c0, counts[g])
             else:
-                _chunk_indices(x, levels, d, key, nearest, c0, c1, codes)
+                _chunk_indices(x, levels, d, key, nearest, c0, c1, codes, hs, count)
                 pack_into(codes, c1 - c0, width, out, (c0 * width) // 8)
 
 
@@ -406,7 +448,7 @@ def unpack_gather_into(data, n, flat_levels, s, d, width, out):
         if width == 8:
             bad[c] = _chunk_gather(data[c0:c1], flat_levels, s, d, c0, c1, out)
         else:
-            codes = np.empty(CHUNK, np.uint8)
+            codes = np.empty(min(CHUNK, n), np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, codes)
             bad[c] = _chunk_gather(codes, flat_levels, s, d, c0, c1, out)
     return bad.sum()

@@ -57,8 +57,10 @@ from fedquant.codecs.quantizers.base import (
     Quantized,
     check_alphabet,
     relative_error,
+    require_finite,
 )
 from fedquant.codecs.side_info import SideInfoQuantizer
+from fedquant.errors import PayloadError
 
 MAX_LEVELS = (1 << 15) - 1  # 2M+1 indices must fit the 16-bit packer
 MAX_RHO = (1 << 16) - 1
@@ -84,6 +86,10 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         """Largest index magnitude: symbols are ``index + half``."""
         raise NotImplementedError
 
+    def checks_finite(self) -> bool:
+        """Steps are bucket maxima over ``levels``: finite exactly when the bucket is."""
+        return True
+
     def num_symbols(self) -> int:
         return 2 * self.half() + 1
 
@@ -96,9 +102,14 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         d = effective_bucket_size(self.bucket_size, numel)
         if self.uses_kernels(flat):
             x = flat.numpy()
+            key = kernel_key(seed)
+            if packed_width is not None and kernels.CHUNK % d == 0:  # steps and symbols in one pass
+                steps, packed = kernels.step_encode_packed(x, d, key, packed_width, **self._kernel_args())
+                require_finite(steps)
+                return Quantized([steps], packed=packed)
             # the true float32 division of kernels.bucket_steps, on the kernel's bucket maxima
             steps = bucket_stat(flat, d, "max", use_kernels=True) / np.float32(self.levels)
-            key = kernel_key(seed)
+            require_finite(steps)
             if packed_width is not None:
                 return Quantized(
                     [steps], packed=kernels.encode_packed(x, d, steps, key, packed_width, **self._kernel_args())
@@ -109,6 +120,7 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
             return Quantized([steps], symbols=kernels.encode_symbols(x, d, steps, key, **self._kernel_args()))
         v = to_buckets(flat, d)
         step = kernels.bucket_steps(flat, d, self.levels)
+        require_finite(step.reshape(-1).cpu().numpy())
         u = kernels.dither(seed, v.numel(), flat.device).view_as(v)
         symbols = self._torch_symbols(v, step, u) + self.half()
         return Quantized(
@@ -118,13 +130,19 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
 
     # ------------------------------------------------------------------ decode
     def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
-        y = self._checked_side_info()
-        d, steps = self.bucket_scales(side, numel)
         if self.uses_kernels():
-            key = kernel_key(seed)
-            values, top = kernels.decode_symbols(symbols, d, steps, key, side_info=y, **self._kernel_args())
-            self._check_top(top)
-            return torch.from_numpy(values)
+            y = self._side_info_array()
+            try:
+                d, steps = self.bucket_scales(side, numel)
+                values, top, finite = kernels.decode_symbols(
+                    symbols, d, steps, kernel_key(seed), side_info=y, **self._kernel_args()
+                )
+            except PayloadError:
+                self._check_side_finite(y)  # bad side information is reported first, as always
+                raise
+            return self._kernel_values(values, top, finite, y)
+        self._checked_side_info()
+        d, steps = self.bucket_scales(side, numel)
         nb = num_buckets(numel, d)
         padded = torch.zeros(nb * d, dtype=torch.float32)
         padded[:numel] = torch.from_numpy(symbols.astype(np.float32))
@@ -138,10 +156,22 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
     ) -> torch.Tensor:
         if not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed)
-        y = self._checked_side_info()
-        d, steps = self.bucket_scales(side, numel)
-        key = kernel_key(seed)
-        values, top = kernels.decode_packed(packed, numel, d, steps, key, width, side_info=y, **self._kernel_args())
+        y = self._side_info_array()
+        try:
+            d, steps = self.bucket_scales(side, numel)
+            values, top, finite = kernels.decode_packed(
+                packed, numel, d, steps, kernel_key(seed), width, side_info=y, **self._kernel_args()
+            )
+        except PayloadError:
+            self._check_side_finite(y)  # bad side information is reported first, as always
+            raise
+        return self._kernel_values(values, top, finite, y)
+
+    def _kernel_values(self, values: np.ndarray, top: int, finite: bool, y: np.ndarray | None) -> torch.Tensor:
+        """A decoding kernel's values, after its checks: the side information (NaN/Inf, read in the
+        kernel's pass), then the largest symbol."""
+        if y is not None:
+            self._check_side_finite(y, finite)
         self._check_top(top)
         return torch.from_numpy(values)
 
@@ -150,8 +180,16 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         if top >= self.num_symbols():
             check_alphabet(np.array([top]), self.num_symbols(), self.name)
 
-    def _checked_side_info(self) -> np.ndarray | None:
-        """Side information as the kernels take it (CPU float32), or None; ValueError if not finite."""
+    def _checked_side_info(self) -> None:
+        """ValueError if side information is required and missing or not finite (the torch path)."""
+        return None
+
+    def _side_info_array(self) -> np.ndarray | None:
+        """Side information as the kernels take it (CPU float32, not checked), or None; ValueError if missing."""
+        return None
+
+    def _check_side_finite(self, y: np.ndarray | None, finite: bool | None = None) -> None:
+        """ValueError if ``y`` holds a NaN or Inf (``finite``: a kernel's answer, else checked here)."""
         return None
 
     # ------------------------------------------------------------------ per family
@@ -281,27 +319,31 @@ class NDQSGQuantizer(SideInfoQuantizer, DitherQuantizer):
         ``alpha < 1`` or a coordinate wraps around): ``ef+ndqsg`` is refused; use ``ef+dqsg``.
         """
         return None
+
     def rate_ladder(self) -> tuple[NDQSGQuantizer, ...]:
         return (self,)  # its decode plan sets rho and the groups' codecs each round
 
     def _kernel_args(self) -> dict:
         return {"levels": self.levels, "nested": True, "rho": self.rho, "alpha": self.alpha}
 
-    def _checked_side_info(self) -> np.ndarray | None:
-        side_info = self.side_info
-        if side_info is None:
+    def _required_side_info(self) -> torch.Tensor:
+        if self.side_info is None:
             raise ValueError(
                 "ndqsg: decoding needs side_info, the server's estimate of this tensor (e.g. the mean of the "
                 "updates already decoded this round); nested indices alone do not determine the values"
             )
-        if not self.uses_kernels():
-            if not bool(torch.isfinite(side_info).all()):
-                raise ValueError("ndqsg: side_info contains NaN or Inf")
-            return None
-        y = side_info.detach().to("cpu", torch.float32).contiguous().numpy()
-        if not kernels.all_finite(y):
+        return self.side_info
+
+    def _side_info_array(self) -> np.ndarray:
+        return self._required_side_info().detach().to("cpu", torch.float32).contiguous().numpy()
+
+    def _checked_side_info(self) -> None:
+        if not bool(torch.isfinite(self._required_side_info()).all()):
             raise ValueError("ndqsg: side_info contains NaN or Inf")
-        return y
+
+    def _check_side_finite(self, y: np.ndarray | None, finite: bool | None = None) -> None:
+        if not (kernels.all_finite(y) if finite is None else finite):
+            raise ValueError("ndqsg: side_info contains NaN or Inf")
 
     def _torch_symbols(self, v, step, u):
         return kernels.nested_quantize(v, step, u, self.rho, self.alpha)

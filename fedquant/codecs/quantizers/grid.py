@@ -30,7 +30,13 @@ from fedquant.codecs.kernels import grid_sums
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.kernels.norms import dot_terms
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import BucketScaledQuantizer, LevelsLadder, Quantized, relative_error
+from fedquant.codecs.quantizers.base import (
+    BucketScaledQuantizer,
+    LevelsLadder,
+    Quantized,
+    relative_error,
+    require_finite,
+)
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
@@ -58,6 +64,10 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
     def prepare(self, flat: torch.Tensor) -> torch.Tensor:
         """The tensor actually quantized (default: ``flat`` itself)."""
         return flat
+
+    def checks_finite(self) -> bool:
+        """With max scaling and no clipping: a bucket's max is finite exactly when the bucket is."""
+        return self.grid()[1] == "max" and not getattr(self, "clip", None)
 
     def num_symbols(self) -> int:
         return 2 * self.grid()[0] + 1
@@ -91,16 +101,23 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         s, norm = self.grid()
         flat = self.prepare(flat)
         d = effective_bucket_size(self.bucket_size, flat.numel())
+        check = self.checks_finite()
         if not self.uses_kernels(flat):
             scales = bucket_stat(flat, d, norm, use_kernels=False)
+            if check:
+                require_finite(scales)
             codes = kernels.torch_round_codes(flat, d, grid_steps(scales, s), s, seed)
             return Quantized([scales], symbols=codes.cpu().numpy().astype(np.uint16))
         x = flat.numpy()
         key = kernel_key(seed)
         if packed_width is not None and kernels.CHUNK % d == 0:
             scales, packed = kernels.scale_round_pack(x, d, s, key, packed_width, norm == "l2")
+            if check:
+                require_finite(scales)
             return Quantized([scales], packed=packed)
         scales = bucket_stat(flat, d, norm, use_kernels=True)
+        if check:
+            require_finite(scales)
         steps = grid_steps(scales, s)
         if packed_width is not None:
             return Quantized([scales], packed=kernels.round_pack(x, d, steps, s, key, packed_width))

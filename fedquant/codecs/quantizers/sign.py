@@ -25,7 +25,7 @@ import torch
 from fedquant.codecs.buckets import bucket_stat, effective_bucket_size
 from fedquant.codecs.kernels import grid as kernels
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized
+from fedquant.codecs.quantizers.base import BucketScaledQuantizer, Quantized, require_finite
 from fedquant.wire.bitpack import packed_size
 from fedquant.wire.body import require_items
 
@@ -49,10 +49,25 @@ class SignSGDQuantizer(BucketScaledQuantizer):
         """``1 - 1/d``: the error ``||v||^2 - ||v||_1^2 / d`` of a bucket is at most that (``||v||_1 >= ||v||_2``)."""
         return 1.0 - 1.0 / effective_bucket_size(self.bucket_size, numel)
 
+    def checks_finite(self) -> bool:
+        """Per bucket (``bucket_size`` set, below ``2**28``) the mean ``|v|`` is finite exactly when the bucket is.
+
+        Its float64 sum cannot overflow and rounds the mean by less than half a float32 ulp, so a
+        finite bucket's mean stays at most the float32 maximum.
+        """
+        return 0 < self.bucket_size < 1 << 28
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         d = effective_bucket_size(self.bucket_size, flat.numel())
         use_kernels = self.uses_kernels(flat)
+        if use_kernels and packed_width is not None and kernels.CHUNK % d == 0:  # means and signs in one pass
+            scales, packed = kernels.l1_sign_pack(flat.numpy(), d)
+            if self.checks_finite():
+                require_finite(scales)
+            return Quantized([scales], packed=packed)
         scales = bucket_stat(flat, d, "l1mean", use_kernels)
+        if self.checks_finite():
+            require_finite(scales)
         if use_kernels and packed_width is not None:
             return Quantized([scales], packed=kernels.sign_pack(flat.numpy()))
         if use_kernels:

@@ -6,6 +6,7 @@ import torch
 
 from fedquant.codecs import get_codec
 from fedquant.codecs.kernels.common import PARALLEL_MIN
+from fedquant.errors import PayloadError
 from fedquant.rng import uniform
 from tests.helpers import sample_tensor
 
@@ -194,12 +195,28 @@ def test_side_info_finiteness_check(n):
             z = y.copy()
             z[pos] = bad
             assert not dither_kernels.all_finite(z)
-    codec = get_codec("ndqsg")
-    payload = codec.encode(torch.ones(n), seed=0)
-    side = torch.zeros(n)
-    side[n - 1] = float("nan")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        codec.decode(payload, seed=0, side_info=side)
+    # the decoding kernels check the side information in their own pass: in buckets whose step
+    # is 0 too, with either coding, and before a payload error found ahead of them
+    for coding in ("fixed", "entropy"):
+        codec = get_codec(f"ndqsg:coding={coding}")
+        x = torch.ones(n)
+        x[: n // 2] = 0.0
+        payload = codec.encode(x, seed=0)
+        for pos in (0, n - 1):
+            side = torch.zeros(n)
+            side[pos] = float("nan")
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                codec.decode(payload, seed=0, side_info=side)
+        side = torch.zeros(n, dtype=torch.float64)
+        side[n - 1] = 1e39  # finite in float64, Inf as the float32 the kernels read
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.decode(payload, seed=0, side_info=side)
+        # a payload that fails its own checks before the kernels run (too few bytes)
+        short = ([np.ones(1, np.float32)], np.zeros(1, np.uint8), 2, n, 0)
+        with pytest.raises(PayloadError):
+            codec.quantizer.with_side_info(torch.zeros(n)).dequantize_packed(*short)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.quantizer.with_side_info(side.float()).dequantize_packed(*short)
 
 
 @pytest.mark.cuda
@@ -210,3 +227,33 @@ def test_cuda_torch_path_writes_the_cpu_kernel_bytes(spec):
     x = _input(PARALLEL_MIN + 77, seed=6)
     codec = get_codec(spec)
     assert codec.encode(x.cuda(), seed=3) == codec.encode(x, seed=3)
+
+
+@pytest.mark.parametrize(
+    "spec", ["dqsg:bucket_size=3", "dqsg:levels=1,bucket_size=512", "ndqsg:rho=5,alpha=0.7,bucket_size=3"]
+)
+def test_paths_agree_where_quotients_are_subnormal(spec):
+    # the kernels' float64-product quotients hand such buckets to the division
+    from tests.codecs.kernels.test_kernels import tiny_quotient_input
+
+    x = tiny_quotient_input(3 if spec.endswith("=3") else 512)
+    side = x + 0.01 if spec.startswith("ndqsg") else None
+    _check_same(spec, x, seed=2, side_info=side)
+
+
+def test_ndqsg_decode_takes_the_division_near_half_cells():
+    # round(r / step2) from r * (1 / step2) is flagged wherever the two could round apart
+    from fedquant.codecs.kernels.dither import _ndqsg_value
+
+    st1 = 0.1
+    st2 = 3 * st1
+    for cells in (0.5, 1.5, -2.5, 7.5):
+        r = cells * st2
+        c = r / st1  # symbol minus half minus dither, with u = 0, y = 0, half = 0
+        value, near = _ndqsg_value(c, 0.0, 0.0, st1, st2, 1 / st2, 0.0, 1.0, False)
+        assert near
+        exact, _ = _ndqsg_value(c, 0.0, 0.0, st1, st2, st2, 0.0, 1.0, True)
+        rr = c * st1
+        assert exact == np.float32(rr - st2 * np.rint(rr / st2))
+    _, near = _ndqsg_value(0.7 / st1, 0.0, 0.0, st1, st2, 1 / st2, 0.0, 1.0, False)
+    assert not near

@@ -26,6 +26,63 @@ def test_inline_uniform_equals_rng_stream_bit_for_bit(seed, offset):
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+def _float32_pairs(count, seed):
+    """Random finite float32 pairs over the whole exponent range, and every mantissa of ``a`` for a few ``b``."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 0x7F800000, size=(2, count), dtype=np.int64).astype(np.uint32)
+    a, b = bits.view(np.float32)
+    mantissas = (np.arange(1 << 23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+    fixed = np.float32([3, 5, 7, 11, 0.1, 1 / 3, 2**-20 * 13, 12345.678]).repeat(1 << 23)
+    return np.concatenate([a, np.tile(mantissas, 8)]), np.concatenate([b, fixed])
+
+
+def test_exact_quotient_is_the_float32_division_wherever_the_quotient_is_normal():
+    a, b = _float32_pairs(4_000_000, seed=0)
+    a, b = a[b > 0], b[b > 0]
+    with np.errstate(over="ignore", under="ignore"):
+        want = a / b
+        got = (a.astype(np.float64) * (1.0 / b.astype(np.float64))).astype(np.float32)
+    normal = (want == 0) & (a == 0) | (np.abs(want) >= np.float32(2.0**-126))
+    assert normal.sum() > 60_000_000
+    assert np.array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
+    # the kernels' own helper computes the same (and the subnormal range is where it may not)
+    pick = np.flatnonzero(normal)[:1000]
+    inv = 1.0 / b[pick].astype(np.float64)
+    assert [common.exact_quotient(x, y) for x, y in zip(a[pick], inv)] == list(want[pick])
+
+
+def tiny_quotient_input(d: int) -> torch.Tensor:
+    """Three chunks: tiny (subnormal) values beside normal ones in every bucket, normal values, then
+    buckets of 98 beside 147 * 2**-149 (a quotient exactly halfway between two subnormal float32s)."""
+    rng = np.random.default_rng(d)
+    c = common.CHUNK
+    x = rng.standard_normal(3 * c).astype(np.float32)
+    tiny = rng.integers(1, 1 << 20, size=c, dtype=np.int64).astype(np.uint32).view(np.float32)
+    x[1:c:3] = np.where(x[1:c:3] < 0, -tiny[1::3], tiny[1::3])
+    x[2 * c :: d] = 98.0
+    x[2 * c + 1 :: d] = np.uint32(147).view(np.float32)
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("d", [3, 512])
+def test_subnormal_quotients_take_the_division(d):
+    # |v| / step a subnormal float32: the float64 product may round otherwise (exact halfway cases)
+    a, b = np.uint32(147).view(np.float32), np.float32(98.0)
+    assert np.float32(np.float64(a) * (1 / np.float64(b))) != a / b
+    x = tiny_quotient_input(d)
+    key = common.kernel_key(3)
+    for s in (1, 16):
+        steps = grid_steps(bucket_stat(x, d, "max", use_kernels=True), s)
+        ts = np.empty(common.CHUNK, np.float32)
+        one, c = np.float32(1), common.CHUNK
+        flags = [common.chunk_quotients(x.numpy(), d, steps, one, False, False, i, i + c, ts) for i in (0, c, 2 * c)]
+        assert flags == [True, False, True]
+        codes = kernels.round_codes(x.numpy(), d, steps, s, key)
+        assert np.array_equal(codes, kernels.torch_round_codes(x, d, steps, s, 3).numpy())
+        width = bit_width(2 * s + 1)
+        assert np.array_equal(kernels.round_pack(x.numpy(), d, steps, s, key, width), pack_bits(codes, width))
+
+
 CASES = [
     # n, bucket, s
     (1, 512, 16),
@@ -112,6 +169,17 @@ def test_sign_kernels_match_reference_and_torch_twin():
     want = np.where(unpack_bits(bits, 1, 1001) == 1, -1.0, 1.0) * np.repeat(scales, 100)[:1001]
     assert np.array_equal(y, want.astype(np.float32))
     assert np.array_equal(kernels.torch_sign_values(x < 0, 100, scales).numpy(), y)
+
+
+@pytest.mark.parametrize("d", [1, 8, 512, 16384])
+@pytest.mark.parametrize("n", [1, 13, 16384, 50_003])
+def test_fused_means_and_signs_equal_the_two_passes(d, n):
+    x = sample_tensor((n,), seed=n + d).numpy()
+    x[::3] = 0.0
+    x[1::5] *= -1
+    scales, packed = kernels.l1_sign_pack(x, d)
+    assert np.array_equal(scales, common.bucket_l1_mean(x, d))
+    assert np.array_equal(packed, kernels.sign_pack(x))
 
 
 def test_zero_step_buckets_give_zero_levels():
