@@ -21,7 +21,7 @@ import torch
 
 from fedquant.codecs.coders.layout import decode_body, encode_body, max_body_bytes
 from fedquant.codecs.quantizers.base import Quantizer
-from fedquant.codecs.transforms.base import StatefulTransform, Transform
+from fedquant.codecs.transforms.base import NonFiniteOutput, StatefulTransform, Transform
 from fedquant.errors import PayloadError
 from fedquant.wire.body import BodyReader
 from fedquant.wire.payload import DTYPE_CODES, Payload, header_size, read_payload, write_payload
@@ -200,7 +200,8 @@ class Codec:
         bytes
             Envelope (format version, wire spec, dtype, shape) + body + CRC-32.
         """
-        return self._encode_flat(self._flat_input(x, seed), seed, x.dtype, tuple(x.shape))
+        checked = not self._transform_checks_input
+        return self._encode_flat(self._flat_input(x, seed, checked), seed, x.dtype, tuple(x.shape), checked)
 
     def encode_stateful(
         self, x: torch.Tensor, seed: int, state: Mapping[str, torch.Tensor | None] | None
@@ -248,9 +249,10 @@ class Codec:
             The payload, the new state (empty for a stateless pipeline) and the summed squared
             error (None when not measured).
         """
-        flat = self._flat_input(x, seed)
+        checked = bool(self.stateful_transforms) or not self._transform_checks_input
+        flat = self._flat_input(x, seed, checked)
         if not self.stateful_transforms:
-            payload = self._encode_flat(flat, seed, x.dtype, tuple(x.shape))
+            payload = self._encode_flat(flat, seed, x.dtype, tuple(x.shape), checked)
             if not (measure and self.measurable):
                 return Encoded(payload, {}, None)
             decoded = self._decoded_by_encoder(payload, seed, flat, x.shape)
@@ -293,7 +295,16 @@ class Codec:
             flat = t.forward(flat.contiguous(), seed)
         return q.expected_error(flat.contiguous())
 
-    def _flat_input(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+    @property
+    def _transform_checks_input(self) -> bool:
+        """Whether the first wire transform refuses a non-finite input in its own pass (``rht``).
+
+        The stateless encoders then leave the check to it (one pass over the tensor fewer) and
+        name the input as the cause when it refuses (:meth:`_encode_flat`).
+        """
+        return bool(self.wire_transforms) and self.wire_transforms[0].checks_finite
+
+    def _flat_input(self, x: torch.Tensor, seed: int, check_finite: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.name}.encode expects a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in DTYPE_CODES:
@@ -302,13 +313,25 @@ class Codec:
         flat = x.detach().reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.to(torch.float32)
-        if not all_finite(flat):
-            raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf")
+        if check_finite and not all_finite(flat):
+            raise ValueError(self._nonfinite_input())
         return flat.contiguous()
 
-    def _encode_flat(self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-        for t in self.wire_transforms:
-            flat = t.forward(flat, seed).contiguous()
+    def _nonfinite_input(self) -> str:
+        return f"{self.name}.encode: the tensor contains NaN or Inf"
+
+    def _encode_flat(
+        self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: tuple[int, ...], checked: bool = True
+    ) -> bytes:
+        """The payload of ``flat``; ``checked``: whether ``flat`` is known finite (else the first transform checks)."""
+        source = flat
+        try:
+            for t in self.wire_transforms:
+                flat = t.forward(flat, seed).contiguous()
+        except NonFiniteOutput:
+            if not checked and not all_finite(source):
+                raise ValueError(self._nonfinite_input()) from None
+            raise
         body = encode_body(self.quantizer, flat, seed)
         return write_payload(self.wire_spec, dtype, shape, body.parts)
 
@@ -395,12 +418,14 @@ class Codec:
         body.expect_end()
         if flat.numel() != sizes[-1]:
             raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
+        finite = False
         for t, n in zip(reversed(self.wire_transforms), reversed(sizes[:-1])):
-            flat = t.inverse(flat, n, seed)
+            flat, finite = t.inverse_checked(flat, n, seed)
         # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
-        # range becomes Inf in the cast.
+        # range becomes Inf in the cast. The last transform may have seen every value already.
         out = flat.reshape(p.shape).to(dtype=p.dtype)
-        if not all_finite(out):
+        known = finite and p.dtype in (torch.float32, torch.float64)
+        if not known and not all_finite(out):
             raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
         return out.to(device=device)
 

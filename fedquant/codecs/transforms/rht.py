@@ -38,7 +38,7 @@ import torch
 from fedquant.codecs.codec import all_finite
 from fedquant.codecs.kernels.hadamard import fwht_numba, fwht_torch, runs_numel
 from fedquant.codecs.params import Param
-from fedquant.codecs.transforms.base import Transform
+from fedquant.codecs.transforms.base import NonFiniteOutput, Transform
 from fedquant.rng import derive_seed, stream_key
 
 #: Default full block (log2): the 512-element bucket of the quantizers (docs/rht_layout.md).
@@ -109,6 +109,7 @@ class RandomizedHadamard(Transform):
     """
 
     name = "rht"
+    checks_finite = True
     params = {
         "max_log2": Param(int, MAX_BLOCK_LOG2, "log2 of the full blocks", minimum=1, maximum=62),
         "min_log2": Param(int, None, "log2 of the smallest block of the remainder (none: one padded block)", minimum=0),
@@ -136,13 +137,13 @@ class RandomizedHadamard(Transform):
 
     def _rotate(
         self, flat: torch.Tensor, runs: tuple[tuple[int, int], ...], seed: int, inverse: bool
-    ) -> tuple[torch.Tensor, bool]:
-        """The rotated tensor and whether every value of it is finite."""
+    ) -> tuple[torch.Tensor, bool | None]:
+        """The rotated tensor and whether every value of it is finite (None: not checked, torch inverse)."""
         sign_seed = self.sign_seed(seed)
         flat = flat.to(torch.float32).contiguous()
         if not self.uses_kernels(flat):
             out = fwht_torch(flat, runs, sign_seed, inverse)
-            return out, all_finite(out)
+            return out, None if inverse else all_finite(out)
         out, nonfinite = fwht_numba(flat.numpy(), runs, stream_key(sign_seed), inverse)
         return torch.from_numpy(out), nonfinite == 0
 
@@ -151,18 +152,27 @@ class RandomizedHadamard(Transform):
 
         Raises
         ------
-        ValueError
-            If the rotation overflows float32 (values within ``sqrt(2**max_log2)`` of the largest
-            float32).
+        NonFiniteOutput
+            (a ValueError) If the rotation overflows float32 (values within ``sqrt(2**max_log2)``
+            of the largest float32), or ``flat`` holds NaN or Inf.
         """
         out, finite = self._rotate(flat, self.runs(flat.numel()), seed, inverse=False)
         if not finite:
-            raise ValueError(f"{self.name}: the rotated tensor overflows float32; scale the update down")
+            self.refuse()
         return out
+
+    def refuse(self) -> None:
+        """Raise the error of a rotated tensor that is not finite."""
+        raise NonFiniteOutput(f"{self.name}: the rotated tensor overflows float32; scale the update down")
 
     def inverse(self, flat: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
         """Rotate back: ``flat`` holds ``output_numel(numel)`` elements; returns the first ``numel``."""
+        return self.inverse_checked(flat, numel, seed)[0]
+
+    def inverse_checked(self, flat: torch.Tensor, numel: int, seed: int) -> tuple[torch.Tensor, bool]:
+        """:meth:`inverse`, and whether the kernels found every value finite (the padding included)."""
         runs = self.runs(numel)
         if flat.numel() != _runs_numel(runs):
             raise ValueError(f"{self.name}: {flat.numel()} elements are not the rotation of {numel}")
-        return self._rotate(flat, runs, seed, inverse=True)[0][:numel]
+        out, finite = self._rotate(flat, runs, seed, inverse=True)
+        return out[:numel], bool(finite)
