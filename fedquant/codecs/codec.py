@@ -325,14 +325,22 @@ class Codec:
     ) -> bytes:
         """The payload of ``flat``; ``checked``: whether ``flat`` is known finite (else the first transform checks)."""
         source = flat
+        quantizer = self.quantizer
+        wire = self.wire_transforms
         try:
-            for t in self.wire_transforms:
+            for t in wire[:-1]:
                 flat = t.forward(flat, seed).contiguous()
+            rotation = wire[-1].fused(flat.numel(), seed, flat) if wire else None
+            if rotation is not None and quantizer.fuses(rotation):  # the kernels rotate as they quantize
+                body = encode_body(quantizer.with_rotation(rotation), flat, seed, rotation.padded)
+            else:
+                if wire:
+                    flat = wire[-1].forward(flat, seed).contiguous()
+                body = encode_body(quantizer, flat, seed)
         except NonFiniteOutput:
             if not checked and not all_finite(source):
                 raise ValueError(self._nonfinite_input()) from None
             raise
-        body = encode_body(self.quantizer, flat, seed)
         return write_payload(self.wire_spec, dtype, shape, body.parts)
 
     # ------------------------------------------------------------------ decode
@@ -411,15 +419,23 @@ class Codec:
         p = read_payload(payload, check_header)
         quantizer = self._body_quantizer(p.numel, seed, side_info)
         sizes = [p.numel]
-        for t in self.wire_transforms:
+        wire = self.wire_transforms
+        for t in wire:
             sizes.append(t.output_numel(sizes[-1]))
+        rotation = wire[-1].fused(sizes[-2], seed) if wire else None
+        if rotation is not None and quantizer.fuses(rotation):  # the kernels rotate back as they dequantize
+            quantizer = quantizer.with_rotation(rotation)
+            wire = wire[:-1]
+        else:
+            rotation = None
         body = BodyReader(p.body, self.name)
         flat = decode_body(quantizer, body, sizes[-1], seed)
         body.expect_end()
-        if flat.numel() != sizes[-1]:
-            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
-        finite = False
-        for t, n in zip(reversed(self.wire_transforms), reversed(sizes[:-1])):
+        expected = sizes[len(wire)]
+        if flat.numel() != expected:
+            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {expected}")
+        finite = bool(rotation is not None and rotation.finite)
+        for t, n in zip(reversed(wire), reversed(sizes[: len(wire)])):
             flat, finite = t.inverse_checked(flat, n, seed)
         # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
         # range becomes Inf in the cast. The last transform may have seen every value already.

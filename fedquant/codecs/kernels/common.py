@@ -69,7 +69,11 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
+from numba import types as nbtypes
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from fedquant.codecs.kernels import cache
 from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE, stream_key
@@ -247,24 +251,99 @@ def bucket_max_abs(x: np.ndarray, d: int) -> np.ndarray:
     return out.view(np.float32)
 
 
+@intrinsic
+def _lane_sums(typingctx, x, lo, groups, square):
+    """Eight float64 sums: lane ``k`` adds ``f(x[lo + 8 g + k])`` for ``g = 0 .. groups - 1``, in that order.
+
+    ``f`` is ``v * v`` (``square``) or ``|v|`` of the float32 ``x`` widened to float64, or the
+    identity for a float64 ``x``. The lanes are one ``<8 x double>`` vector in LLVM IR: the same
+    additions in the same order as eight scalar accumulators, which LLVM would not vectorize by
+    itself (strict floating-point order), at a quarter of their time.
+    """
+    if not (isinstance(x, nbtypes.Array) and x.layout == "C" and x.dtype in (nbtypes.float32, nbtypes.float64)):
+        return None
+    wide = x.dtype == nbtypes.float64
+    sig = nbtypes.UniTuple(nbtypes.float64, 8)(x, nbtypes.intp, nbtypes.intp, nbtypes.boolean)
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        lo, groups, square = args[1], args[2], args[3]
+        doubles = ir.VectorType(ir.DoubleType(), 8)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(doubles, None))
+        base = builder.gep(arr.data, [lo])
+        with cgutils.for_range(builder, groups) as loop:
+            ptr = builder.gep(base, [builder.mul(loop.index, ir.Constant(loop.index.type, 8))])
+            if wide:
+                term = builder.load(builder.bitcast(ptr, doubles.as_pointer()), align=8)
+            else:
+                floats = ir.VectorType(ir.FloatType(), 8)
+                v = builder.fpext(builder.load(builder.bitcast(ptr, floats.as_pointer()), align=4), doubles)
+                words = ir.VectorType(ir.IntType(64), 8)
+                magnitude = ir.Constant(words, [ir.Constant(ir.IntType(64), (1 << 63) - 1)] * 8)
+                absolute = builder.bitcast(builder.and_(builder.bitcast(v, words), magnitude), doubles)
+                term = builder.select(square, builder.fmul(v, v), absolute)
+            builder.store(builder.fadd(builder.load(acc), term), acc)
+        total = builder.load(acc)
+        lanes = [builder.extract_element(total, ir.Constant(ir.IntType(32), j)) for j in range(8)]
+        return context.make_tuple(builder, signature.return_type, lanes)
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _add_lane(lanes, k, t):
+    """``lanes`` with ``t`` added to lane ``k`` (0 .. 6: the tail of a sum of eight lanes)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = lanes
+    if k == 0:
+        a0 += t
+    elif k == 1:
+        a1 += t
+    elif k == 2:
+        a2 += t
+    elif k == 3:
+        a3 += t
+    elif k == 4:
+        a4 += t
+    elif k == 5:
+        a5 += t
+    else:
+        a6 += t
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@njit(cache=True, inline="always")
+def _combine(lanes):
+    """The eight lanes summed pairwise, in a fixed order."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = lanes
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
 @njit(cache=True)
 def _sum_f64(x, lo, hi, square):
-    """Sum of ``|x|`` (or ``x**2``) over ``lo .. hi`` in float64, in a fixed order.
+    """Sum of ``|x|`` (or ``x**2``) over ``lo .. hi`` of float32 ``x`` in float64, in a fixed order.
 
-    Eight partial sums (lane ``k`` takes the elements ``lo + k (mod 8)``), combined pairwise: the
-    order is the same on every machine and the loop vectorizes.
+    Eight partial sums (lane ``k`` takes the elements ``lo + k (mod 8)``, in order), combined
+    pairwise: the order is the same on every machine, and the lanes run as one vector
+    (:func:`_lane_sums`; 2.5 ms instead of 11.5 ms for buckets of 512 over 25M elements).
     """
-    acc = np.zeros(8, np.float64)
-    seg = x[lo:hi]
     full = (hi - lo) // 8
-    for g in range(full):
-        for k in range(8):
-            v = np.float64(seg[8 * g + k])
-            acc[k] += v * v if square else abs(v)
-    for k in range(hi - lo - 8 * full):
-        v = np.float64(seg[8 * full + k])
-        acc[k] += v * v if square else abs(v)
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    lanes = _lane_sums(x, lo, full, square)
+    i = lo + 8 * full
+    for k in range(hi - i):
+        v = np.float64(x[i + k])
+        lanes = _add_lane(lanes, k, v * v if square else abs(v))
+    return _combine(lanes)
+
+
+@njit(cache=True)
+def _total_f64(p, lo, hi):
+    """Sum of float64 ``p[lo:hi]`` in the lane order of :func:`_sum_f64`."""
+    full = (hi - lo) // 8
+    lanes = _lane_sums(p, lo, full, False)
+    i = lo + 8 * full
+    for k in range(hi - i):
+        lanes = _add_lane(lanes, k, p[i + k])
+    return _combine(lanes)
 
 
 @parallel_kernel

@@ -33,6 +33,7 @@ from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels.common import (
     CHUNK,
     _sum_f64,
+    _total_f64,
     add_counts,
     group_chunks,
     hash24,
@@ -43,6 +44,7 @@ from fedquant.codecs.kernels.common import (
     unpack_at,
     unpack_from,
 )
+from fedquant.codecs.kernels.hadamard import forward_span, inverse_span
 
 #: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
 WINDOW_SIGMAS = 12.0
@@ -65,21 +67,6 @@ def _nearest(z, m, bounds, k):
 
 
 @njit(cache=True)
-def _dot_f64(centroids, k, x, lo, m):
-    """``sum(centroids[k[i]] * x[lo + i])`` over ``i < m`` in float64, eight lanes as in ``_sum_f64``."""
-    acc = np.zeros(8, np.float64)
-    full = m // 8
-    for g in range(full):
-        for j in range(8):
-            i = 8 * g + j
-            acc[j] += centroids[k[i]] * np.float64(x[lo + i])
-    for j in range(m - 8 * full):
-        i = 8 * full + j
-        acc[j] += centroids[k[i]] * np.float64(x[lo + i])
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-
-
-@njit(cache=True)
 def _normalized(x, lo, m, z):
     """``z[:m]`` = bucket ``x[lo : lo + m]`` times ``sqrt(m / sq)`` (0 for a zero bucket); returns ``sq``."""
     s = _sum_f64(x, lo, lo + m, True)
@@ -89,52 +76,136 @@ def _normalized(x, lo, m, z):
     return s
 
 
-# ---------------------------------------------------------------- integer bits
-@parallel_kernel
-def quantize(x, d, bounds, centroids, width, pack, out, sq, dot, counts):
-    """Centroid indices of float32 ``x`` and the per-bucket ``sq`` / ``dot`` (float64, written).
+@njit(cache=True)
+def _nearest_2(xs, m, norm, t0, c0, c1, codes, prods):
+    """1 bit: ``codes[i] = t0 < z_i`` (``z_i = xs[i] * norm``, float64), ``prods[i]`` = its centroid times ``xs[i]``."""
+    for i in range(m):
+        v = np.float64(xs[i])
+        up = t0 < v * norm
+        codes[i] = up
+        prods[i] = (c1 if up else c0) * v
 
-    ``out`` receives the indices packed at ``width`` bits (``pack``: ``packed_size(x.size, width)``
-    bytes) or one uint8 per coordinate; then ``counts`` (``(groups, 2**width)`` int64, or
-    ``(groups, 0)`` for none) receives their histogram per run of chunks.
+
+@njit(cache=True)
+def _nearest_4(xs, m, norm, bounds, cents, codes, prods):
+    """2 bits: as :func:`_nearest_2` with the three ascending ``bounds`` and four ``cents``."""
+    t0, t1, t2 = bounds[0], bounds[1], bounds[2]
+    c0, c1, c2, c3 = cents[0], cents[1], cents[2], cents[3]
+    for i in range(m):
+        v = np.float64(xs[i])
+        z = v * norm
+        u0 = t0 < z
+        u1 = t1 < z
+        u2 = t2 < z
+        codes[i] = np.uint8(u0) + np.uint8(u1) + np.uint8(u2)
+        prods[i] = (c3 if u2 else (c2 if u1 else (c1 if u0 else c0))) * v
+
+
+@njit(cache=True)
+def _bucket(xs, m, bounds, centroids, codes, prods, z):
+    """One bucket ``xs[:m]``: centroid indices into ``codes[:m]``; returns ``(sq, dot)``.
+
+    One and two bits pick the centroid with compares and selects (vectorized); more bits count
+    boundaries over the bucket (:func:`_nearest`) and look the centroids up. Either way every
+    value is computed as before: ``z = x * sqrt(m / sq)`` in float64, ``dot`` in the lane order
+    of ``_sum_f64`` (float32 ``xs``; ``prods``, ``z``: float64 scratch).
     """
-    n = x.size
+    sq = _sum_f64(xs, 0, m, True)
+    norm = np.sqrt(m / sq) if sq > 0 else 0.0
+    nb = bounds.size
+    if nb == 1:
+        _nearest_2(xs, m, norm, bounds[0], centroids[0], centroids[1], codes, prods)
+    elif nb == 3:
+        _nearest_4(xs, m, norm, bounds, centroids, codes, prods)
+    else:
+        for i in range(m):
+            z[i] = np.float64(xs[i]) * norm
+        _nearest(z, m, bounds, codes)
+        for i in range(m):
+            prods[i] = centroids[codes[i]] * np.float64(xs[i])
+    return sq, _total_f64(prods, 0, m)
+
+
+# ---------------------------------------------------------------- integer bits
+@parallel_kernel(count_arg=1)
+def quantize(x, n, d, bounds, centroids, width, pack, out, sq, dot, counts, layout, scales, key):
+    """Centroid indices of ``n`` float32 values and the per-bucket ``sq`` / ``dot`` (float64, written).
+
+    The values are ``x`` (``n`` of them), or with a rotation (``layout`` / ``scales`` /
+    ``key`` of :class:`~fedquant.codecs.transforms.rht.FusedRotation`, an empty ``layout``
+    for none) ``rht``'s rotation of ``x``, ``n`` its laid-out size: each chunk is rotated in
+    cache first (:func:`~fedquant.codecs.kernels.hadamard.forward_span`).
+    ``out`` receives the indices packed at ``width`` bits (``pack``: ``packed_size(n, width)``
+    bytes) or one uint8 per coordinate; then ``counts`` (``(groups, 2**width)`` int64, or
+    ``(groups, 0)`` for none) receives their histogram per run of chunks. Returns the number of
+    rotated blocks that hold NaN or Inf (0 without a rotation).
+    """
     chunks = (n + CHUNK - 1) // CHUNK
     groups = counts.shape[0]
+    rotate = layout.shape[0] > 0
+    bad = np.zeros(groups, np.int64)
     for g in prange(groups):
         first, end = group_chunks(g, groups, chunks)
         codes = np.empty(CHUNK, np.uint8)
+        rotated = np.empty(CHUNK if rotate else 0, np.float32)
+        prods = np.empty(d, np.float64)
         z = np.empty(d, np.float64)
-        k = np.empty(d, np.uint8)
         for c in range(first, end):
             start = c * CHUNK
             stop = min(start + CHUNK, n)
-            for lo in range(start, stop, d):
-                m = min(d, stop - lo)
-                b = lo // d
-                sq[b] = _normalized(x, lo, m, z)
-                _nearest(z, m, bounds, k)
-                codes[lo - start : lo - start + m] = k[:m]
-                dot[b] = _dot_f64(centroids, k, x, lo, m)
+            if rotate:
+                bad[g] += forward_span(x, start, stop, layout, scales, key, rotated)
+                xs = rotated[: stop - start]
+            else:
+                xs = x[start:stop]
+            for lo in range(0, stop - start, d):
+                m = min(d, stop - start - lo)
+                b = (start + lo) // d
+                sq[b], dot[b] = _bucket(xs[lo : lo + m], m, bounds, centroids, codes[lo : lo + m], prods, z)
             if pack:
                 pack_into(codes, stop - start, width, out, start // 8 * width)
             else:
                 out[start:stop] = codes[: stop - start]
                 if counts.shape[1]:
                     add_counts(codes, stop - start, counts[g])
+    return bad.sum()
+
+
+@njit(cache=True)
+def _values(codes, m, centroids, scale, dst):
+    """``dst[i] = centroids[codes[i]] * scale`` (codes clamped to the table), by selects for 2 and 4 centroids."""
+    top = centroids.size - 1
+    if top == 1:
+        c0, c1 = centroids[0], centroids[1]
+        for i in range(m):
+            dst[i] = (c1 if codes[i] else c0) * scale
+    elif top == 3:
+        c0, c1, c2, c3 = centroids[0], centroids[1], centroids[2], centroids[3]
+        for i in range(m):
+            k = codes[i]
+            dst[i] = (c0 if k == 0 else (c1 if k == 1 else (c2 if k == 2 else c3))) * scale
+    else:
+        for i in range(m):
+            dst[i] = centroids[min(codes[i], top)] * scale
 
 
 @parallel_kernel(count_arg=1)
-def dequantize(data, numel, d, scales, centroids, width, packed, out):
-    """``centroids[index] * scales[bucket]`` (float32) into ``out``; returns the count of indices
-    ``>= centroids.size`` (their values are not meaningful: the caller refuses the payload).
+def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key):
+    """``centroids[index] * scales[bucket]`` (float32) of ``numel`` indices into ``out``.
 
     ``data`` holds the indices packed at ``width`` bits (``packed``; the caller checked its size)
-    or one uint8 per coordinate.
+    or one uint8 per coordinate. With a rotation (see :func:`quantize`; ``numel`` its laid-out
+    size) each chunk's values go through ``rht``'s inverse rotation in cache
+    (:func:`~fedquant.codecs.kernels.hadamard.inverse_span`) and ``out`` receives the first
+    ``out.size`` values of the result. Returns ``(indices >= centroids.size`` (their values are not
+    meaningful: the caller refuses the payload), ``blocks of out`` holding NaN or Inf; 0 without a
+    rotation).
     """
     top = centroids.size - 1
     chunks = (numel + CHUNK - 1) // CHUNK
-    bad = 0
+    rotate = layout.shape[0] > 0
+    over = np.zeros(chunks, np.int64)
+    bad = np.zeros(chunks, np.int64)
     for c in prange(chunks):
         start = c * CHUNK
         stop = min(start + CHUNK, numel)
@@ -143,17 +214,17 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out):
             unpack_from(data, start // 8 * width, stop - start, width, codes)
         else:
             codes = data[start:stop]
-        over = 0
+        count = 0
         for i in range(stop - start):
-            over += codes[i] > top
-        bad += over
-        for lo in range(start, stop, d):
-            scale = scales[lo // d]
-            seg = codes[lo - start : min(lo + d, stop) - start]
-            dst = out[lo : lo + seg.size]
-            for i in range(seg.size):
-                dst[i] = centroids[min(seg[i], top)] * scale
-    return bad
+            count += codes[i] > top
+        over[c] = count
+        values = np.empty(stop - start, np.float32) if rotate else out[start:stop]
+        for lo in range(0, stop - start, d):
+            m = min(d, stop - start - lo)
+            _values(codes[lo : lo + m], m, centroids, scales[(start + lo) // d], values[lo : lo + m])
+        if rotate:
+            bad[c] = inverse_span(values, start, stop, layout, rot_scales, key, out[start : min(stop, out.size)])
+    return over.sum(), bad.sum()
 
 
 # ---------------------------------------------------------------- fractional bits: the split

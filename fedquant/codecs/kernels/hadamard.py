@@ -420,6 +420,16 @@ def layout_table(runs: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndar
     return table, scales
 
 
+#: Kernel arguments that mean "no rotation": an empty layout.
+NO_ROTATION = (np.zeros((0, 3), np.int64), np.zeros(0, np.float32), np.uint64(0))
+
+
+def rotation_args(rotation) -> tuple[np.ndarray, np.ndarray, np.uint64]:
+    """``(layout, scales, key)`` of a :class:`~fedquant.codecs.transforms.rht.FusedRotation` for a kernel
+    that rotates as it goes; :data:`NO_ROTATION` for None."""
+    return NO_ROTATION if rotation is None else (rotation.layout, rotation.scales, rotation.key)
+
+
 def fusable(runs: tuple[tuple[int, int], ...]) -> bool:
     """Whether every block fits a tile, so any chunk-aligned span of the layout is whole blocks.
 

@@ -62,6 +62,7 @@ import torch
 
 from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import count_table, uniform_stream
+from fedquant.codecs.kernels.hadamard import rotation_args
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
@@ -307,12 +308,18 @@ class EdenQuantizer(BitsLadder, Quantizer):
 
     # ------------------------------------------------------------------ the two directions
     def _kernel_path(self, flat: torch.Tensor | None = None) -> bool:
-        """Numba kernels: CPU float32 data (or decoding) without ``force_torch``."""
+        """Numba kernels: CPU float32 data (or decoding) without ``force_torch``; always when bound to a rotation."""
+        if self.rotation is not None:
+            return True
         return self.uses_kernels(flat) and (flat is None or flat.dtype == torch.float32)
+
+    def fuses(self, rotation) -> bool:
+        """Integer bits on the CPU kernels rotate as they go (:func:`kernels.quantize`, :func:`kernels.dequantize`)."""
+        return not self.split and self._kernel_path()
 
     def _quantize_kernel(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         x = np.ascontiguousarray(flat.numpy())
-        n = x.size
+        n = x.size if self.rotation is None else self.rotation.padded
         nb = self.num_buckets(n)
         sq = np.empty(nb, np.float64)
         dot = np.empty(nb, np.float64)
@@ -325,7 +332,12 @@ class EdenQuantizer(BitsLadder, Quantizer):
             raise RuntimeError(f"eden: packed width {packed_width} for {self._lo}-bit indices")
         out = np.empty(packed_size(n, self._lo) if pack else n, np.uint8)
         counts = count_table(n, (1 << self._lo) if not pack and self.wants_counts() else 0)
-        kernels.quantize(x, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot, counts)
+        layout, rot_scales, key = rotation_args(self.rotation)
+        nonfinite = kernels.quantize(
+            x, n, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot, counts, layout, rot_scales, key
+        )
+        if self.rotation is not None:
+            self.rotation.check(nonfinite)
         scales = self._finite(_scales(sq, dot, seed))
         if pack:
             return Quantized([scales], packed=out)
@@ -397,10 +409,15 @@ class EdenQuantizer(BitsLadder, Quantizer):
         else:
             require_items(data, numel, "eden symbols")
         centroids = lloyd_max(1 << self._lo)[0].astype(np.float32)
-        out = np.empty(numel, np.float32)
-        bad = kernels.dequantize(data, numel, self.bucket_size, scales, centroids, self._lo, packed, out)
+        out = np.empty(numel if self.rotation is None else self.rotation.numel, np.float32)
+        layout, rot_scales, key = rotation_args(self.rotation)
+        bad, nonfinite = kernels.dequantize(
+            data, numel, self.bucket_size, scales, centroids, self._lo, packed, out, layout, rot_scales, key
+        )
         if bad:
             raise PayloadError(f"eden payload holds {bad} symbols beyond the {centroids.size} centroids")
+        if self.rotation is not None:
+            self.rotation.finite = nonfinite == 0
         return torch.from_numpy(out)
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:

@@ -47,6 +47,15 @@ class Transform(Configurable, KernelDispatch):
     def inverse(self, flat: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
         """Decoder side: undo :meth:`forward`, back to ``numel`` elements."""
 
+    def fused(self, numel: int, seed: int, flat: torch.Tensor | None = None) -> Any:
+        """This transform as a quantizer's kernels can apply it themselves, or None (the default).
+
+        ``numel``: elements before the transform; ``flat``: the encoder's input (None when
+        decoding). A quantizer that accepts the result (``Quantizer.fuses``) is given it
+        instead of the transformed tensor (:mod:`fedquant.codecs.codec`).
+        """
+        return None
+
     def inverse_checked(self, flat: torch.Tensor, numel: int, seed: int) -> tuple[torch.Tensor, bool]:
         """:meth:`inverse`, and True when every value it returns is known to be finite.
 

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from fedquant.codecs.codec import all_finite
-from fedquant.codecs.kernels.hadamard import fwht_numba, fwht_torch, runs_numel
+from fedquant.codecs.kernels.hadamard import fusable, fwht_numba, fwht_torch, layout_table, runs_numel
 from fedquant.codecs.params import Param
 from fedquant.codecs.transforms.base import NonFiniteOutput, Transform
 from fedquant.rng import derive_seed, stream_key
@@ -96,6 +97,43 @@ def _runs_numel(runs: tuple[tuple[int, int], ...]) -> int:
     return runs_numel(runs)
 
 
+class FusedRotation:
+    """``rht``'s rotation left to a quantizer's kernels (:meth:`RandomizedHadamard.fused`).
+
+    The kernels rotate each chunk of their own pass in cache
+    (:func:`~fedquant.codecs.kernels.hadamard.forward_span` before quantizing it,
+    :func:`~fedquant.codecs.kernels.hadamard.inverse_span` after dequantizing it) instead of
+    reading a rotated copy of the tensor from memory; the bytes are the same. Only layouts whose
+    blocks fit a tile (:func:`~fedquant.codecs.kernels.hadamard.fusable`: the default ``rht``).
+
+    Attributes
+    ----------
+    numel : int
+        Elements before the rotation: the encoder's input, the decoder's output.
+    padded : int
+        Elements of the rotated layout: what the quantizer quantizes.
+    key : np.uint64
+        Stream key of the signs.
+    layout, scales : np.ndarray
+        The layout as kernels take it (:func:`~fedquant.codecs.kernels.hadamard.layout_table`).
+    finite : bool or None
+        Decoding: whether the kernels found every decoded value finite (set by the quantizer).
+    """
+
+    def __init__(self, transform: RandomizedHadamard, numel: int, runs: tuple[tuple[int, int], ...], key: int):
+        self.transform = transform
+        self.numel = numel
+        self.padded = _runs_numel(runs)
+        self.key = np.uint64(key)
+        self.layout, self.scales = layout_table(runs)
+        self.finite: bool | None = None
+
+    def check(self, nonfinite: int) -> None:
+        """Refuse as :meth:`RandomizedHadamard.forward` does when the rotated values were not all finite."""
+        if nonfinite:
+            self.transform.refuse()
+
+
 class RandomizedHadamard(Transform):
     """Randomized Hadamard rotation by blocks (``rht``): signs from the seed, never sent.
 
@@ -146,6 +184,15 @@ class RandomizedHadamard(Transform):
             return out, None if inverse else all_finite(out)
         out, nonfinite = fwht_numba(flat.numpy(), runs, stream_key(sign_seed), inverse)
         return torch.from_numpy(out), nonfinite == 0
+
+    def fused(self, numel: int, seed: int, flat: torch.Tensor | None = None) -> FusedRotation | None:
+        """The rotation for a quantizer's kernels (CPU kernels, blocks of at most a tile), else None."""
+        if not self.uses_kernels(flat) or (flat is not None and flat.dtype != torch.float32):
+            return None
+        runs = self.runs(numel)
+        if not fusable(runs):
+            return None
+        return FusedRotation(self, numel, runs, stream_key(self.sign_seed(seed)))
 
     def forward(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
         """Rotate ``flat`` (1-D float32): ``output_numel(numel)`` elements on its device.
