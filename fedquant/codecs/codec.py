@@ -417,17 +417,17 @@ class Codec:
                 )
 
         p = read_payload(payload, check_header)
-        quantizer = self._body_quantizer(p.numel, seed, side_info)
         sizes = [p.numel]
         wire = self.wire_transforms
         for t in wire:
             sizes.append(t.output_numel(sizes[-1]))
         rotation = wire[-1].fused(sizes[-2], seed) if wire else None
-        if rotation is not None and quantizer.fuses(rotation):  # the kernels rotate back as they dequantize
-            quantizer = quantizer.with_rotation(rotation)
+        if rotation is not None and self.quantizer.fuses(rotation):  # the kernels rotate back as they dequantize
             wire = wire[:-1]
+            quantizer = self._body_quantizer(p.numel, seed, side_info, len(wire)).with_rotation(rotation)
         else:
             rotation = None
+            quantizer = self._body_quantizer(p.numel, seed, side_info)
         body = BodyReader(p.body, self.name)
         flat = decode_body(quantizer, body, sizes[-1], seed)
         body.expect_end()
@@ -445,8 +445,11 @@ class Codec:
             raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
         return out.to(device=device)
 
-    def _body_quantizer(self, numel: int, seed: int, side_info: torch.Tensor | None) -> Quantizer:
-        """The quantizer that decodes the body (the side-information kind binds its side information)."""
+    def _body_quantizer(
+        self, numel: int, seed: int, side_info: torch.Tensor | None, transforms: int | None = None
+    ) -> Quantizer:
+        """The quantizer that decodes the body (the side-information kind binds its side information,
+        through the first ``transforms`` wire transforms: default all)."""
         if side_info is not None:
             raise ValueError(f"{self.name} takes no side_info; only side-information codecs do")
         return self.quantizer

@@ -209,6 +209,26 @@ def hash24(key: np.uint64, i: np.int64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")
+def counter(key: np.uint64, i: np.int64) -> np.uint64:
+    """The counter term ``key + (i + 1) * GAMMA`` of element ``i``: :func:`uniform_at` of it is
+    ``uniform24(key, i)``, and element ``i + 1``'s is this plus ``GAMMA`` (``_GAMMA``).
+
+    A loop that adds ``_GAMMA`` per element instead of multiplying saves one of the three 64-bit
+    multiplies of every uniform (and LLVM keeps the counter as a vector induction).
+    """
+    return key + np.uint64(i + 1) * _GAMMA
+
+
+@njit(cache=True, inline="always")
+def uniform_at(w: np.uint64) -> np.float32:
+    """The uniform of counter term ``w`` (see :func:`counter`)."""
+    z = (w ^ (w >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    z = z ^ (z >> _S31)
+    return np.float32(z >> _SHIFT_U) * _U_SCALE
+
+
+@njit(cache=True, inline="always")
 def uniform24(key: np.uint64, i: np.int64) -> np.float32:
     """Element ``i`` of the stream with key ``key`` (same as ``fedquant.rng.uniform``)."""
     return np.float32(hash24(key, i)) * _U_SCALE

@@ -30,15 +30,19 @@ from numba import njit, prange
 
 from fedquant.codecs.buckets import torch_bucket_stat
 from fedquant.codecs.kernels.common import (
+    _ABS_MASK,
+    _GAMMA,
     CHUNK,
     add_counts,
     count_table,
+    counter,
     group_chunks,
     pack_into,
     parallel_kernel,
-    uniform24,
+    uniform_at,
     unpack_from,
 )
+from fedquant.codecs.kernels.hadamard import forward_span, inverse_span, rotation_args
 from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
@@ -114,55 +118,99 @@ _ZERO32 = np.float32(0.0)
 
 # ---------------------------------------------------------------- encoding
 @njit(cache=True)
-def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes):
-    """Symbols of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
+def _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, codes):
+    """Symbols of elements ``c0 .. c1`` (``xc``: their values, from 0) into ``codes[0 : c1 - c0]``.
 
     DQSG (``nested`` False): ``clamp(round(v / step + u), -M, M) + M``. NDQSG: ``s + rho // 2``.
     ``alpha`` is float32.
     """
     lv = np.float32(levels)
     rf = np.float32(rho)
-    half = rho // 2
+    half = np.int32(rho // 2)
+    lvi = np.int32(levels)
     i = c0
     while i < c1:
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
         safe = step if step > _ZERO32 else _ONE32
-        xs = x[i:hi]
+        xs = xc[i - c0 : hi - c0]
         cs = codes[i - c0 : hi - c0]
+        w = counter(key, i)
         if nested:
             for k in range(hi - i):
-                u = uniform24(key, i + k) - _HALF
+                u = uniform_at(w) - _HALF
+                w += _GAMMA
                 q1 = np.rint((alpha * xs[k]) / safe + u)
-                cs[k] = np.int64(q1 - rf * np.rint(q1 / rf)) + half
+                cs[k] = np.int32(q1 - rf * np.rint(q1 / rf)) + half
         else:
             for k in range(hi - i):
-                u = uniform24(key, i + k) - _HALF
+                u = uniform_at(w) - _HALF
+                w += _GAMMA
                 q = min(max(np.rint(xs[k] / safe + u), -lv), lv)
-                cs[k] = np.int64(q) + levels
+                cs[k] = np.int32(q) + lvi
         i = hi
 
 
 @njit(cache=True)
-def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
-    n = x.size
-    c0 = c * CHUNK
-    c1 = min(c0 + CHUNK, n)
+def _encode_chunk(xc, d, steps, nested, levels, rho, alpha, key, width, c0, c1, out):
+    """Symbols of elements ``c0 .. c1`` (``xc``: their values), packed into ``out``."""
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small)
+        _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, small)
         pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
     else:
         wide = np.empty(CHUNK, np.uint16)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide)
+        _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, wide)
         pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
 
 
 @parallel_kernel
 def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out):
-    for c in prange((x.size + CHUNK - 1) // CHUNK):
-        _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
+    n = x.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        _encode_chunk(x[c0:c1], d, steps, nested, levels, rho, alpha, key, width, c0, c1, out)
+
+
+@njit(cache=True)
+def _chunk_steps(xc, d, levels, c0, c1, steps):
+    """``steps[b] = max |x| / levels`` (float32) of the buckets of elements ``c0 .. c1`` (whole buckets),
+    the maximum over the bit patterns as :func:`~fedquant.codecs.kernels.common.bucket_max_abs`."""
+    bits = xc.view(np.uint32)
+    lv = np.float32(levels)
+    for b in range(c0 // d, (c1 + d - 1) // d):
+        lo = b * d - c0
+        hi = min(lo + d, c1 - c0)
+        mb = np.uint32(0)
+        seg = bits[lo:hi]
+        for i in range(hi - lo):
+            mb = max(mb, seg[i] & _ABS_MASK)
+        steps[b] = np.array([mb], np.uint32).view(np.float32)[0] / lv
+
+
+@parallel_kernel(count_arg=1)
+def _steps_pack(x, n, d, nested, levels, rho, alpha, key, width, steps, out, layout, rot_scales, rot_key):
+    """The bucket steps fused with :func:`_pack` (``CHUNK % d == 0``: each chunk holds whole buckets):
+    one read of ``x``. With a rotation (``layout``, ``rot_scales``, ``rot_key`` of
+    :class:`~fedquant.codecs.transforms.rht.FusedRotation`; an empty ``layout`` for none) the ``n``
+    values are ``rht``'s rotation of ``x``, each chunk rotated in cache first. Returns the number of
+    rotated blocks holding NaN or Inf (0 without a rotation)."""
+    nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if rotate:
+            xc = np.empty(c1 - c0, np.float32)
+            bad[c] = forward_span(x, c0, c1, layout, rot_scales, rot_key, xc)
+        else:
+            xc = x[c0:c1]
+        _chunk_steps(xc, d, levels, c0, c1, steps)
+        _encode_chunk(xc, d, steps, nested, levels, rho, alpha, key, width, c0, c1, out)
+    return bad.sum()
 
 
 @parallel_kernel
@@ -175,83 +223,108 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
-            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
+            _chunk_symbols(x[c0:c1], d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1])
             if counts.shape[1]:
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 
 
 # ---------------------------------------------------------------- decoding
 @njit(cache=True)
-def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out):
-    """Values of elements ``c0 .. c1`` from their symbols ``codes[0 : c1 - c0]``.
+def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals):
+    """Values of elements ``c0 .. c1`` into ``vals`` (from 0) from their symbols ``codes[0 : c1 - c0]``.
 
     Returns the largest symbol seen (the caller rejects symbols beyond the alphabet); ``alpha``
-    is float64 and ``y`` the float32 side information (NDQSG only).
+    is float64 and ``yc`` the float32 side information of these elements (NDQSG only).
     """
-    top = 0
+    top = np.int32(0)
     i = c0
     if nested:
-        half = rho // 2
+        half = np.int32(rho // 2)
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             step = steps[b]
             cs = codes[i - c0 : hi - c0]
-            ys = out[i:hi]
+            ys = vals[i - c0 : hi - c0]
             if step > _ZERO32:
                 st1 = np.float64(step)
                 st2 = np.float64(rho) * st1
-                side = y[i:hi]
+                side = yc[i - c0 : hi - c0]
+                w = counter(key, i)
                 for k in range(hi - i):
-                    c = np.int64(cs[k])
+                    c = np.int32(cs[k])
                     top = max(top, c)
-                    u = np.float64(uniform24(key, i + k) - _HALF)
+                    u = np.float64(uniform_at(w) - _HALF)
+                    w += _GAMMA
                     yv = np.float64(side[k])
                     r = (np.float64(c - half) - u) * st1 - alpha * yv
                     r = r - st2 * np.rint(r / st2)
                     ys[k] = np.float32(yv + alpha * r)
             else:
                 for k in range(hi - i):
-                    top = max(top, np.int64(cs[k]))
+                    top = max(top, np.int32(cs[k]))
                     ys[k] = _ZERO32
             i = hi
     else:
+        lv = np.int32(levels)
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             step = steps[b]
             cs = codes[i - c0 : hi - c0]
-            ys = out[i:hi]
+            ys = vals[i - c0 : hi - c0]
+            w = counter(key, i)
             for k in range(hi - i):
-                c = np.int64(cs[k])
+                c = np.int32(cs[k])
                 top = max(top, c)
-                u = uniform24(key, i + k) - _HALF
-                ys[k] = step * (np.float32(c - levels) - u)
+                u = uniform_at(w) - _HALF
+                w += _GAMMA
+                ys[k] = step * (np.float32(c - lv) - u)
             i = hi
-    return top
+    return np.int64(top)
 
 
 @njit(cache=True)
-def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out):
-    n = out.size
-    c0 = c * CHUNK
-    c1 = min(c0 + CHUNK, n)
+def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, vals):
+    """Unpack the symbols of elements ``c0 .. c1`` and reconstruct them into ``vals`` (from 0)."""
     if width <= 8:
         small = np.empty(CHUNK, np.uint8)
         unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
-        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals)
     wide = np.empty(CHUNK, np.uint16)
     unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
-    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals)
 
 
-@parallel_kernel(count_arg=10)
-def _unpack(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
-    nchunks = (out.size + CHUNK - 1) // CHUNK
+@parallel_kernel(count_arg=1)
+def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, layout, rot_scales, rot_key):
+    """Decode ``n`` packed symbols into ``out``; returns ``(largest symbol, blocks of out with NaN or Inf,
+    blocks of the rotated side information with NaN or Inf)``.
+
+    With a rotation (see :func:`_steps_pack`; ``n`` its laid-out size) each chunk's values are
+    rotated back in cache and ``out`` receives the first ``out.size`` values; the side information
+    ``y`` (NDQSG) is then given before the rotation, and each chunk of it is rotated in cache.
+    Without one, both counts are 0 (the caller checks ``y``).
+    """
+    nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
     tops = np.zeros(nchunks, np.int64)
+    bad_out = np.zeros(nchunks, np.int64)
+    bad_side = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
-        tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out)
-    return tops.max() if nchunks else 0
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if not rotate:
+            yc = y[c0:c1] if nested else y
+            tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, out[c0:c1])
+            continue
+        yc = np.empty(c1 - c0 if nested else 0, np.float32)
+        if nested:
+            bad_side[c] = forward_span(y, c0, c1, layout, rot_scales, rot_key, yc)
+        vals = np.empty(c1 - c0, np.float32)
+        tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, vals)
+        bad_out[c] = inverse_span(vals, c0, c1, layout, rot_scales, rot_key, out[c0 : min(c1, out.size)])
+    return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
 
 
 @parallel_kernel
@@ -262,7 +335,8 @@ def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out)
+        yc = y[c0:c1] if nested else y
+        tops[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, yc, c0, c1, out[c0:c1])
     return tops.max() if nchunks else 0
 
 
@@ -339,6 +413,36 @@ def encode_packed(
     return out
 
 
+def steps_encode_packed(
+    x: np.ndarray,
+    d: int,
+    key: np.uint64,
+    width: int,
+    rotation,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`encode_packed` of ``rht``'s rotation of ``x`` with the steps computed in the same pass.
+
+    ``rotation`` is a :class:`~fedquant.codecs.transforms.rht.FusedRotation` (it refuses a rotated
+    tensor that is not finite); ``d`` divides ``CHUNK``. Returns ``(steps, packed)``: the float32
+    step of each bucket of the ``rotation.padded`` rotated values (``max |v| / levels``) and
+    their packed symbols, the bytes of the unfused route.
+    """
+    nested, levels, rho = _args(nested, levels, rho)
+    n = rotation.padded
+    steps = np.empty(-(-n // d), np.float32)
+    out = np.empty((n * width + 7) // 8, np.uint8)
+    nonfinite = _steps_pack(
+        x, n, d, nested, levels, rho, np.float32(alpha), np.uint64(key), width, steps, out, *rotation_args(rotation)
+    )
+    rotation.check(nonfinite)
+    return steps, out
+
+
 def encode_symbols(
     x: np.ndarray,
     d: int,
@@ -386,8 +490,14 @@ def decode_packed(
     rho: int = 1,
     alpha: float = 1.0,
     side_info: np.ndarray | None = None,
+    rotation=None,
 ) -> tuple[np.ndarray, int]:
     """Unpack ``n`` symbols from ``data`` (exactly the packed size) and reconstruct the values.
+
+    With ``rotation`` (a :class:`~fedquant.codecs.transforms.rht.FusedRotation`, ``n`` its laid-out
+    size) the values come back through ``rht``'s inverse rotation (``rotation.numel`` of them,
+    ``rotation.finite`` set) and ``side_info`` is given before the rotation (``rotation.numel``
+    values; a rotated side information that is not finite is refused as the rotation refuses it).
 
     Returns
     -------
@@ -397,9 +507,20 @@ def decode_packed(
     """
     nested, levels, rho = _args(nested, levels, rho)
     require_items(data, (n * width + 7) // 8, "packed indices")
-    _require_buckets(n, d, steps, nested, side_info)
-    out = np.empty(n, np.float32)
-    top = _unpack(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
+    if rotation is None:
+        _require_buckets(n, d, steps, nested, side_info)
+    else:
+        _require_buckets(n, d, steps, False, None)
+        if nested:
+            require_items(_side(side_info), rotation.numel, "side information")
+    out = np.empty(n if rotation is None else rotation.numel, np.float32)
+    top, bad_out, bad_side = _unpack(
+        data, n, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out,
+        *rotation_args(rotation),
+    )  # fmt: skip
+    if rotation is not None:
+        rotation.check(bad_side)
+        rotation.finite = bad_out == 0
     return out, int(top)
 
 

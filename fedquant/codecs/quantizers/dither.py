@@ -91,7 +91,19 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         check_bucket_scales(side[0], self.name, "bucket step")
 
     # ------------------------------------------------------------------ encode
+    def fuses(self, rotation) -> bool:
+        """Fixed-width coding on the CPU kernels with buckets that tile the chunks rotates as it goes
+        (NDQSG's side information too: a bound copy takes it before the rotation)."""
+        d = effective_bucket_size(self.bucket_size, rotation.padded)
+        return self.coding == "fixed" and self.uses_kernels() and kernels.CHUNK % d == 0
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        if self.rotation is not None:  # the kernels rotate each chunk and take its steps in one pass
+            d = effective_bucket_size(self.bucket_size, self.rotation.padded)
+            steps, packed = kernels.steps_encode_packed(
+                flat.numpy(), d, kernel_key(seed), packed_width, self.rotation, **self._kernel_args()
+            )
+            return Quantized([steps], packed=packed)
         numel = flat.numel()
         d = effective_bucket_size(self.bucket_size, numel)
         if self.uses_kernels(flat):
@@ -118,6 +130,8 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
 
     # ------------------------------------------------------------------ decode
     def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
+        if self.rotation is not None:
+            raise RuntimeError(f"{self.name}: a quantizer bound to a rotation decodes packed symbols only")
         y = self._checked_side_info()
         d, steps = self.bucket_scales(side, numel)
         if self.uses_kernels():
@@ -136,12 +150,14 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
     def dequantize_packed(
         self, side: list[np.ndarray], packed: np.ndarray, width: int, numel: int, seed: int
     ) -> torch.Tensor:
-        if not self.uses_kernels():
+        if self.rotation is None and not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed)
         y = self._checked_side_info()
         d, steps = self.bucket_scales(side, numel)
         key = kernel_key(seed)
-        values, top = kernels.decode_packed(packed, numel, d, steps, key, width, side_info=y, **self._kernel_args())
+        values, top = kernels.decode_packed(
+            packed, numel, d, steps, key, width, side_info=y, rotation=self.rotation, **self._kernel_args()
+        )
         self._check_top(top)
         return torch.from_numpy(values)
 
@@ -294,11 +310,13 @@ class NDQSGQuantizer(SideInfoQuantizer, DitherQuantizer):
                 "ndqsg: decoding needs side_info, the server's estimate of this tensor (e.g. the mean of the "
                 "updates already decoded this round); nested indices alone do not determine the values"
             )
-        if not self.uses_kernels():
+        if self.rotation is None and not self.uses_kernels():
             if not bool(torch.isfinite(side_info).all()):
                 raise ValueError("ndqsg: side_info contains NaN or Inf")
             return None
         y = side_info.detach().to("cpu", torch.float32).contiguous().numpy()
+        if self.rotation is not None:  # before the rotation: the kernel checks it rotated, as rht would
+            return y
         if not kernels.all_finite(y):
             raise ValueError("ndqsg: side_info contains NaN or Inf")
         return y

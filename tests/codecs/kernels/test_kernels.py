@@ -12,6 +12,7 @@ import torch
 from fedquant.codecs.buckets import bucket_stat
 from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.kernels.hadamard import NO_ROTATION
 from fedquant.codecs.quantizers.grid import grid_steps
 from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
@@ -151,9 +152,11 @@ def test_serial_and_parallel_versions_of_a_kernel_agree(n):
     outputs = {}
     for version in ("serial", "parallel"):
         scales, packed = np.empty(nb, np.float32), np.empty(packed_size(n, 4), np.uint8)
-        getattr(kernels.scale_round_pack_into, version)(x, 128, 7, key, 4, False, scales, packed)
+        getattr(kernels.scale_round_pack_into, version)(x, n, 128, 7, key, 4, False, scales, packed, *NO_ROTATION)
         y = np.empty(n, np.float32)
-        bad = getattr(kernels.unpack_dequant_into, version)(packed, n, 128, scales / np.float32(7), 7, 4, y)
+        bad, _ = getattr(kernels.unpack_dequant_into, version)(
+            packed, n, 128, scales / np.float32(7), 7, 4, y, *NO_ROTATION
+        )
         bits = np.empty(packed_size(n, 1), np.uint8)
         getattr(kernels.sign_pack_into, version)(x, bits)
         codes, counts = np.empty(n, np.uint16), np.zeros((3, 15), np.int64)
