@@ -220,12 +220,69 @@ def counter(key: np.uint64, i: np.int64) -> np.uint64:
 
 
 @njit(cache=True, inline="always")
-def uniform_at(w: np.uint64) -> np.float32:
-    """The uniform of counter term ``w`` (see :func:`counter`)."""
-    z = (w ^ (w >> _S30)) * _MIX1
+def hash24_at(w: np.uint64) -> np.uint64:
+    """The 24 random bits of counter term ``w`` (see :func:`counter`): ``hash24(key, i)``."""
+    u = np.uint64(w)  # an int64 would mix with the uint64 constants into float64
+    z = (u ^ (u >> _S30)) * _MIX1
     z = (z ^ (z >> _S27)) * _MIX2
     z = z ^ (z >> _S31)
-    return np.float32(z >> _SHIFT_U) * _U_SCALE
+    return z >> _SHIFT_U
+
+
+@intrinsic
+def _hash24_groups(typingctx, w, out, groups):
+    """``out[j] = hash24_at(w + j * GAMMA)`` (uint32) for ``j < 8 * groups``, eight per ``<8 x i64>`` vector.
+
+    For loops whose other work is narrow (a compare, a flag): LLVM vectorizes those hashes four
+    64-bit lanes at a time, this eight (zmm where the CPU has them).
+    """
+    if not (isinstance(out, nbtypes.Array) and out.layout == "C" and out.dtype == nbtypes.uint32):
+        return None
+    sig = nbtypes.void(nbtypes.uint64, out, nbtypes.intp)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        words = ir.VectorType(i64, 8)
+
+        def splat(value):
+            return ir.Constant(words, [ir.Constant(i64, value)] * 8)
+
+        index = ir.VectorType(ir.IntType(32), 8)
+        start = builder.insert_element(ir.Constant(words, None), args[0], ir.Constant(ir.IntType(32), 0))
+        start = builder.shuffle_vector(start, ir.Constant(words, None), ir.Constant(index, [0] * 8))
+        lanes = ir.Constant(words, [ir.Constant(i64, (j * GOLDEN_GAMMA) % (1 << 64)) for j in range(8)])
+        counter_slot = cgutils.alloca_once_value(builder, builder.add(start, lanes))
+        arr = context.make_array(signature.args[1])(context, builder, args[1])
+        halves = index
+        with cgutils.for_range(builder, args[2]) as loop:
+            wv = builder.load(counter_slot)
+            z = builder.mul(builder.xor(wv, builder.lshr(wv, splat(30))), splat(MIX1))
+            z = builder.mul(builder.xor(z, builder.lshr(z, splat(27))), splat(MIX2))
+            z = builder.xor(z, builder.lshr(z, splat(31)))
+            bits = builder.trunc(builder.lshr(z, splat(64 - UNIFORM_BITS)), halves)
+            ptr = builder.gep(arr.data, [builder.mul(loop.index, ir.Constant(loop.index.type, 8))])
+            builder.store(bits, builder.bitcast(ptr, halves.as_pointer()), align=4)
+            builder.store(builder.add(wv, splat((8 * GOLDEN_GAMMA) % (1 << 64))), counter_slot)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def hash24_fill(w, out, m):
+    """``out[j] = hash24_at(w + j * GAMMA)`` (the 24 random bits, as uint32) for ``j < m``."""
+    groups = m // 8
+    _hash24_groups(w, out, groups)
+    v = np.uint64(w) + np.uint64(8 * groups) * _GAMMA
+    for j in range(8 * groups, m):
+        out[j] = np.uint32(hash24_at(v))
+        v += _GAMMA
+
+
+@njit(cache=True, inline="always")
+def uniform_at(w: np.uint64) -> np.float32:
+    """The uniform of counter term ``w`` (see :func:`counter`)."""
+    return np.float32(hash24_at(w)) * _U_SCALE
 
 
 @njit(cache=True, inline="always")
@@ -624,6 +681,120 @@ def unpack_at(data, bitpos, count, width, codes):
         j += 1
     if j < count:  # now on a byte boundary, nothing left in the accumulator
         unpack_from(data, p, count - j, width, codes[j:count])
+
+
+# ---------------------------------------------------------------- splitting a stream by flags
+def _u8_c(t) -> bool:
+    return isinstance(t, nbtypes.Array) and t.layout == "C" and t.dtype == nbtypes.uint8
+
+
+def _flag_mask(context, builder, flags, i):
+    """``<32 x i1>``: whether each of ``flags[i : i + 32]`` (uint8) is nonzero."""
+    v = ir.VectorType(ir.IntType(8), SPLIT_LANES)
+    loaded = builder.load(builder.bitcast(builder.gep(flags.data, [i]), v.as_pointer()), align=1)
+    return builder.icmp_unsigned("!=", loaded, ir.Constant(v, None))
+
+
+def _popcount(builder, mask):
+    ctpop = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]), "llvm.ctpop.i32"
+    )
+    return builder.zext(builder.call(ctpop, [builder.bitcast(mask, ir.IntType(32))]), ir.IntType(64))
+
+
+#: Elements :func:`_split_by_flags` and :func:`_merge_by_flags` take at a time.
+SPLIT_LANES = 32
+
+
+@intrinsic
+def _split_by_flags(typingctx, flags, i, a, b, out_a, pos_a, out_b, pos_b):
+    """Of elements ``i .. i + 32``: ``a[j]`` where ``flags[j]`` is nonzero go to ``out_a`` from ``pos_a`` on,
+    ``b[j]`` where it is zero to ``out_b`` from ``pos_b``, in order; returns how many went to ``out_a``.
+
+    LLVM's compress store (``vpcompressb`` where the CPU has AVX-512 VBMI2): the loop that does
+    this one element at a time advances two positions that each store depends on, 7x slower.
+    All arrays uint8; the outputs get exactly the elements they take, nothing past them.
+    """
+    if not all(_u8_c(t) for t in (flags, a, b, out_a, out_b)):
+        return None
+    sig = nbtypes.int64(flags, nbtypes.intp, a, b, out_a, nbtypes.intp, out_b, nbtypes.intp)
+
+    def codegen(context, builder, signature, args):
+        fl, va, vb, oa, ob = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3, 4, 6))
+        i = args[1]
+        v = ir.VectorType(ir.IntType(8), SPLIT_LANES)
+        m = ir.VectorType(ir.IntType(1), SPLIT_LANES)
+        mask = _flag_mask(context, builder, fl, i)
+        fnty = ir.FunctionType(ir.VoidType(), [v, ir.IntType(8).as_pointer(), m])
+        store = cgutils.get_or_insert_function(builder.module, fnty, "llvm.masked.compressstore.v32i8")
+        for arr, out, pos, which in ((va, oa, args[5], mask), (vb, ob, args[7], builder.not_(mask))):
+            values = builder.load(builder.bitcast(builder.gep(arr.data, [i]), v.as_pointer()), align=1)
+            builder.call(store, [values, builder.gep(out.data, [pos]), which])
+        return _popcount(builder, mask)
+
+    return sig, codegen
+
+
+@intrinsic
+def _merge_by_flags(typingctx, flags, i, src_a, pos_a, src_b, pos_b, out):
+    """The inverse of :func:`_split_by_flags`: ``out[j]`` for ``j = i .. i + 32`` is the next element of
+    ``src_a`` (from ``pos_a``) where ``flags[j]`` is nonzero, else the next of ``src_b`` (from ``pos_b``);
+    returns how many came from ``src_a``. Reads only the elements it takes (expand loads)."""
+    if not all(_u8_c(t) for t in (flags, src_a, src_b, out)):
+        return None
+    sig = nbtypes.int64(flags, nbtypes.intp, src_a, nbtypes.intp, src_b, nbtypes.intp, out)
+
+    def codegen(context, builder, signature, args):
+        fl, sa, sb, o = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 4, 6))
+        i = args[1]
+        v = ir.VectorType(ir.IntType(8), SPLIT_LANES)
+        m = ir.VectorType(ir.IntType(1), SPLIT_LANES)
+        mask = _flag_mask(context, builder, fl, i)
+        fnty = ir.FunctionType(v, [ir.IntType(8).as_pointer(), m, v])
+        load = cgutils.get_or_insert_function(builder.module, fnty, "llvm.masked.expandload.v32i8")
+        zero = ir.Constant(v, None)
+        from_a = builder.call(load, [builder.gep(sa.data, [args[3]]), mask, zero])
+        from_b = builder.call(load, [builder.gep(sb.data, [args[5]]), builder.not_(mask), zero])
+        merged = builder.select(mask, from_a, from_b)
+        builder.store(merged, builder.bitcast(builder.gep(o.data, [i]), v.as_pointer()), align=1)
+        return _popcount(builder, mask)
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def split_by_flags(flags, m, a, b, out_a, pos_a, out_b, pos_b):
+    """:func:`_split_by_flags` over ``m`` elements (32 at a time, then one by one); returns the new positions."""
+    full = m // SPLIT_LANES
+    for g in range(full):
+        taken = _split_by_flags(flags, SPLIT_LANES * g, a, b, out_a, pos_a, out_b, pos_b)
+        pos_a += taken
+        pos_b += SPLIT_LANES - taken
+    for j in range(SPLIT_LANES * full, m):
+        f = flags[j] != 0
+        out_a[pos_a] = a[j]
+        out_b[pos_b] = b[j]
+        pos_a += f
+        pos_b += 1 - f
+    return pos_a, pos_b
+
+
+@njit(cache=True)
+def merge_by_flags(flags, m, src_a, pos_a, src_b, pos_b, out):
+    """:func:`_merge_by_flags` over ``m`` elements; returns the new positions."""
+    full = m // SPLIT_LANES
+    for g in range(full):
+        taken = _merge_by_flags(flags, SPLIT_LANES * g, src_a, pos_a, src_b, pos_b, out)
+        pos_a += taken
+        pos_b += SPLIT_LANES - taken
+    for j in range(SPLIT_LANES * full, m):
+        if flags[j]:
+            out[j] = src_a[pos_a]
+            pos_a += 1
+        else:
+            out[j] = src_b[pos_b]
+            pos_b += 1
+    return pos_a, pos_b
 
 
 # ---------------------------------------------------------------- symbol histograms

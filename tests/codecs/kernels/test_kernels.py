@@ -191,3 +191,20 @@ def test_switch_picks_by_size_and_both_versions_load_from_their_own_cache():
         if run.stdout.split() == ["1", "1"]:
             break
     assert run.stdout.split() == ["1", "1"]
+
+
+# ---------------------------------------------------------------- splitting and merging by flags
+@pytest.mark.parametrize("density", [0.0, 0.037, 0.5, 1.0])
+@pytest.mark.parametrize("m", [0, 5, 32, 100, 512])
+def test_split_and_merge_by_flags_are_the_element_loops(density, m):
+    rng = np.random.default_rng(m)
+    flags = (rng.random(512) < density).astype(np.uint8) * rng.integers(1, 255, 512).astype(np.uint8)
+    a, b = rng.integers(0, 255, 512).astype(np.uint8), rng.integers(0, 255, 512).astype(np.uint8)
+    out_a, out_b = np.zeros(600, np.uint8), np.zeros(600, np.uint8)
+    pos = common.split_by_flags(flags, m, a, b, out_a, 3, out_b, 7)
+    chosen = flags[:m] != 0
+    assert pos == (3 + chosen.sum(), 7 + m - chosen.sum())
+    assert np.array_equal(out_a[3 : pos[0]], a[:m][chosen]) and np.array_equal(out_b[7 : pos[1]], b[:m][~chosen])
+    merged = np.zeros(512, np.uint8)
+    assert common.merge_by_flags(flags, m, out_a, 3, out_b, 7, merged) == pos
+    assert np.array_equal(merged[:m], np.where(chosen, a[:m], b[:m]))
