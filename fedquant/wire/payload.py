@@ -20,12 +20,15 @@ and compared with the decoder's own spec by the codec.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import re
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedquant.errors import PayloadError
@@ -86,6 +89,60 @@ class Payload:
         return math.prod(self.shape)
 
 
+#: Payloads of at least this many bytes are assembled in memory the kernel may back with 2 MiB pages.
+HUGE_PAYLOAD_BYTES = 4 << 20
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _bytes_api():
+    """``(new, address, madvise)`` from the C API and libc, or None where they are not available."""
+    if sys.implementation.name != "cpython" or not sys.platform.startswith("linux"):
+        return None
+    try:
+        new = ctypes.pythonapi.PyBytes_FromStringAndSize
+        new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+        address = ctypes.pythonapi.PyBytes_AsString
+        address.restype, address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.restype, madvise.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (AttributeError, OSError):
+        return None
+    return new, address, madvise
+
+
+_BYTES_API = _bytes_api()
+
+
+def _joined(parts: Sequence[bytes | memoryview], size: int) -> bytes:
+    """``b"".join(parts)`` (``size`` bytes in all), faster for large payloads.
+
+    A fresh ``bytes`` of 100 MB is faulted in 4 KiB pages as the join writes it: 47 ms on the
+    project's machine against 23 ms here, where the new object's pages are first advised as
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``, what NumPy does for its own large arrays)
+    and then filled. The object comes from ``PyBytes_FromStringAndSize(NULL, size)``, which the C
+    API documents for exactly this: filled before anyone else sees it.
+    """
+    if size < HUGE_PAYLOAD_BYTES or _BYTES_API is None:
+        return b"".join(parts)
+    new, address, madvise = _BYTES_API
+    out = new(None, size)
+    start = address(out)
+    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    hi = (start + size) // _HUGE_PAGE * _HUGE_PAGE
+    if hi > lo:
+        madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
+    view = np.frombuffer((ctypes.c_char * size).from_address(start), np.uint8)
+    pos = 0
+    for part in parts:
+        data = np.frombuffer(part, np.uint8)
+        view[pos : pos + data.size] = data
+        pos += data.size
+    if pos != size:
+        raise RuntimeError(f"payload parts hold {pos} bytes, expected {size}")
+    return out
+
+
 def header_size(ndim: int, spec: str) -> int:
     """Bytes of envelope around a body: fixed header, shape, spec, body length and CRC."""
     return _FIXED.size + 8 * ndim + len(spec) + _U64.size + _CRC.size
@@ -112,7 +169,8 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
     crc = crc32(head)
     for part in body:
         crc = crc32(part, crc)
-    return b"".join([head, *body, _CRC.pack(crc)])  # the body is copied once, here
+    # the body is copied once, here
+    return _joined([head, *body, _CRC.pack(crc)], len(head) + body_len + _CRC.size)
 
 
 def read_payload(

@@ -110,6 +110,8 @@ class FusedRotation:
     ----------
     numel : int
         Elements before the rotation: the encoder's input, the decoder's output.
+    runs : tuple of (int, int)
+        The block layout (:func:`block_runs`).
     padded : int
         Elements of the rotated layout: what the quantizer quantizes.
     key : np.uint64
@@ -123,6 +125,7 @@ class FusedRotation:
     def __init__(self, transform: RandomizedHadamard, numel: int, runs: tuple[tuple[int, int], ...], key: int):
         self.transform = transform
         self.numel = numel
+        self.runs = runs
         self.padded = _runs_numel(runs)
         self.key = np.uint64(key)
         self.layout, self.scales = layout_table(runs)
