@@ -337,11 +337,12 @@ class Codec:
                 if wire:
                     flat = wire[-1].forward(flat, seed).contiguous()
                 body = encode_body(quantizer, flat, seed)
+            # (a kernel may write a section straight into the payload here: wire.body.Deferred)
+            return write_payload(self.wire_spec, dtype, shape, body.parts)
         except NonFiniteOutput:
             if not checked and not all_finite(source):
                 raise ValueError(self._nonfinite_input()) from None
             raise
-        return write_payload(self.wire_spec, dtype, shape, body.parts)
 
     # ------------------------------------------------------------------ decode
     def decode(

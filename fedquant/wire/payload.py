@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from fedquant.errors import PayloadError
+from fedquant.wire.body import Deferred
 from fedquant.wire.checksum import crc32
 
 MAGIC = b"FQ"
@@ -114,17 +115,22 @@ def _bytes_api():
 _BYTES_API = _bytes_api()
 
 
-def _joined(parts: Sequence[bytes | memoryview], size: int) -> bytes:
-    """``b"".join(parts)`` (``size`` bytes in all), faster for large payloads.
+def _joined(head: bytes, body: Sequence, size: int) -> bytes:
+    """``head``, the ``body`` sections and the CRC-32 of both: a payload of ``size`` bytes.
 
-    A fresh ``bytes`` of 100 MB is faulted in 4 KiB pages as the join writes it: 47 ms on the
-    project's machine against 23 ms here, where the new object's pages are first advised as
-    transparent huge pages (``madvise(MADV_HUGEPAGE)``, what NumPy does for its own large arrays)
-    and then filled. The object comes from ``PyBytes_FromStringAndSize(NULL, size)``, which the C
-    API documents for exactly this: filled before anyone else sees it.
+    A fresh ``bytes`` of 100 MB is faulted in 4 KiB pages as a join writes it: 47 ms on the
+    project's machine. Large payloads instead go into a ``bytes`` whose pages are first advised as
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``, what NumPy does for its own large arrays;
+    23 ms), made by ``PyBytes_FromStringAndSize(NULL, size)``, which the C API documents for
+    exactly this: filled before anyone else sees it. :class:`~fedquant.wire.body.Deferred` sections
+    are written there by their kernels; the CRC is then computed over the assembled bytes.
     """
     if size < HUGE_PAYLOAD_BYTES or _BYTES_API is None:
-        return b"".join(parts)
+        parts = [p.materialize() if isinstance(p, Deferred) else p for p in body]
+        crc = crc32(head)
+        for part in parts:
+            crc = crc32(part, crc)
+        return b"".join([head, *parts, _CRC.pack(crc)])  # the body is copied once, here
     new, address, madvise = _BYTES_API
     out = new(None, size)
     start = address(out)
@@ -134,12 +140,16 @@ def _joined(parts: Sequence[bytes | memoryview], size: int) -> bytes:
         madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal leaves ordinary pages
     view = np.frombuffer((ctypes.c_char * size).from_address(start), np.uint8)
     pos = 0
-    for part in parts:
-        data = np.frombuffer(part, np.uint8)
-        view[pos : pos + data.size] = data
-        pos += data.size
-    if pos != size:
-        raise RuntimeError(f"payload parts hold {pos} bytes, expected {size}")
+    for part in (head, *body):
+        n = part.nbytes if isinstance(part, Deferred) else memoryview(part).nbytes
+        if isinstance(part, Deferred):
+            part.fill(view[pos : pos + n])
+        else:
+            view[pos : pos + n] = np.frombuffer(part, np.uint8)
+        pos += n
+    if pos != size - _CRC.size:
+        raise RuntimeError(f"payload parts hold {pos} bytes, expected {size - _CRC.size}")
+    view[pos:] = np.frombuffer(_CRC.pack(crc32(view[:pos])), np.uint8)
     return out
 
 
@@ -148,7 +158,9 @@ def header_size(ndim: int, spec: str) -> int:
     return _FIXED.size + 8 * ndim + len(spec) + _U64.size + _CRC.size
 
 
-def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Sequence[bytes | memoryview]) -> bytes:
+def write_payload(
+    spec: str, dtype: torch.dtype, shape: Sequence[int], body: Sequence[bytes | memoryview | Deferred]
+) -> bytes:
     """Wrap a codec body (a sequence of buffers, joined in order) in the envelope."""
     if dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported dtype {dtype}; fedquant encodes {sorted(map(str, DTYPE_CODES))}")
@@ -157,7 +169,7 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
     spec_bytes = spec.encode("ascii")
     if len(spec_bytes) > MAX_SPEC_LEN or not _valid_spec(spec):
         raise ValueError(f"codec spec {spec!r} cannot go in a payload header")
-    body_len = sum(memoryview(b).nbytes for b in body)
+    body_len = sum(b.nbytes if isinstance(b, Deferred) else memoryview(b).nbytes for b in body)
     head = b"".join(
         [
             _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), len(spec_bytes)),
@@ -166,11 +178,7 @@ def write_payload(spec: str, dtype: torch.dtype, shape: Sequence[int], body: Seq
             _U64.pack(body_len),
         ]
     )
-    crc = crc32(head)
-    for part in body:
-        crc = crc32(part, crc)
-    # the body is copied once, here
-    return _joined([head, *body, _CRC.pack(crc)], len(head) + body_len + _CRC.size)
+    return _joined(head, body, len(head) + body_len + _CRC.size)
 
 
 def read_payload(

@@ -237,7 +237,7 @@ def _any_nonfinite(seg):
 @njit(cache=True)
 def _forward_block(xs, m, seg, c, key, o):
     """``seg`` = the forward transform of the block at laid-out position ``o`` whose first ``m`` values
-    are ``xs[:m]`` (zeros after); ``c`` its scale. Returns 1 if a result is not finite, else 0."""
+    are ``xs[:m]`` (zeros after); ``c`` its scale."""
     length = seg.size
     for i in range(m):
         seg[i] = xs[i] * c
@@ -245,7 +245,6 @@ def _forward_block(xs, m, seg, c, key, o):
         seg[i] = _ZERO32
     _flip_signs(seg, key, o)
     _butterflies(seg, length)
-    return _any_nonfinite(seg)
 
 
 @njit(cache=True)
@@ -274,11 +273,10 @@ def forward_span(src, lo, hi, layout, scales, key, dst):
     ``lo`` and ``hi`` fall on block boundaries of blocks of at most ``TILE`` elements; ``src``
     holds the tensor from position 0 (positions from ``src.size`` on are the zero padding);
     ``layout`` / ``scales`` are :func:`layout_table`'s. Each block is rotated in L1 and written once.
-    Returns how many blocks hold a value that is not finite (0 when all are).
+    Returns 1 if a value of ``dst[: hi - lo]`` is not finite, else 0.
     """
     r = _run_at(layout, lo)
     p = lo
-    bad = 0
     n = src.size
     while p < hi:
         k = layout[r, 0]
@@ -288,10 +286,10 @@ def forward_span(src, lo, hi, layout, scales, key, dst):
         while p < end:
             m = min(max(n - p, 0), length)
             s = p - lo
-            bad += _forward_block(src[p : p + m], m, dst[s : s + length], c, key, p)
+            _forward_block(src[p : p + m], m, dst[s : s + length], c, key, p)
             p += length
         r += 1
-    return bad
+    return _any_nonfinite(dst[: hi - lo])  # once for the span, still in cache: cheaper than per block
 
 
 @njit(cache=True)
@@ -299,14 +297,13 @@ def inverse_span(src, lo, hi, layout, scales, key, dst):
     """``dst`` = the first ``dst.size`` values (at most ``hi - lo``) of the inverse transform of
     ``src[: hi - lo]``, the laid-out positions ``lo .. hi`` (whole blocks of at most ``TILE``).
 
-    Returns how many blocks hold a value of ``dst`` that is not finite (0 when all are); a block
-    that ``dst`` cuts goes through a scratch block.
+    Returns 1 if a value of ``dst`` is not finite, else 0; a block that ``dst`` cuts goes through a
+    scratch block.
     """
     r = _run_at(layout, lo)
     p = lo
-    bad = 0
     size = dst.size
-    while p < hi:
+    while p < hi and p - lo < size:
         k = layout[r, 0]
         length = 1 << k
         end = min(hi, layout[r, 2] + (layout[r, 1] << k))
@@ -314,17 +311,14 @@ def inverse_span(src, lo, hi, layout, scales, key, dst):
         while p < end:
             s = p - lo
             if s + length <= size:
-                seg = dst[s : s + length]
-                _inverse_block(src[s : s + length], seg, c, key, p)
-                bad += _any_nonfinite(seg)
+                _inverse_block(src[s : s + length], dst[s : s + length], c, key, p)
             elif s < size:
                 block = np.empty(length, np.float32)
                 _inverse_block(src[s : s + length], block, c, key, p)
                 dst[s:size] = block[: size - s]
-                bad += _any_nonfinite(dst[s:size])
             p += length
         r += 1
-    return bad
+    return _any_nonfinite(dst)  # once for the span, still in cache: cheaper than per block
 
 
 @parallel_kernel(count_arg=1)
@@ -340,6 +334,23 @@ def _span_pass(src, out, lo0, layout, scales, key, inverse):
             bad[c] = inverse_span(src[lo:hi], lo, hi, layout, scales, key, out[lo:hi])
         else:
             bad[c] = forward_span(src, lo, hi, layout, scales, key, out[lo:hi])
+    return bad.sum()
+
+
+@parallel_kernel(count_arg=1)
+def rotate_into_bytes(src, out, layout, scales, key):
+    """The forward transform (blocks of at most a tile) as little-endian float32 bytes into the uint8
+    ``out`` (4 bytes per laid-out element, any alignment: a payload's body), chunk by chunk through
+    a cache-sized buffer. Returns the number of chunks holding NaN or Inf."""
+    n = out.size // 4
+    nchunks = (n + CHUNK - 1) // CHUNK
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        rotated = np.empty(hi - lo, np.float32)
+        bad[c] = forward_span(src, lo, hi, layout, scales, key, rotated)
+        out[4 * lo : 4 * hi] = rotated.view(np.uint8)
     return bad.sum()
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
-from fedquant.codecs.kernels.hadamard import fwht_numba
+from fedquant.codecs.kernels.hadamard import fwht_numba, rotate_into_bytes
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.wire.body import Deferred
 
 FP16_MAX = 65504.0
 
@@ -48,9 +51,16 @@ class Float32Quantizer(FloatQuantizer):
         return self.uses_kernels()
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
-        if self.rotation is not None:  # the rotated tensor is what goes on the wire
-            rotated, nonfinite = fwht_numba(flat.numpy(), self.rotation.runs, self.rotation.key, False)
-            self.rotation.check(nonfinite)
+        if self.rotation is not None:  # the rotated floats are written straight into the payload
+            rotation, x = self.rotation, flat.numpy()
+
+            def fill(dst: np.ndarray) -> None:
+                rotation.check(rotate_into_bytes(x, dst, rotation.layout, rotation.scales, rotation.key))
+
+            if sys.byteorder == "little":
+                return Quantized([Deferred(4 * rotation.padded, fill)])
+            rotated, nonfinite = fwht_numba(x, rotation.runs, rotation.key, False)
+            rotation.check(nonfinite)
             return Quantized([rotated])
         return Quantized([flat.cpu().numpy()])
 
