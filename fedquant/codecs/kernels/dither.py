@@ -37,12 +37,25 @@ from fedquant.codecs.kernels.common import (
     count_table,
     counter,
     group_chunks,
+    hash24_at,
     pack_into,
     parallel_kernel,
     uniform_at,
     unpack_from,
 )
-from fedquant.codecs.kernels.hadamard import forward_span, inverse_span, rotation_args
+from fedquant.codecs.kernels.hadamard import (
+    TILE,
+    _flip_signs_checked,
+    any_nonfinite,
+    apply_masks,
+    apply_masks_checked,
+    block_at,
+    butterflies,
+    butterflies_checked,
+    forward_span,
+    rotation_args,
+    sign_masks,
+)
 from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
@@ -234,6 +247,9 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
 #: quotient ``r / step2`` (two roundings against one), so both round to the same integer there.
 _Q_MAX = float(2**50)
 _Q_TOL = 2.0**-49
+#: The dither ``u - 1/2`` of a 24-bit hash ``h`` is ``(h - 2**23) 2**-24``: exact in float32 and float64.
+_HALF24 = np.int64(1 << 23)
+_SCALE24 = 2.0**-24
 
 
 @njit(cache=True)
@@ -259,7 +275,7 @@ def _nested_fast(cs, side, ys, m, st1, st2, half, alpha, key, i):
     w = counter(key, i)
     sure = True
     for k in range(m):
-        u = np.float64(uniform_at(w) - _HALF)
+        u = np.float64(np.int64(hash24_at(w)) - _HALF24) * _SCALE24  # = uniform_at(w) - 1/2, exactly
         w += _GAMMA
         yv = np.float64(side[k])
         r = (np.float64(np.int32(cs[k]) - half) - u) * st1 - alpha * yv
@@ -332,6 +348,59 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0
     return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals)
 
 
+@njit(cache=True)
+def _decode_chunk_rotated(
+    codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+):  # fmt: skip
+    """:func:`_chunk_values` of elements ``c0 .. c1`` between ``rht``'s two rotations, block by block in L1.
+
+    Each block of the side information ``y`` (NDQSG; given before the rotation, zero padded) is
+    rotated, the block's values reconstructed against it, rotated back and written to ``out`` (its
+    first ``out.size`` elements); the block's signs are hashed once for both rotations. Returns
+    ``(largest symbol, 1 if a value written to out is not finite, 1 if a rotated side value is not)``.
+    """
+    top = 0
+    bad_out = 0
+    bad_side = 0
+    seg_y = np.empty(TILE if nested else 0, np.float32)
+    seg_v = np.empty(TILE, np.float32)
+    masks = np.empty(TILE if nested else 0, np.uint32)
+    n_y = y.size
+    size = out.size
+    p = c0
+    while p < c1:
+        length, c = block_at(layout, rot_scales, p)
+        sy = seg_y[:length] if nested else seg_y
+        sv = seg_v[:length]
+        mk = masks[:length]
+        if nested:
+            sign_masks(mk, rot_key, p)
+            m = min(max(n_y - p, 0), length)
+            ys = y[p : p + m]
+            for i in range(m):
+                sy[i] = ys[i] * c
+            for i in range(m, length):
+                sy[i] = _ZERO32
+            apply_masks(sy, mk)
+            bad_side |= butterflies_checked(sy, length)
+        top = max(top, _chunk_values(codes[p - c0 :], d, steps, nested, levels, rho, alpha, key, sy, p, p + length, sv))
+        for i in range(length):
+            sv[i] *= c
+        butterflies(sv, length)
+        if p + length <= size:
+            bad_out |= apply_masks_checked(sv, mk) if nested else _flip_signs_checked(sv, rot_key, p)
+            out[p : p + length] = sv
+        elif p < size:  # the padded tail block: check only what is kept
+            if nested:
+                apply_masks(sv, mk)
+            else:
+                _flip_signs_checked(sv, rot_key, p)
+            out[p:size] = sv[: size - p]
+            bad_out |= any_nonfinite(sv[: size - p])
+        p += length
+    return top, bad_out, bad_side
+
+
 @parallel_kernel(count_arg=1)
 def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, layout, rot_scales, rot_key):
     """Decode ``n`` packed symbols into ``out``; returns ``(largest symbol, blocks of out with NaN or Inf,
@@ -354,12 +423,18 @@ def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, l
             yc = y[c0:c1] if nested else y
             tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, out[c0:c1])
             continue
-        yc = np.empty(c1 - c0 if nested else 0, np.float32)
-        if nested:
-            bad_side[c] = forward_span(y, c0, c1, layout, rot_scales, rot_key, yc)
-        vals = np.empty(c1 - c0, np.float32)
-        tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, vals)
-        bad_out[c] = inverse_span(vals, c0, c1, layout, rot_scales, rot_key, out[c0 : min(c1, out.size)])
+        if width <= 8:
+            small = np.empty(CHUNK, np.uint8)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+            tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
+                small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+            )
+        else:
+            wide = np.empty(CHUNK, np.uint16)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+            tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
+                wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+            )
     return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
 
 

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fedquant.codecs.kernels.common import _GAMMA, _MIX1, _MIX2, _S27, _S30, CHUNK, parallel_kernel
@@ -70,6 +71,7 @@ _ZERO32 = np.float32(0.0)
 _S32 = np.uint64(32)
 _SIGN = np.uint32(0x80000000)
 _EXP_MASK = np.uint32(0x7F800000)
+_EXP_ONE = np.uint32(0x00800000)
 
 
 def block_scale(k: int) -> np.float32:
@@ -83,10 +85,10 @@ def _float32_c(seg) -> bool:
     return isinstance(seg, types.Array) and seg.dtype == types.float32 and seg.layout == "C"
 
 
-def _vector_ptrs(context, builder, sig, args, count):
-    """Pointers ``&seg[i + j h]``, ``j < count``, as ``<8 x float>*`` (``args``: seg, i, h)."""
+def _vector_ptrs(context, builder, sig, args, count, lanes=8):
+    """Pointers ``&seg[i + j h]``, ``j < count``, as ``<lanes x float>*`` (``args``: seg, i, h)."""
     arr = context.make_array(sig.args[0])(context, builder, args[0])
-    vector = ir.VectorType(ir.FloatType(), 8)
+    vector = ir.VectorType(ir.FloatType(), lanes)
     ptrs = []
     offset = args[1]
     for _ in range(count):
@@ -136,6 +138,177 @@ def _radix4x8(typingctx, seg, i, h):
         return context.get_dummy_value()
 
     return types.void(seg, types.intp, types.intp), codegen
+
+
+@intrinsic
+def _radix4x16(typingctx, seg, i, h):
+    """:func:`_radix4x8` on 16-float vectors (``h`` a multiple of 16): explicit 512-bit vectors are
+    zmm registers even where LLVM's vectorizers prefer 256 bits."""
+    if not _float32_c(seg):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _vector_ptrs(context, builder, sig, args, 4, 16)
+        a, b, c, d = (builder.load(q, align=4) for q in p)
+        s0, s1 = builder.fadd(a, b), builder.fsub(a, b)
+        s2, s3 = builder.fadd(c, d), builder.fsub(c, d)
+        results = (builder.fadd(s0, s2), builder.fadd(s1, s3), builder.fsub(s0, s2), builder.fsub(s1, s3))
+        for q, v in zip(p, results):
+            builder.store(v, q, align=4)
+        return context.get_dummy_value()
+
+    return types.void(seg, types.intp, types.intp), codegen
+
+
+def _nonfinite_bits(builder, vectors):
+    """OR over the lanes of ``vectors`` (16 floats each) of ``(bits & EXP) + 2**23``: its top bit is set
+    exactly when a value is NaN or Inf (see :func:`any_nonfinite`), as a uint32."""
+    words = ir.VectorType(ir.IntType(32), 16)
+    exp = ir.Constant(words, [ir.Constant(ir.IntType(32), 0x7F800000)] * 16)
+    one = ir.Constant(words, [ir.Constant(ir.IntType(32), 0x00800000)] * 16)
+    acc = None
+    for v in vectors:
+        t = builder.add(builder.and_(builder.bitcast(v, words), exp), one)
+        acc = t if acc is None else builder.or_(acc, t)
+    reduce_or = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.IntType(32), [words]), "llvm.vector.reduce.or.v16i32"
+    )
+    return builder.call(reduce_or, [acc])
+
+
+@intrinsic
+def _radix4x16_checked(typingctx, seg, i, h):
+    """:func:`_radix4x16`, returning :func:`_nonfinite_bits` of its 64 results (the last sweep of a block)."""
+    if not _float32_c(seg):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _vector_ptrs(context, builder, sig, args, 4, 16)
+        a, b, c, d = (builder.load(q, align=4) for q in p)
+        s0, s1 = builder.fadd(a, b), builder.fsub(a, b)
+        s2, s3 = builder.fadd(c, d), builder.fsub(c, d)
+        results = (builder.fadd(s0, s2), builder.fadd(s1, s3), builder.fsub(s0, s2), builder.fsub(s1, s3))
+        for q, v in zip(p, results):
+            builder.store(v, q, align=4)
+        return _nonfinite_bits(builder, results)
+
+    return types.uint32(seg, types.intp, types.intp), codegen
+
+
+@intrinsic
+def _radix2x16_checked(typingctx, seg, i, h):
+    """:func:`_radix2x16`, returning :func:`_nonfinite_bits` of its 32 results."""
+    if not _float32_c(seg):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _vector_ptrs(context, builder, sig, args, 2, 16)
+        a, b = (builder.load(q, align=4) for q in p)
+        results = (builder.fadd(a, b), builder.fsub(a, b))
+        for q, v in zip(p, results):
+            builder.store(v, q, align=4)
+        return _nonfinite_bits(builder, results)
+
+    return types.uint32(seg, types.intp, types.intp), codegen
+
+
+@intrinsic
+def _radix2x16(typingctx, seg, i, h):
+    """:func:`_radix2x8` on 16-float vectors (``h`` a multiple of 16)."""
+    if not _float32_c(seg):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _vector_ptrs(context, builder, sig, args, 2, 16)
+        a, b = (builder.load(q, align=4) for q in p)
+        builder.store(builder.fadd(a, b), p[0], align=4)
+        builder.store(builder.fsub(a, b), p[1], align=4)
+        return context.get_dummy_value()
+
+    return types.void(seg, types.intp, types.intp), codegen
+
+
+@intrinsic
+def _first4x16(typingctx, seg, i):
+    """Stages ``h = 1, 2, 4, 8`` of the 16 floats at ``seg[i]``, in one register.
+
+    Stage ``h``: each lane's partner ``i ^ h`` comes by a shuffle; lanes without bit ``h`` get
+    ``partner + own``, the others ``partner - own``, both as one fused ``partner + own * (+-1)``
+    (the product is exact, so the single rounding is that of the addition: the sums of
+    :func:`_first3` and the stage ``h = 8``, bit for bit), two instructions per stage and vector.
+    """
+    if not _float32_c(seg):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        vector = ir.VectorType(ir.FloatType(), 16)
+        ptr = builder.bitcast(builder.gep(arr.data, [args[1]]), vector.as_pointer())
+        v = builder.load(ptr, align=4)
+        index = ir.VectorType(ir.IntType(32), 16)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector, vector, vector]), "llvm.fma.v16f32"
+        )
+        for h in (1, 2, 4, 8):
+            partner = builder.shuffle_vector(v, v, ir.Constant(index, [j ^ h for j in range(16)]))
+            signs = ir.Constant(vector, [-1.0 if j & h else 1.0 for j in range(16)])
+            v = builder.call(fma, [v, signs, partner])
+        builder.store(v, ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.void(seg, types.intp), codegen
+
+
+@njit(cache=True)
+def _first4(seg, length):
+    """Stages ``h = 1, 2, 4, 8`` (``length`` a multiple of 16), sixteen elements per register."""
+    for g in range(length // 16):
+        _first4x16(seg, 16 * g)
+
+
+@njit(cache=True)
+def _wide_stages16(seg, length, h):
+    """Stages ``h, 2 h, .., length/2`` (``h`` a multiple of 16) on 16-float vectors, two per sweep."""
+    while 4 * h <= length:
+        for i0 in range(0, length, 4 * h):
+            for j in range(0, h, 16):
+                _radix4x16(seg, i0 + j, h)
+        h *= 4
+    if 2 * h <= length:
+        for i0 in range(0, length, 2 * h):
+            for j in range(0, h, 16):
+                _radix2x16(seg, i0 + j, h)
+
+
+@njit(cache=True)
+def _wide_stages16_checked(seg, length, h):
+    """:func:`_wide_stages16` (``2 h <= length``), and 1 if a result is NaN or Inf: the last sweep checks
+    what it stores (no separate pass over the block)."""
+    acc = np.uint32(0)
+    while 4 * h <= length:
+        last = 8 * h > length  # no sweep after this one
+        for i0 in range(0, length, 4 * h):
+            for j in range(0, h, 16):
+                if last:
+                    acc |= _radix4x16_checked(seg, i0 + j, h)
+                else:
+                    _radix4x16(seg, i0 + j, h)
+        h *= 4
+    if 2 * h <= length:
+        for i0 in range(0, length, 2 * h):
+            for j in range(0, h, 16):
+                acc |= _radix2x16_checked(seg, i0 + j, h)
+    return np.int64((acc & _SIGN) != 0)
+
+
+@njit(cache=True)
+def butterflies_checked(seg, length):
+    """:func:`butterflies`, and 1 if a result is NaN or Inf, else 0."""
+    if length >= 32:
+        _first4(seg, length)
+        return _wide_stages16_checked(seg, length, 16)
+    butterflies(seg, length)
+    return any_nonfinite(seg[:length])
 
 
 @njit(cache=True)
@@ -198,13 +371,31 @@ def _small_stages(seg, length):
 
 
 @njit(cache=True)
-def _butterflies(seg, length):
+def butterflies(seg, length):
     """All stages of a block of ``length`` elements (a power of two) in ``seg``, ascending ``h``."""
-    if length >= 8:
+    if length >= 16:
+        _first4(seg, length)
+        _wide_stages16(seg, length, 16)
+    elif length == 8:
         _first3(seg, length)
-        _wide_stages(seg, length, 8)
     else:
         _small_stages(seg, length)
+
+
+@njit(cache=True)
+def _flip_signs_checked(seg, key, o):
+    """:func:`_flip_signs`, and 1 if a result is NaN or Inf (:func:`any_nonfinite` in the same loop)."""
+    bits = seg.view(np.uint32)
+    w = key + np.uint64(o + 1) * _GAMMA
+    acc = np.uint32(0)
+    for i in range(seg.size):
+        z = (w ^ (w >> _S30)) * _MIX1
+        z = (z ^ (z >> _S27)) * _MIX2
+        b = bits[i] ^ (np.uint32(z >> _S32) & _SIGN)
+        bits[i] = b
+        acc |= (b & _EXP_MASK) + _EXP_ONE
+        w += _GAMMA
+    return np.int64((acc & _SIGN) != 0)
 
 
 @njit(cache=True)
@@ -225,36 +416,84 @@ def _flip_signs(seg, key, o):
 
 
 @njit(cache=True)
-def _any_nonfinite(seg):
-    """1 if any of ``seg`` is NaN or Inf (all exponent bits set), else 0 (a max over the exponents)."""
+def sign_masks(masks, key, o):
+    """``masks[i]`` = the sign bit the rotation flips at laid-out position ``o + i`` (0 or ``0x80000000``).
+
+    For a kernel that rotates the same positions twice (forward and back: NDQSG's side information
+    and its decoded values) and hashes them once; :func:`apply_masks` flips.
+    """
+    w = key + np.uint64(o + 1) * _GAMMA
+    for i in range(masks.size):
+        z = (w ^ (w >> _S30)) * _MIX1
+        z = (z ^ (z >> _S27)) * _MIX2
+        masks[i] = np.uint32(z >> _S32) & _SIGN
+        w += _GAMMA
+
+
+@njit(cache=True)
+def apply_masks(seg, masks):
+    """Flip the signs of ``seg`` where ``masks`` (of :func:`sign_masks`) say so."""
     bits = seg.view(np.uint32)
-    top = np.uint32(0)
     for i in range(seg.size):
-        top = max(top, bits[i] & _EXP_MASK)
-    return np.int64(top == _EXP_MASK)
+        bits[i] ^= masks[i]
+
+
+@njit(cache=True)
+def apply_masks_checked(seg, masks):
+    """:func:`apply_masks`, and 1 if a result is NaN or Inf (checked in the same loop)."""
+    bits = seg.view(np.uint32)
+    acc = np.uint32(0)
+    for i in range(seg.size):
+        b = bits[i] ^ masks[i]
+        bits[i] = b
+        acc |= (b & _EXP_MASK) + _EXP_ONE
+    return np.int64((acc & _SIGN) != 0)
+
+
+@njit(cache=True)
+def block_at(layout, scales, p):
+    """``(length, scale)`` of the block that starts at laid-out position ``p`` (see :func:`layout_table`)."""
+    r = _run_at(layout, p)
+    return np.int64(1) << layout[r, 0], scales[r]
+
+
+@njit(cache=True)
+def any_nonfinite(seg):
+    """1 if any of ``seg`` is NaN or Inf (all exponent bits set), else 0.
+
+    ``(bits & EXP) + 2**23`` carries into the top bit exactly when the exponent is all ones: an OR
+    of those over the array (a 32-bit OR reduction, vectorized; a max of the exponents took 1.5x
+    as long).
+    """
+    bits = seg.view(np.uint32)
+    acc = np.uint32(0)
+    for i in range(seg.size):
+        acc |= (bits[i] & _EXP_MASK) + _EXP_ONE
+    return np.int64((acc & _SIGN) != 0)
 
 
 @njit(cache=True)
 def _forward_block(xs, m, seg, c, key, o):
     """``seg`` = the forward transform of the block at laid-out position ``o`` whose first ``m`` values
-    are ``xs[:m]`` (zeros after); ``c`` its scale."""
+    are ``xs[:m]`` (zeros after); ``c`` its scale. Returns 1 if a result is not finite, else 0."""
     length = seg.size
     for i in range(m):
         seg[i] = xs[i] * c
     for i in range(m, length):
         seg[i] = _ZERO32
     _flip_signs(seg, key, o)
-    _butterflies(seg, length)
+    return butterflies_checked(seg, length)
 
 
 @njit(cache=True)
 def _inverse_block(ys, seg, c, key, o):
-    """``seg`` = the inverse transform of the block ``ys`` (as long as ``seg``) at laid-out position ``o``."""
+    """``seg`` = the inverse transform of the block ``ys`` (as long as ``seg``) at laid-out position ``o``;
+    returns 1 if a result is not finite, else 0."""
     length = seg.size
     for i in range(length):
         seg[i] = ys[i] * c
-    _butterflies(seg, length)
-    _flip_signs(seg, key, o)
+    butterflies(seg, length)
+    return _flip_signs_checked(seg, key, o)
 
 
 @njit(cache=True)
@@ -278,6 +517,7 @@ def forward_span(src, lo, hi, layout, scales, key, dst):
     r = _run_at(layout, lo)
     p = lo
     n = src.size
+    bad = 0
     while p < hi:
         k = layout[r, 0]
         length = 1 << k
@@ -286,10 +526,10 @@ def forward_span(src, lo, hi, layout, scales, key, dst):
         while p < end:
             m = min(max(n - p, 0), length)
             s = p - lo
-            _forward_block(src[p : p + m], m, dst[s : s + length], c, key, p)
+            bad |= _forward_block(src[p : p + m], m, dst[s : s + length], c, key, p)
             p += length
         r += 1
-    return _any_nonfinite(dst[: hi - lo])  # once for the span, still in cache: cheaper than per block
+    return bad
 
 
 @njit(cache=True)
@@ -303,6 +543,7 @@ def inverse_span(src, lo, hi, layout, scales, key, dst):
     r = _run_at(layout, lo)
     p = lo
     size = dst.size
+    bad = 0
     while p < hi and p - lo < size:
         k = layout[r, 0]
         length = 1 << k
@@ -311,14 +552,15 @@ def inverse_span(src, lo, hi, layout, scales, key, dst):
         while p < end:
             s = p - lo
             if s + length <= size:
-                _inverse_block(src[s : s + length], dst[s : s + length], c, key, p)
+                bad |= _inverse_block(src[s : s + length], dst[s : s + length], c, key, p)
             elif s < size:
                 block = np.empty(length, np.float32)
                 _inverse_block(src[s : s + length], block, c, key, p)
                 dst[s:size] = block[: size - s]
+                bad |= any_nonfinite(dst[s:size])
             p += length
         r += 1
-    return _any_nonfinite(dst)  # once for the span, still in cache: cheaper than per block
+    return bad
 
 
 @parallel_kernel(count_arg=1)
@@ -372,7 +614,7 @@ def _big_tile(src, out, tiles, scales, key, inverse, t):
         seg[i] = _ZERO32
     if not inverse:
         _flip_signs(seg, key, o)
-    _butterflies(seg, length)
+    butterflies(seg, length)
 
 
 @njit(cache=True)
@@ -394,7 +636,7 @@ def _high_strip(out, strips, key, inverse, s, buf):
         if inverse:
             _flip_signs(row, key, col + r * TILE)
         out[col + r * TILE : col + r * TILE + w] = row
-    return _any_nonfinite(buf[: rows * w])
+    return any_nonfinite(buf[: rows * w])
 
 
 @parallel_kernel(count_arg=1)
