@@ -48,7 +48,7 @@ from fedquant.codecs.kernels.hadamard import (
     _flip_signs_checked,
     any_nonfinite,
     apply_masks,
-    apply_masks_checked,
+    apply_masks_into,
     block_at,
     butterflies,
     butterflies_checked,
@@ -387,16 +387,14 @@ def _decode_chunk_rotated(
         for i in range(length):
             sv[i] *= c
         butterflies(sv, length)
-        if p + length <= size:
-            bad_out |= apply_masks_checked(sv, mk) if nested else _flip_signs_checked(sv, rot_key, p)
-            out[p : p + length] = sv
-        elif p < size:  # the padded tail block: check only what is kept
+        if p < size:  # the padded tail block: only what is kept is written and checked
+            kept = min(length, size - p)
             if nested:
-                apply_masks(sv, mk)
+                bad_out |= apply_masks_into(sv, mk, out[p : p + kept])
             else:
-                _flip_signs_checked(sv, rot_key, p)
-            out[p:size] = sv[: size - p]
-            bad_out |= any_nonfinite(sv[: size - p])
+                bad = _flip_signs_checked(sv, rot_key, p)
+                out[p : p + kept] = sv[:kept]
+                bad_out |= bad if kept == length else any_nonfinite(sv[:kept])
         p += length
     return top, bad_out, bad_side
 

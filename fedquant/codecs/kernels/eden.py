@@ -70,16 +70,6 @@ def _nearest(z, m, bounds, k):
 
 
 @njit(cache=True)
-def _normalized(x, lo, m, z):
-    """``z[:m]`` = bucket ``x[lo : lo + m]`` times ``sqrt(m / sq)`` (0 for a zero bucket); returns ``sq``."""
-    s = _sum_f64(x, lo, lo + m, True)
-    norm = np.sqrt(m / s) if s > 0 else 0.0
-    for i in range(m):
-        z[i] = np.float64(x[lo + i]) * norm
-    return s
-
-
-@njit(cache=True)
 def _nearest_2(xs, m, norm, t0, c0, c1, codes, prods):
     """1 bit: ``codes[i] = t0 < z_i`` (``z_i = xs[i] * norm``, float64), ``prods[i]`` = its centroid times ``xs[i]``."""
     for i in range(m):

@@ -439,13 +439,15 @@ def apply_masks(seg, masks):
 
 
 @njit(cache=True)
-def apply_masks_checked(seg, masks):
-    """:func:`apply_masks`, and 1 if a result is NaN or Inf (checked in the same loop)."""
+def apply_masks_into(seg, masks, dst):
+    """``dst[: dst.size]`` = ``seg`` with the signs of :func:`apply_masks` flipped (``dst`` at most as long),
+    and 1 if one of those values is NaN or Inf (checked in the same loop)."""
     bits = seg.view(np.uint32)
+    out = dst.view(np.uint32)
     acc = np.uint32(0)
-    for i in range(seg.size):
+    for i in range(dst.size):
         b = bits[i] ^ masks[i]
-        bits[i] = b
+        out[i] = b
         acc |= (b & _EXP_MASK) + _EXP_ONE
     return np.int64((acc & _SIGN) != 0)
 
