@@ -53,6 +53,7 @@ from fedquant.codecs.kernels.hadamard import (
     butterflies,
     butterflies_checked,
     forward_span,
+    inverse_span,
     rotation_args,
     sign_masks,
 )
@@ -356,7 +357,9 @@ def _decode_chunk_rotated(
 
     Each block of the side information ``y`` (NDQSG; given before the rotation, zero padded) is
     rotated, the block's values reconstructed against it, rotated back and written to ``out`` (its
-    first ``out.size`` elements); the block's signs are hashed once for both rotations. Returns
+    first ``out.size`` elements); the block's signs are hashed once for both rotations. (DQSG, which
+    has no side information, goes chunk by chunk: per block it measured slower, 65 ms against 42.)
+    Returns
     ``(largest symbol, 1 if a value written to out is not finite, 1 if a rotated side value is not)``.
     """
     top = 0
@@ -420,6 +423,11 @@ def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, l
         if not rotate:
             yc = y[c0:c1] if nested else y
             tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, out[c0:c1])
+            continue
+        if not nested:  # DQSG: the chunk's values, then rotated back
+            vals = np.empty(c1 - c0, np.float32)
+            tops[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c0, c1, vals)
+            bad_out[c] = inverse_span(vals, c0, c1, layout, rot_scales, rot_key, out[c0 : min(c1, out.size)])
             continue
         if width <= 8:
             small = np.empty(CHUNK, np.uint8)
