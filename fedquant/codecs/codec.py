@@ -22,7 +22,7 @@ import torch
 from fedquant.codecs.coders.layout import decode_body, defer_body, defers_body, encode_body, max_body_bytes
 from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.quantizers.base import NonFiniteInput, Quantizer
-from fedquant.codecs.transforms.base import StatefulTransform, Transform
+from fedquant.codecs.transforms.base import NonFiniteOutput, StatefulTransform, Transform
 from fedquant.errors import PayloadError
 from fedquant.wire.body import BodyReader
 from fedquant.wire.payload import DTYPE_CODES, Payload, header_size, read_payload, write_payload
@@ -201,7 +201,8 @@ class Codec:
         bytes
             Envelope (format version, wire spec, dtype, shape) + body + CRC-32.
         """
-        return self._encode_checked(self._flat_input(x, seed, self._quantizer_checks_finite()), seed, x.dtype, x.shape)
+        checked = not self._input_checked_downstream()
+        return self._encode_checked(self._flat_input(x, seed, checked), seed, x.dtype, x.shape, checked)
 
     def encode_stateful(
         self, x: torch.Tensor, seed: int, state: Mapping[str, torch.Tensor | None] | None
@@ -250,8 +251,9 @@ class Codec:
             error (None when not measured).
         """
         if not self.stateful_transforms:
-            flat = self._flat_input(x, seed, self._quantizer_checks_finite())
-            payload = self._encode_checked(flat, seed, x.dtype, x.shape)
+            checked = not self._input_checked_downstream()
+            flat = self._flat_input(x, seed, checked)
+            payload = self._encode_checked(flat, seed, x.dtype, x.shape, checked)
             if not (measure and self.measurable):
                 return Encoded(payload, {}, None)
             decoded = self._decoded_by_encoder(payload, seed, flat, x.shape)
@@ -299,15 +301,34 @@ class Codec:
         """Whether the quantizer, given the input as it is (no wire transform first), rejects NaN/Inf itself."""
         return not self.wire_transforms and self.quantizer.checks_finite()
 
-    def _encode_checked(self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    @property
+    def _transform_checks_input(self) -> bool:
+        """Whether the first wire transform refuses a non-finite input in its own pass (``rht``).
+
+        The stateless encoders then leave the check to it (one pass over the tensor fewer) and
+        name the input as the cause when it refuses (:meth:`_encode_flat`).
+        """
+        return bool(self.wire_transforms) and self.wire_transforms[0].checks_finite
+
+    def _input_checked_downstream(self) -> bool:
+        """Whether a stateless encode may skip its own NaN/Inf pass over the input: what runs on the
+        input first refuses a non-finite one in its own pass, the first wire transform
+        (:attr:`_transform_checks_input`) or, without wire transforms, the quantizer
+        (:meth:`_quantizer_checks_finite`)."""
+        return self._transform_checks_input or self._quantizer_checks_finite()
+
+    def _encode_checked(
+        self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: Sequence[int], checked: bool = True
+    ) -> bytes:
         """:meth:`_encode_flat`, with the quantizer's own rejection of NaN/Inf worded as :meth:`_flat_input`'s."""
         try:
-            return self._encode_flat(flat, seed, dtype, tuple(shape))
+            return self._encode_flat(flat, seed, dtype, tuple(shape), checked)
         except NonFiniteInput:
-            raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf") from None
+            raise ValueError(self._nonfinite_input()) from None
 
-    def _flat_input(self, x: torch.Tensor, seed: int, quantizer_checks: bool = False) -> torch.Tensor:
-        """``x`` flat, float32 and contiguous; ValueError on NaN/Inf unless ``quantizer_checks`` (it does)."""
+    def _flat_input(self, x: torch.Tensor, seed: int, check_finite: bool = True) -> torch.Tensor:
+        """``x`` flat, float32 and contiguous; ValueError on NaN/Inf when ``check_finite`` (else a later
+        stage refuses them, :meth:`_input_checked_downstream`)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{self.name}.encode expects a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in DTYPE_CODES:
@@ -316,15 +337,36 @@ class Codec:
         flat = x.detach().reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.to(torch.float32)
-        if not quantizer_checks and not all_finite(flat):
-            raise ValueError(f"{self.name}.encode: the tensor contains NaN or Inf")
+        if check_finite and not all_finite(flat):
+            raise ValueError(self._nonfinite_input())
         return flat.contiguous()
 
-    def _encode_flat(self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-        for t in self.wire_transforms:
-            flat = t.forward(flat, seed).contiguous()
-        body = encode_body(self.quantizer, flat, seed)
-        return write_payload(self.wire_spec, dtype, shape, body.parts)
+    def _nonfinite_input(self) -> str:
+        return f"{self.name}.encode: the tensor contains NaN or Inf"
+
+    def _encode_flat(
+        self, flat: torch.Tensor, seed: int, dtype: torch.dtype, shape: tuple[int, ...], checked: bool = True
+    ) -> bytes:
+        """The payload of ``flat``; ``checked``: whether ``flat`` is known finite (else the first transform checks)."""
+        source = flat
+        quantizer = self.quantizer
+        wire = self.wire_transforms
+        try:
+            for t in wire[:-1]:
+                flat = t.forward(flat, seed).contiguous()
+            rotation = wire[-1].fused(flat.numel(), seed, flat) if wire else None
+            if rotation is not None and quantizer.fuses(rotation):  # the kernels rotate as they quantize
+                body = encode_body(quantizer.with_rotation(rotation), flat, seed, rotation.padded)
+            else:
+                if wire:
+                    flat = wire[-1].forward(flat, seed).contiguous()
+                body = encode_body(quantizer, flat, seed)
+            # (a kernel may write a section straight into the payload here: wire.body.Deferred)
+            return write_payload(self.wire_spec, dtype, shape, body.parts)
+        except NonFiniteOutput:
+            if not checked and not all_finite(source):
+                raise ValueError(self._nonfinite_input()) from None
+            raise
 
     # ------------------------------------------------------------------ decode
     def decode(
@@ -372,17 +414,20 @@ class Codec:
         PayloadError
             For any malformed, corrupted or mismatched payload, or one that decodes to NaN/Inf.
         """
-        p, quantizer, sizes, body = self._open(payload, seed, side_info, shape, dtype, max_numel)
+        p, quantizer, sizes, body, wire, rotation = self._open(payload, seed, side_info, shape, dtype, max_numel)
         flat = decode_body(quantizer, body, sizes[-1], seed)
         body.expect_end()
-        if flat.numel() != sizes[-1]:
-            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {sizes[-1]}")
-        for t, n in zip(reversed(self.wire_transforms), reversed(sizes[:-1])):
-            flat = t.inverse(flat, n, seed)
+        expected = sizes[len(wire)]
+        if flat.numel() != expected:
+            raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {expected}")
+        finite = bool(rotation is not None and rotation.finite)
+        for t, n in zip(reversed(wire), reversed(sizes[: len(wire)])):
+            flat, finite = t.inverse_checked(flat, n, seed)
         # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
-        # range becomes Inf in the cast.
+        # range becomes Inf in the cast. The last transform may have seen every value already.
         out = flat.reshape(p.shape).to(dtype=p.dtype)
-        if check_finite and not all_finite(out):
+        known = finite and p.dtype in (torch.float32, torch.float64)
+        if check_finite and not known and not all_finite(out):
             raise PayloadError(f"{self.name} payload decodes to NaN or Inf values as {p.dtype}")
         return out.to(device=device)
 
@@ -406,7 +451,7 @@ class Codec:
         """
         if self.wire_transforms or not defers_body(self.quantizer):
             return None
-        _, quantizer, sizes, body = self._open(payload, seed, None, shape, torch.float32, None)
+        _, quantizer, sizes, body, _, _ = self._open(payload, seed, None, shape, torch.float32, None)
         values = defer_body(quantizer, body, sizes[-1], seed)
         body.expect_end()
         return values
@@ -419,9 +464,11 @@ class Codec:
         shape: Sequence[int] | None,
         dtype: torch.dtype | None,
         max_numel: int | None,
-    ) -> tuple[Payload, Quantizer, list[int], BodyReader]:
+    ) -> tuple[Payload, Quantizer, list[int], BodyReader, tuple[Transform, ...], Any]:
         """The checked payload, its body's quantizer, the element counts through the transforms
-        (the declared count first) and a reader positioned at the body."""
+        (the declared count first), a reader positioned at the body, the wire transforms left to
+        invert after the body, and the rotation the body's quantizer applies itself (a fused
+        ``rht``: :meth:`Transform.fused`; then the last wire transform is not among those left), or None."""
         check_seed(seed)
 
         def check_header(p: Payload) -> None:  # before the CRC: cheap rejections first
@@ -455,15 +502,25 @@ class Codec:
                 )
 
         p = read_payload(payload, check_header)
-        quantizer = self._body_quantizer(p.numel, seed, side_info)
         sizes = [p.numel]
-        for t in self.wire_transforms:
+        wire = self.wire_transforms
+        for t in wire:
             sizes.append(t.output_numel(sizes[-1]))
+        rotation = wire[-1].fused(sizes[-2], seed) if wire else None
+        if rotation is not None and self.quantizer.fuses(rotation):  # the kernels rotate back as they dequantize
+            wire = wire[:-1]
+            quantizer = self._body_quantizer(p.numel, seed, side_info, len(wire)).with_rotation(rotation)
+        else:
+            rotation = None
+            quantizer = self._body_quantizer(p.numel, seed, side_info)
         body = BodyReader(p.body, self.name)
-        return p, quantizer, sizes, body
+        return p, quantizer, sizes, body, wire, rotation
 
-    def _body_quantizer(self, numel: int, seed: int, side_info: torch.Tensor | None) -> Quantizer:
-        """The quantizer that decodes the body (the side-information kind binds its side information)."""
+    def _body_quantizer(
+        self, numel: int, seed: int, side_info: torch.Tensor | None, transforms: int | None = None
+    ) -> Quantizer:
+        """The quantizer that decodes the body (the side-information kind binds its side information,
+        through the first ``transforms`` wire transforms: default all)."""
         if side_info is not None:
             raise ValueError(f"{self.name} takes no side_info; only side-information codecs do")
         return self.quantizer

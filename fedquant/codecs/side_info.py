@@ -49,15 +49,19 @@ class SideInfoCodec(Codec):
     needs_side_info = True
     measurable = False
 
-    def _body_quantizer(self, numel: int, seed: int, side_info: torch.Tensor | None) -> Quantizer:
+    def _body_quantizer(
+        self, numel: int, seed: int, side_info: torch.Tensor | None, transforms: int | None = None
+    ) -> Quantizer:
         if side_info is None:
             raise ValueError(f"{self.name}: decoding needs side_info (the decoder's estimate of the update)")
         side = side_info.detach().reshape(-1).to(torch.float32)
         if side.numel() != numel:
             raise PayloadError(f"{self.name} payload declares {numel} elements, its side_info has {side.numel()}")
-        for t in self.wire_transforms:  # side information lives where the quantizer works
+        # Side information lives where the quantizer works: after the wire transforms, except those
+        # its kernels apply themselves (a fused rotation rotates the side information too).
+        for t in self.wire_transforms[:transforms]:
             side = t.forward(side.contiguous(), seed)
-        return self.quantizer.with_side_info(side)
+        return self.quantizer.with_side_info(side.contiguous())
 
     def _decoded_by_encoder(self, payload: bytes, seed: int, flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         return self.decode(payload, seed, flat, shape=shape, device=flat.device).to(torch.float32).reshape(-1)

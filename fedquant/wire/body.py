@@ -18,20 +18,46 @@ def require_items(array, count: int, what: str) -> None:
         raise PayloadError(f"{what} holds {size} items, decoding needs {count}")
 
 
+class Deferred:
+    """A body section that a kernel writes straight into the payload: ``nbytes`` bytes, produced by
+    ``fill(dst)`` into a writable uint8 array of that size (any alignment).
+
+    For large sections that would otherwise be computed into a fresh array and then copied into
+    the payload (``rht+fp32``'s rotated floats): :func:`~fedquant.wire.payload.write_payload`
+    calls ``fill`` on the payload's own memory. :meth:`materialize` gives the bytes instead.
+    """
+
+    def __init__(self, nbytes: int, fill) -> None:
+        self.nbytes = int(nbytes)
+        self.fill = fill
+
+    def materialize(self) -> memoryview:
+        dst = np.empty(self.nbytes, np.uint8)
+        self.fill(dst)
+        return memoryview(dst)
+
+
 class BodyWriter:
     """Collects the sections of a body in order, without copying them."""
 
     def __init__(self) -> None:
-        self.parts: list[memoryview] = []
+        self.parts: list[memoryview | Deferred] = []
 
-    def add(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
-        """Append raw bytes or a (C-contiguous) NumPy array's bytes."""
+    def add(self, data: bytes | bytearray | memoryview | np.ndarray | Deferred) -> None:
+        """Append raw bytes, a (C-contiguous) NumPy array's bytes, or a :class:`Deferred` section."""
+        if isinstance(data, Deferred):
+            self.parts.append(data)
+            return
         if isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         self.parts.append(memoryview(data).cast("B"))
 
-    def add_array(self, array: np.ndarray, dtype: np.dtype | str) -> None:
-        """Append ``array`` converted to ``dtype`` (little-endian on the wire)."""
+    def add_array(self, array: np.ndarray | Deferred, dtype: np.dtype | str) -> None:
+        """Append ``array`` converted to ``dtype`` (little-endian on the wire); a :class:`Deferred`
+        section must already produce that dtype's bytes."""
+        if isinstance(array, Deferred):
+            self.add(array)
+            return
         self.add(np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")))
 
     @property

@@ -33,14 +33,16 @@ TABLE_BYTES_PER_SYMBOL = 24
 VARIABLE_SLACK_BYTES = 4096
 
 
-def encode_body(quantizer: Quantizer, flat: torch.Tensor, seed: int) -> BodyWriter:
-    """Quantize ``flat`` and lay out the body."""
+def encode_body(quantizer: Quantizer, flat: torch.Tensor, seed: int, numel: int | None = None) -> BodyWriter:
+    """Quantize ``flat`` and lay out the body (``numel``: the values quantized, when a quantizer bound to
+    a rotation is given the tensor before it; default ``flat.numel()``)."""
     coding = getattr(quantizer, "coding", None)
     k = quantizer.num_symbols()
     width = fixed_width(k) if coding == "fixed" and k else None
     q = quantizer.quantize(flat, seed, width)
     out = BodyWriter()
-    for field, array in zip(quantizer.side_fields(flat.numel()), q.side, strict=True):
+    numel = flat.numel() if numel is None else numel
+    for field, array in zip(quantizer.side_fields(numel), q.side, strict=True):
         out.add_array(array, field.dtype)
     if q.stream is not None:
         for part in q.stream:

@@ -35,6 +35,7 @@ from numba import njit, prange
 
 from fedquant.codecs.buckets import torch_bucket_stat
 from fedquant.codecs.kernels.common import (
+    _ABS_MASK,
     _U_SCALE,
     CHUNK,
     add_counts,
@@ -46,7 +47,20 @@ from fedquant.codecs.kernels.common import (
     parallel_kernel,
     unpack_from,
 )
-from fedquant.codecs.kernels.grid import _chunk_scales
+from fedquant.codecs.kernels.hadamard import (
+    TILE,
+    _flip_signs_checked,
+    any_nonfinite,
+    apply_masks,
+    apply_masks_into,
+    block_at,
+    butterflies,
+    butterflies_checked,
+    forward_span,
+    inverse_span,
+    rotation_args,
+    sign_masks,
+)
 from fedquant.rng import uniform
 from fedquant.wire.body import require_items
 
@@ -116,7 +130,6 @@ def nested_reconstruct(
 
 # ================================================================ numba kernels (CPU)
 _HALF = np.float32(0.5)
-_HALF64 = np.float64(0.5)
 _ONE32 = np.float32(1.0)
 _ZERO32 = np.float32(0.0)
 #: NDQSG decoding checks ``round(r / step2)`` where ``r * (1 / step2)`` is at least this far from
@@ -148,15 +161,16 @@ def _ndqsg_symbol(t, h, rf, inv_rho, half):
 
 
 @njit(cache=True)
-def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, hs, ts):
-    """Symbols of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
+def _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, hs, ts):
+    """Symbols of elements ``c0 .. c1`` (``xc``: their values, from 0) into ``codes[0 : c1 - c0]``.
 
     DQSG (``nested`` False): ``clamp(round(v / step + u), -M, M) + M``. NDQSG: ``s + rho // 2``.
     ``alpha`` is float32. Three loops over the chunk, each vectorized on its own lanes: the random
     bits into ``hs`` (uint32, :func:`~fedquant.codecs.kernels.common.hash24_run`), the quotients
     ``(alpha v) / step`` into ``ts`` (:func:`~fedquant.codecs.kernels.common.chunk_quotients`,
     bit for bit the float32 division), then the symbols on 32-bit lanes. A chunk where a quotient
-    may be a subnormal float32 takes the division instead.
+    may be a subnormal float32 takes the division instead. ``xc`` may be a rotated chunk in an
+    L1 buffer (:func:`_steps_pack`) or a slice of the tensor.
     """
     m = c1 - c0
     hash24_run(key, c0, m, hs)
@@ -168,14 +182,14 @@ def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, 
     cs = codes[:m]
     us = hs[:m]
     tt = ts[:m]
-    if chunk_quotients(x, d, steps, scale, True, True, c0, c1, ts):
+    if chunk_quotients(xc, d, steps, scale, True, True, c0, c1, ts):
         i = c0
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             safe = steps[b] if steps[b] > _ZERO32 else _ONE32
             for k in range(i - c0, hi - c0):
-                tt[k] = (scale * x[c0 + k]) / safe
+                tt[k] = (scale * xc[k]) / safe
             i = hi
     if nested:
         for k in range(m):
@@ -186,31 +200,71 @@ def _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, codes, 
 
 
 @njit(cache=True)
-def _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out):
-    n = x.size
-    c0 = c * CHUNK
-    c1 = min(c0 + CHUNK, n)
-    hs = np.empty(min(CHUNK, n), np.uint32)
-    ts = np.empty(min(CHUNK, n), np.float32)
+def _encode_chunk(xc, d, steps, nested, levels, rho, alpha, key, width, c0, c1, out):
+    """Symbols of elements ``c0 .. c1`` (``xc``: their values, from 0), packed into ``out``."""
+    m = c1 - c0  # scratch of the chunk's size: a small tensor allocates little
+    hs = np.empty(m, np.uint32)
+    ts = np.empty(m, np.float32)
     if width <= 8:
-        small = np.empty(min(CHUNK, n), np.uint8)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, small, hs, ts)
-        pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        small = np.empty(m, np.uint8)
+        _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, small, hs, ts)
+        pack_into(small, m, width, out, (c0 * width) // 8)
     else:
-        wide = np.empty(min(CHUNK, n), np.uint16)
-        _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, wide, hs, ts)
-        pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+        wide = np.empty(m, np.uint16)
+        _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, wide, hs, ts)
+        pack_into(wide, m, width, out, (c0 * width) // 8)
 
 
 @parallel_kernel
-def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out, maxima):
-    """Encode every chunk; with ``maxima`` (one float32 per bucket, else empty) each chunk first
-    computes its buckets' maxima and steps ``max / levels`` (whole buckets per chunk: ``CHUNK % d == 0``)."""
+def _pack(x, d, steps, nested, levels, rho, alpha, key, width, out):
     n = x.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        if maxima.size:
-            _chunk_scales(x, d, levels, False, c * CHUNK, min(c * CHUNK + CHUNK, n), maxima, steps)
-        _encode_chunk(x, d, steps, nested, levels, rho, alpha, key, width, c, out)
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        _encode_chunk(x[c0:c1], d, steps, nested, levels, rho, alpha, key, width, c0, c1, out)
+
+
+@njit(cache=True)
+def _chunk_steps(xc, d, levels, c0, c1, steps):
+    """``steps[b] = max |x| / levels`` (float32) of the buckets of elements ``c0 .. c1`` (whole buckets;
+    ``xc``: their values, from 0), the maximum over the bit patterns as
+    :func:`~fedquant.codecs.kernels.common.bucket_max_abs` (on uint32 lanes; the maximum goes into
+    ``steps[b]`` as bits, then is divided there: no array per bucket to reinterpret it)."""
+    bits = xc.view(np.uint32)
+    step_bits = steps.view(np.uint32)
+    lv = np.float32(levels)
+    for b in range(c0 // d, (c1 + d - 1) // d):
+        lo = b * d - c0
+        hi = min(lo + d, c1 - c0)
+        mb = np.uint32(0)
+        seg = bits[lo:hi]
+        for i in range(hi - lo):
+            mb = max(mb, np.uint32(seg[i] & _ABS_MASK))
+        step_bits[b] = mb
+        steps[b] = steps[b] / lv
+
+
+@parallel_kernel(count_arg=1)
+def _steps_pack(x, n, d, nested, levels, rho, alpha, key, width, steps, out, layout, rot_scales, rot_key):
+    """The bucket steps fused with :func:`_pack` (``CHUNK % d == 0``: each chunk holds whole buckets):
+    one read of ``x``. With a rotation (``layout``, ``rot_scales``, ``rot_key`` of
+    :class:`~fedquant.codecs.transforms.rht.FusedRotation`; an empty ``layout`` for none) the ``n``
+    values are ``rht``'s rotation of ``x``, each chunk rotated in cache first. Returns the number of
+    rotated blocks holding NaN or Inf (0 without a rotation)."""
+    nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if rotate:
+            xc = np.empty(c1 - c0, np.float32)
+            bad[c] = forward_span(x, c0, c1, layout, rot_scales, rot_key, xc)
+        else:
+            xc = x[c0:c1]
+        _chunk_steps(xc, d, levels, c0, c1, steps)
+        _encode_chunk(xc, d, steps, nested, levels, rho, alpha, key, width, c0, c1, out)
+    return bad.sum()
 
 
 @parallel_kernel
@@ -225,7 +279,7 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
-            _chunk_symbols(x, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1], hs, ts)
+            _chunk_symbols(x[c0:c1], d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1], hs, ts)
             if counts.shape[1]:
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 
@@ -288,13 +342,14 @@ def _nested_bucket(cs, us, side, side_bits, ys, st1, st2, half, alpha):
 
 
 @njit(cache=True)
-def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs):
-    """Values of elements ``c0 .. c1`` from their symbols ``codes[0 : c1 - c0]``.
+def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals, hs):
+    """Values of elements ``c0 .. c1`` into ``vals`` (from 0) from their symbols ``codes[0 : c1 - c0]``.
 
     Returns the largest symbol seen (the caller rejects symbols beyond the alphabet) and, for
     NDQSG, whether the side information of these elements holds a NaN or Inf (it is read here
-    anyway); ``alpha`` is float64 and ``y`` the float32 side information (NDQSG only). The random
-    bits go to ``hs`` first (:func:`~fedquant.codecs.kernels.common.hash24_run`).
+    anyway); ``alpha`` is float64 and ``yc`` the float32 side information of these elements, from
+    0 (NDQSG only). The random bits go to ``hs`` first
+    (:func:`~fedquant.codecs.kernels.common.hash24_run`).
     """
     m = c1 - c0
     hash24_run(key, c0, m, hs)
@@ -303,20 +358,22 @@ def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, o
     i = c0
     if nested:
         half = np.float64(rho // 2)
-        y_bits = y.view(np.uint32)
+        y_bits = yc.view(np.uint32)
         while i < c1:
             b = i // d
             hi = min((b + 1) * d, c1)
             step = steps[b]
-            ys = out[i:hi]
+            ys = vals[i - c0 : hi - c0]
             if step > _ZERO32:
                 st1 = np.float64(step)
                 cs = codes[i - c0 : hi - c0]
                 us = hs[i - c0 : hi - c0]
-                bad |= _nested_bucket(cs, us, y[i:hi], y_bits[i:hi], ys, st1, np.float64(rho) * st1, half, alpha)
+                side = yc[i - c0 : hi - c0]
+                side_bits = y_bits[i - c0 : hi - c0]
+                bad |= _nested_bucket(cs, us, side, side_bits, ys, st1, np.float64(rho) * st1, half, alpha)
             else:
                 ys[:] = _ZERO32
-                bad |= _count_nonfinite(y_bits, i, hi) > 0
+                bad |= _count_nonfinite(y_bits, i - c0, hi - c0) > 0
             i = hi
     else:
         lv = np.float32(levels)
@@ -326,7 +383,7 @@ def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, o
             step = steps[b]
             cs = codes[i - c0 : hi - c0]
             us = hs[i - c0 : hi - c0]
-            ys = out[i:hi]
+            ys = vals[i - c0 : hi - c0]
             for k in range(hi - i):
                 u = np.float32(us[k]) * _U_SCALE - _HALF
                 ys[k] = step * ((np.float32(cs[k]) - lv) - u)
@@ -335,33 +392,125 @@ def _chunk_values(codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, o
 
 
 @njit(cache=True)
-def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out):
-    n = out.size
-    c0 = c * CHUNK
-    c1 = min(c0 + CHUNK, n)
-    hs = np.empty(min(CHUNK, n), np.uint32)
+def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, vals):
+    """Unpack the symbols of elements ``c0 .. c1`` and reconstruct them into ``vals`` (from 0)."""
+    m = c1 - c0
+    hs = np.empty(m, np.uint32)
     if width <= 8:
-        small = np.empty(min(CHUNK, n), np.uint8)
-        unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
-        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
-    wide = np.empty(min(CHUNK, n), np.uint16)
-    unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
-    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
+        small = np.empty(m, np.uint8)
+        unpack_from(data, (c0 * width) // 8, m, width, small)
+        return _chunk_values(small, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals, hs)
+    wide = np.empty(m, np.uint16)
+    unpack_from(data, (c0 * width) // 8, m, width, wide)
+    return _chunk_values(wide, d, steps, nested, levels, rho, alpha, key, yc, c0, c1, vals, hs)
 
 
-@parallel_kernel(count_arg=10)
-def _unpack(data, d, steps, nested, levels, rho, alpha, key, y, width, out):
-    """Decode every chunk; returns the largest symbol and how many chunks hold non-finite side information."""
-    nchunks = (out.size + CHUNK - 1) // CHUNK
+@njit(cache=True)
+def _decode_chunk_rotated(
+    codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+):  # fmt: skip
+    """:func:`_chunk_values` of elements ``c0 .. c1`` between ``rht``'s two rotations, block by block in L1.
+
+    Each block of the side information ``y`` (NDQSG; given before the rotation, zero padded) is
+    rotated, the block's values reconstructed against it, rotated back and written to ``out`` (its
+    first ``out.size`` elements); the block's signs are hashed once for both rotations. (DQSG, which
+    has no side information, goes chunk by chunk: per block it measured slower, 65 ms against 42.)
+    Returns
+    ``(largest symbol, 1 if a value written to out is not finite, 1 if a rotated side value is not)``.
+    """
+    top = 0
+    bad_out = 0
+    bad_side = 0
+    seg_y = np.empty(TILE if nested else 0, np.float32)
+    seg_v = np.empty(TILE, np.float32)
+    masks = np.empty(TILE if nested else 0, np.uint32)
+    hs = np.empty(TILE, np.uint32)
+    n_y = y.size
+    size = out.size
+    p = c0
+    while p < c1:
+        length, c = block_at(layout, rot_scales, p)
+        sy = seg_y[:length] if nested else seg_y
+        sv = seg_v[:length]
+        mk = masks[:length]
+        if nested:
+            sign_masks(mk, rot_key, p)
+            m = min(max(n_y - p, 0), length)
+            ys = y[p : p + m]
+            for i in range(m):
+                sy[i] = ys[i] * c
+            for i in range(m, length):
+                sy[i] = _ZERO32
+            apply_masks(sy, mk)
+            bad_side |= butterflies_checked(sy, length)
+        block_top, _ = _chunk_values(
+            codes[p - c0 :], d, steps, nested, levels, rho, alpha, key, sy, p, p + length, sv, hs
+        )  # (a rotated side value that is not finite is bad_side's already)
+        top = max(top, block_top)
+        for i in range(length):
+            sv[i] *= c
+        butterflies(sv, length)
+        if p < size:  # the padded tail block: only what is kept is written and checked
+            kept = min(length, size - p)
+            if nested:
+                bad_out |= apply_masks_into(sv, mk, out[p : p + kept])
+            else:
+                bad = _flip_signs_checked(sv, rot_key, p)
+                out[p : p + kept] = sv[:kept]
+                bad_out |= bad if kept == length else any_nonfinite(sv[:kept])
+        p += length
+    return top, bad_out, bad_side
+
+
+@parallel_kernel(count_arg=1)
+def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, layout, rot_scales, rot_key):
+    """Decode ``n`` packed symbols into ``out``; returns ``(largest symbol, blocks of out with NaN or Inf,
+    chunks of the side information with NaN or Inf)``.
+
+    Without a rotation, the side information ``y`` (NDQSG) is checked in the decoding pass and the
+    second count is 0. With a rotation (see :func:`_steps_pack`; ``n`` its laid-out size) each
+    chunk's values are rotated back in cache and ``out`` receives the first ``out.size`` values;
+    the side information is then given before the rotation, each chunk of it is rotated in cache,
+    and the third count is of rotated blocks holding NaN or Inf.
+    """
+    nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
     tops = np.zeros(nchunks, np.int64)
-    bad = np.zeros(nchunks, np.int64)
+    bad_out = np.zeros(nchunks, np.int64)
+    bad_side = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
-        tops[c], bad[c] = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c, out)
-    return (tops.max() if nchunks else 0), bad.sum()
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if not rotate:
+            yc = y[c0:c1] if nested else y
+            tops[c], bad_side[c] = _decode_chunk(
+                data, d, steps, nested, levels, rho, alpha, key, yc, width, c0, c1, out[c0:c1]
+            )
+            continue
+        if not nested:  # DQSG: the chunk's values, then rotated back
+            vals = np.empty(c1 - c0, np.float32)
+            tops[c], _ = _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, y, width, c0, c1, vals)
+            bad_out[c] = inverse_span(vals, c0, c1, layout, rot_scales, rot_key, out[c0 : min(c1, out.size)])
+            continue
+        if width <= 8:
+            small = np.empty(c1 - c0, np.uint8)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
+            tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
+                small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+            )
+        else:
+            wide = np.empty(c1 - c0, np.uint16)
+            unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
+            tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
+                wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+            )
+    return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
 
 
 @parallel_kernel
 def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
+    """Decode unpacked symbols into ``out``; returns the largest symbol and how many chunks hold
+    non-finite side information."""
     n = out.size
     nchunks = (n + CHUNK - 1) // CHUNK
     tops = np.zeros(nchunks, np.int64)
@@ -369,8 +518,11 @@ def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        hs = np.empty(min(CHUNK, n), np.uint32)
-        tops[c], bad[c] = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, hs)
+        yc = y[c0:c1] if nested else y
+        hs = np.empty(c1 - c0, np.uint32)
+        tops[c], bad[c] = _chunk_values(
+            codes[c0:c1], d, steps, nested, levels, rho, alpha, key, yc, c0, c1, out[c0:c1], hs
+        )
     return (tops.max() if nchunks else 0), bad.sum()
 
 
@@ -405,9 +557,6 @@ def all_finite(y: np.ndarray) -> bool:
     """
     bits = y.view(np.uint32)
     return _nonfinite(bits) == 0
-
-
-_NO_MAXIMA = np.zeros(0, np.float32)
 
 
 def _args(nested: bool, levels: int, rho: int) -> tuple[bool, int, int]:
@@ -446,7 +595,7 @@ def encode_packed(
     """
     nested, levels, rho = _args(nested, levels, rho)
     out = np.empty((x.size * width + 7) // 8, np.uint8)
-    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out, _NO_MAXIMA)
+    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out)
     return out
 
 
@@ -460,18 +609,26 @@ def step_encode_packed(
     nested: bool = False,
     rho: int = 1,
     alpha: float = 1.0,
+    rotation=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The bucket steps ``max|v| / levels`` fused with :func:`encode_packed`: one read of ``x``.
 
     Each chunk computes the steps of its own buckets, so ``CHUNK % d == 0`` (callers check).
-    Returns ``(steps, packed)``, identical to ``bucket_max_abs(x, d) / float32(levels)`` and
-    :func:`encode_packed` with those steps.
+    Returns ``(steps, packed)``, identical to ``bucket_max_abs(v, d) / float32(levels)`` and
+    :func:`encode_packed` with those steps, for ``v`` = ``x``, or with ``rotation`` (a
+    :class:`~fedquant.codecs.transforms.rht.FusedRotation`, which refuses a rotated tensor that is
+    not finite) ``rht``'s rotation of ``x`` (``rotation.padded`` values), each chunk rotated in
+    cache: the bytes of the unfused route.
     """
     nested, levels, rho = _args(nested, levels, rho)
-    nb = (x.size + d - 1) // d
-    steps = np.empty(nb, np.float32)
-    out = np.empty((x.size * width + 7) // 8, np.uint8)
-    _pack(x, d, steps, nested, levels, rho, np.float32(alpha), np.uint64(key), width, out, np.empty(nb, np.float32))
+    n = x.size if rotation is None else rotation.padded
+    steps = np.empty(-(-n // d), np.float32)
+    out = np.empty((n * width + 7) // 8, np.uint8)
+    nonfinite = _steps_pack(
+        x, n, d, nested, levels, rho, np.float32(alpha), np.uint64(key), width, steps, out, *rotation_args(rotation)
+    )
+    if rotation is not None:
+        rotation.check(nonfinite)
     return steps, out
 
 
@@ -524,23 +681,42 @@ def decode_packed(
     rho: int = 1,
     alpha: float = 1.0,
     side_info: np.ndarray | None = None,
+    rotation=None,
 ) -> tuple[np.ndarray, int, bool]:
     """Unpack ``n`` symbols from ``data`` (exactly the packed size) and reconstruct the values.
+
+    With ``rotation`` (a :class:`~fedquant.codecs.transforms.rht.FusedRotation`, ``n`` its laid-out
+    size) the values come back through ``rht``'s inverse rotation (``rotation.numel`` of them,
+    ``rotation.finite`` set) and ``side_info`` is given before the rotation (``rotation.numel``
+    values; a rotated side information that is not finite is refused as the rotation refuses it).
 
     Returns
     -------
     (np.ndarray, int, bool)
         float32 values, the largest symbol found (the caller rejects it when beyond the
         alphabet) and whether the side information is all finite (checked in the same pass;
-        True without side information). NDQSG needs ``side_info`` (float32, ``n`` values); with
-        a NaN or Inf in it the values are meaningless.
+        True without side information, and with a rotation, which refuses it instead). NDQSG
+        needs ``side_info`` (float32, ``n`` values); with a NaN or Inf in it the values are
+        meaningless.
     """
     nested, levels, rho = _args(nested, levels, rho)
     require_items(data, (n * width + 7) // 8, "packed indices")
-    _require_buckets(n, d, steps, nested, side_info)
-    out = np.empty(n, np.float32)
-    top, bad = _unpack(data, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out)
-    return out, int(top), bad == 0
+    if rotation is None:
+        _require_buckets(n, d, steps, nested, side_info)
+    else:
+        _require_buckets(n, d, steps, False, None)
+        if nested:
+            require_items(_side(side_info), rotation.numel, "side information")
+    out = np.empty(n if rotation is None else rotation.numel, np.float32)
+    top, bad_out, bad_side = _unpack(
+        data, n, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out,
+        *rotation_args(rotation),
+    )  # fmt: skip
+    if rotation is None:
+        return out, int(top), bad_side == 0
+    rotation.check(bad_side)
+    rotation.finite = bad_out == 0
+    return out, int(top), True
 
 
 def decode_symbols(

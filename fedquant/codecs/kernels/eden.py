@@ -33,16 +33,21 @@ from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels.common import (
     CHUNK,
     _sum_f64,
+    _total_f64,
     add_counts,
+    counter,
     group_chunks,
-    hash24,
+    hash24_fill,
+    merge_by_flags,
     merge_edges,
     pack_at,
     pack_into,
     parallel_kernel,
+    split_by_flags,
     unpack_at,
     unpack_from,
 )
+from fedquant.codecs.kernels.hadamard import forward_span, inverse_span
 
 #: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
 WINDOW_SIGMAS = 12.0
@@ -65,76 +70,135 @@ def _nearest(z, m, bounds, k):
 
 
 @njit(cache=True)
-def _dot_f64(centroids, k, x, lo, m):
-    """``sum(centroids[k[i]] * x[lo + i])`` over ``i < m`` in float64, eight lanes as in ``_sum_f64``."""
-    acc = np.zeros(8, np.float64)
-    full = m // 8
-    for g in range(full):
-        for j in range(8):
-            i = 8 * g + j
-            acc[j] += centroids[k[i]] * np.float64(x[lo + i])
-    for j in range(m - 8 * full):
-        i = 8 * full + j
-        acc[j] += centroids[k[i]] * np.float64(x[lo + i])
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+def _nearest_2(xs, m, norm, t0, c0, c1, codes, prods):
+    """1 bit: ``codes[i] = t0 < z_i`` (``z_i = xs[i] * norm``, float64), ``prods[i]`` = its centroid times ``xs[i]``."""
+    for i in range(m):
+        v = np.float64(xs[i])
+        up = t0 < v * norm
+        codes[i] = up
+        prods[i] = (c1 if up else c0) * v
 
 
 @njit(cache=True)
-def _normalized(x, lo, m, z):
-    """``z[:m]`` = bucket ``x[lo : lo + m]`` times ``sqrt(m / sq)`` (0 for a zero bucket); returns ``sq``."""
-    s = _sum_f64(x, lo, lo + m, True)
-    norm = np.sqrt(m / s) if s > 0 else 0.0
+def _nearest_4(xs, m, norm, bounds, cents, codes, prods):
+    """2 bits: as :func:`_nearest_2` with the three ascending ``bounds`` and four ``cents``."""
+    t0, t1, t2 = bounds[0], bounds[1], bounds[2]
+    c0, c1, c2, c3 = cents[0], cents[1], cents[2], cents[3]
     for i in range(m):
-        z[i] = np.float64(x[lo + i]) * norm
-    return s
+        v = np.float64(xs[i])
+        z = v * norm
+        u0 = t0 < z
+        u1 = t1 < z
+        u2 = t2 < z
+        codes[i] = np.uint8(u0) + np.uint8(u1) + np.uint8(u2)
+        prods[i] = (c3 if u2 else (c2 if u1 else (c1 if u0 else c0))) * v
+
+
+@njit(cache=True)
+def _bucket(xs, m, bounds, centroids, codes, prods, z):
+    """One bucket ``xs[:m]``: centroid indices into ``codes[:m]``; returns ``(sq, dot)``.
+
+    One and two bits pick the centroid with compares and selects (vectorized); more bits count
+    boundaries over the bucket (:func:`_nearest`) and look the centroids up. Either way every
+    value is computed as before: ``z = x * sqrt(m / sq)`` in float64, ``dot`` in the lane order
+    of ``_sum_f64`` (float32 ``xs``; ``prods``, ``z``: float64 scratch).
+    """
+    sq = _sum_f64(xs, 0, m, True)
+    norm = np.sqrt(m / sq) if sq > 0 else 0.0
+    nb = bounds.size
+    if nb == 1:
+        _nearest_2(xs, m, norm, bounds[0], centroids[0], centroids[1], codes, prods)
+    elif nb == 3:
+        _nearest_4(xs, m, norm, bounds, centroids, codes, prods)
+    else:
+        for i in range(m):
+            z[i] = np.float64(xs[i]) * norm
+        _nearest(z, m, bounds, codes)
+        for i in range(m):
+            prods[i] = centroids[codes[i]] * np.float64(xs[i])
+    return sq, _total_f64(prods, 0, m)
 
 
 # ---------------------------------------------------------------- integer bits
-@parallel_kernel
-def quantize(x, d, bounds, centroids, width, pack, out, sq, dot, counts):
-    """Centroid indices of float32 ``x`` and the per-bucket ``sq`` / ``dot`` (float64, written).
+@parallel_kernel(count_arg=1)
+def quantize(x, n, d, bounds, centroids, width, pack, out, sq, dot, counts, layout, scales, key):
+    """Centroid indices of ``n`` float32 values and the per-bucket ``sq`` / ``dot`` (float64, written).
 
-    ``out`` receives the indices packed at ``width`` bits (``pack``: ``packed_size(x.size, width)``
+    The values are ``x`` (``n`` of them), or with a rotation (``layout`` / ``scales`` /
+    ``key`` of :class:`~fedquant.codecs.transforms.rht.FusedRotation`, an empty ``layout``
+    for none) ``rht``'s rotation of ``x``, ``n`` its laid-out size: each chunk is rotated in
+    cache first (:func:`~fedquant.codecs.kernels.hadamard.forward_span`).
+    ``out`` receives the indices packed at ``width`` bits (``pack``: ``packed_size(n, width)``
     bytes) or one uint8 per coordinate; then ``counts`` (``(groups, 2**width)`` int64, or
-    ``(groups, 0)`` for none) receives their histogram per run of chunks.
+    ``(groups, 0)`` for none) receives their histogram per run of chunks. Returns the number of
+    rotated blocks that hold NaN or Inf (0 without a rotation).
     """
-    n = x.size
     chunks = (n + CHUNK - 1) // CHUNK
     groups = counts.shape[0]
+    rotate = layout.shape[0] > 0
+    bad = np.zeros(groups, np.int64)
     for g in prange(groups):
         first, end = group_chunks(g, groups, chunks)
         codes = np.empty(CHUNK, np.uint8)
+        rotated = np.empty(CHUNK if rotate else 0, np.float32)
+        prods = np.empty(d, np.float64)
         z = np.empty(d, np.float64)
-        k = np.empty(d, np.uint8)
         for c in range(first, end):
             start = c * CHUNK
             stop = min(start + CHUNK, n)
-            for lo in range(start, stop, d):
-                m = min(d, stop - lo)
-                b = lo // d
-                sq[b] = _normalized(x, lo, m, z)
-                _nearest(z, m, bounds, k)
-                codes[lo - start : lo - start + m] = k[:m]
-                dot[b] = _dot_f64(centroids, k, x, lo, m)
+            if rotate:
+                bad[g] += forward_span(x, start, stop, layout, scales, key, rotated)
+                xs = rotated[: stop - start]
+            else:
+                xs = x[start:stop]
+            for lo in range(0, stop - start, d):
+                m = min(d, stop - start - lo)
+                b = (start + lo) // d
+                sq[b], dot[b] = _bucket(xs[lo : lo + m], m, bounds, centroids, codes[lo : lo + m], prods, z)
             if pack:
                 pack_into(codes, stop - start, width, out, start // 8 * width)
             else:
                 out[start:stop] = codes[: stop - start]
                 if counts.shape[1]:
                     add_counts(codes, stop - start, counts[g])
+    return bad.sum()
+
+
+@njit(cache=True)
+def _values(codes, m, centroids, scale, dst):
+    """``dst[i] = centroids[codes[i]] * scale`` (codes clamped to the table), by selects for 2 and 4 centroids."""
+    top = centroids.size - 1
+    if top == 1:
+        c0, c1 = centroids[0], centroids[1]
+        for i in range(m):
+            dst[i] = (c1 if codes[i] else c0) * scale
+    elif top == 3:
+        c0, c1, c2, c3 = centroids[0], centroids[1], centroids[2], centroids[3]
+        for i in range(m):
+            k = codes[i]
+            dst[i] = (c0 if k == 0 else (c1 if k == 1 else (c2 if k == 2 else c3))) * scale
+    else:
+        for i in range(m):
+            dst[i] = centroids[min(codes[i], top)] * scale
 
 
 @parallel_kernel(count_arg=1)
-def dequantize(data, numel, d, scales, centroids, width, packed, out):
-    """``centroids[index] * scales[bucket]`` (float32) into ``out``; returns the count of indices
-    ``>= centroids.size`` (their values are not meaningful: the caller refuses the payload).
+def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key):
+    """``centroids[index] * scales[bucket]`` (float32) of ``numel`` indices into ``out``.
 
     ``data`` holds the indices packed at ``width`` bits (``packed``; the caller checked its size)
-    or one uint8 per coordinate.
+    or one uint8 per coordinate. With a rotation (see :func:`quantize`; ``numel`` its laid-out
+    size) each chunk's values go through ``rht``'s inverse rotation in cache
+    (:func:`~fedquant.codecs.kernels.hadamard.inverse_span`) and ``out`` receives the first
+    ``out.size`` values of the result. Returns ``(indices >= centroids.size`` (their values are not
+    meaningful: the caller refuses the payload), ``blocks of out`` holding NaN or Inf; 0 without a
+    rotation).
     """
     top = centroids.size - 1
     chunks = (numel + CHUNK - 1) // CHUNK
-    bad = 0
+    rotate = layout.shape[0] > 0
+    over = np.zeros(chunks, np.int64)
+    bad = np.zeros(chunks, np.int64)
     for c in prange(chunks):
         start = c * CHUNK
         stop = min(start + CHUNK, numel)
@@ -143,17 +207,17 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out):
             unpack_from(data, start // 8 * width, stop - start, width, codes)
         else:
             codes = data[start:stop]
-        over = 0
+        count = 0
         for i in range(stop - start):
-            over += codes[i] > top
-        bad += over
-        for lo in range(start, stop, d):
-            scale = scales[lo // d]
-            seg = codes[lo - start : min(lo + d, stop) - start]
-            dst = out[lo : lo + seg.size]
-            for i in range(seg.size):
-                dst[i] = centroids[min(seg[i], top)] * scale
-    return bad
+            count += codes[i] > top
+        over[c] = count
+        values = np.empty(stop - start, np.float32) if rotate else out[start:stop]
+        for lo in range(0, stop - start, d):
+            m = min(d, stop - start - lo)
+            _values(codes[lo : lo + m], m, centroids, scales[(start + lo) // d], values[lo : lo + m])
+        if rotate:
+            bad[c] = inverse_span(values, start, stop, layout, rot_scales, key, out[start : min(stop, out.size)])
+    return over.sum(), bad.sum()
 
 
 # ---------------------------------------------------------------- fractional bits: the split
@@ -166,22 +230,24 @@ def _split_window(key, n, w_lo, w_hi, below, entries, filled):
     """
     cap = entries.shape[1]
     nchunks = (n + CHUNK - 1) // CHUNK
-    lo32 = np.uint64(w_lo)
-    hi32 = np.uint64(w_hi)
+    lo32 = np.uint32(w_lo)
+    hi32 = np.uint32(w_hi)
     for c in prange(nchunks):
         start = c * CHUNK
         stop = min(start + CHUNK, n)
-        u = np.empty(64, np.uint64)
+        u = np.empty(64, np.uint32)
         count_below = 0
         kept = 0
         for s0 in range(start, stop, 64):
             m = min(64, stop - s0)
-            inside = 0
-            for i in range(m):
-                v = hash24(key, s0 + i)
-                u[i] = v
-                count_below += v < lo32
-                inside += (v >= lo32) & (v < hi32)
+            below64 = np.int32(0)
+            inside = np.int32(0)
+            hash24_fill(counter(key, s0), u, m)
+            for i in range(m):  # 32-bit sums (numba widens int32 + int32 to int64: cast back)
+                v = u[i]
+                below64 = np.int32(below64 + np.int32(v < lo32))
+                inside = np.int32(inside + (np.int32(v >= lo32) & np.int32(v < hi32)))
+            count_below += below64
             if inside:
                 for i in range(m):
                     if u[i] >= lo32 and u[i] < hi32:
@@ -275,69 +341,145 @@ def split_plan(key: np.uint64, n: int, k: int) -> tuple[int, int, np.ndarray, np
 
 
 @njit(cache=True)
-def _chosen(key, lo, m, threshold, r, tie, flag):
-    """``flag[:m]`` = whether coordinates ``lo .. lo + m`` are chosen; returns the ties seen so far."""
-    t = np.uint64(threshold)
-    equal = 0
-    for i in range(m):
-        v = hash24(key, lo + i)
+def _chosen(key, lo, m, threshold, r, tie, flag, hashes):
+    """``flag[:m]`` = whether coordinates ``lo .. lo + m`` are chosen; returns the ties seen so far
+    (``hashes``: uint32 scratch of at least ``m``, for their 24 random bits)."""
+    t = np.uint32(threshold)
+    hash24_fill(counter(key, lo), hashes, m)
+    tied = False
+    for i in range(m):  # a flag and an OR: vectorized eight (32-bit) lanes wide
+        v = hashes[i]
         flag[i] = v < t
-        equal += v == t
-    if equal:  # rare: coordinates exactly at the threshold, chosen in position order
+        tied |= v == t
+    if tied:  # rare: coordinates exactly at the threshold, chosen in position order
         for i in range(m):
-            if hash24(key, lo + i) == t:
+            if hashes[i] == t:
                 flag[i] = tie < r
                 tie += 1
     return tie
 
 
 # ---------------------------------------------------------------- fractional bits: the passes
-@parallel_kernel
+@njit(cache=True, inline="always")
+def _small_index(z, nb, t0, t1, t2):
+    """Index of the nearest of 2 (``nb = 1`` boundary) or 4 (``nb = 3``) centroids: boundaries below ``z``."""
+    if nb == 1:
+        return np.uint8(t0 < z)
+    return np.uint8(t0 < z) + np.uint8(t1 < z) + np.uint8(t2 < z)
+
+
+@njit(cache=True, inline="always")
+def _small_centroid(k, nb, c0, c1, c2, c3):
+    """Centroid ``k`` of 2 (``nb = 1``) or 4 (``nb = 3``), by selects."""
+    if nb == 1:
+        return c1 if k else c0
+    return c0 if k == 0 else (c1 if k == 1 else (c2 if k == 2 else c3))
+
+
+@njit(cache=True, inline="always")
+def _table4(values, nb):
+    """The first ``nb + 1`` entries of ``values`` (at most 4), padded by repeating the last."""
+    top = min(nb, values.size - 1)
+    return values[0], values[min(1, top)], values[min(2, top)], values[min(3, top)]
+
+
+@njit(cache=True, inline="always")
+def _split_small(xs, m, norm, flag, lo_bounds, lo_cents, hi_bounds, hi_cents, k_lo, k_hi, prods, lo_nb, hi_nb):
+    """Both indices and ``dot``'s products of a bucket by compares and selects (``lo_nb``, ``hi_nb``:
+    boundaries of the two widths, constants where inlined: 0 (no low width), 1 or 3)."""
+    ht0, ht1, ht2, _ = _table4(hi_bounds, hi_nb - 1)
+    hc0, hc1, hc2, hc3 = _table4(hi_cents, hi_nb)
+    lt0, lt1, lt2, _ = _table4(lo_bounds, max(lo_nb - 1, 0))
+    lc0, lc1, lc2, lc3 = _table4(lo_cents, lo_nb)
+    for i in range(m):
+        v = np.float64(xs[i])
+        z = v * norm
+        kh = _small_index(z, hi_nb, ht0, ht1, ht2)
+        k_hi[i] = kh
+        ch = _small_centroid(kh, hi_nb, hc0, hc1, hc2, hc3)
+        if lo_nb:
+            kl = _small_index(z, lo_nb, lt0, lt1, lt2)
+            k_lo[i] = kl
+            cl = _small_centroid(kl, lo_nb, lc0, lc1, lc2, lc3)
+        else:
+            cl = 0.0
+        prods[i] = (ch if flag[i] else cl) * v
+
+
+@njit(cache=True)
+def _split_bucket(xs, m, norm, flag, lo_width, lo_bounds, lo_cents, hi_bounds, hi_cents, k_lo, k_hi, prods, z):
+    """A bucket's indices at both widths (``k_lo`` untouched when ``lo_width`` is 0) and ``dot``'s products:
+    selects for the rates 0/1 and 1/2 bits, else boundary counting (:func:`_nearest`) and lookups."""
+    hi_width = lo_width + 1
+    if lo_width == 0 and hi_width == 1:
+        _split_small(xs, m, norm, flag, lo_bounds, lo_cents, hi_bounds, hi_cents, k_lo, k_hi, prods, 0, 1)
+    elif lo_width == 1 and hi_width == 2:
+        _split_small(xs, m, norm, flag, lo_bounds, lo_cents, hi_bounds, hi_cents, k_lo, k_hi, prods, 1, 3)
+    else:
+        for i in range(m):
+            z[i] = np.float64(xs[i]) * norm
+        if lo_width:
+            _nearest(z, m, lo_bounds, k_lo)
+        _nearest(z, m, hi_bounds, k_hi)
+        for i in range(m):
+            low = lo_cents[k_lo[i]] if lo_width else 0.0
+            prods[i] = (hi_cents[k_hi[i]] if flag[i] else low) * np.float64(xs[i])
+
+
+
+@parallel_kernel(count_arg=1)
 def split_quantize(
-    x, d, lo_width, hi_width, lo_bounds, lo_cents, hi_bounds, hi_cents,
+    x, n, d, lo_width, hi_width, lo_bounds, lo_cents, hi_bounds, hi_cents,
     key, threshold, r, hi_before, ties_before, lo_out, hi_out, sq, dot, edge_pos, edge_val,
+    layout, rot_scales, rot_key,
 ):  # fmt: skip
     """Fractional EDEN: indices of the chosen coordinates at ``hi_width`` bits into ``hi_out``, of the
     others at ``lo_width`` (0: not sent) into ``lo_out``, in coordinate order; ``sq`` / ``dot`` per bucket.
 
-    ``edge_pos`` / ``edge_val`` (``4 * nchunks``) receive the stream bytes that chunks share
-    (:func:`~fedquant.codecs.kernels.common.merge_edges` writes them after the pass). Returns the
-    number of chunks whose count of chosen coordinates disagrees with ``hi_before`` (0; such a
-    chunk writes nothing).
+    The ``n`` coordinates are ``x``, or with a rotation (``layout``, ``rot_scales``, ``rot_key``
+    as for :func:`quantize`; an empty ``layout`` for none) ``rht``'s rotation of ``x``, each chunk
+    rotated in cache first. ``edge_pos`` / ``edge_val`` (``4 * nchunks``) receive the stream bytes
+    that chunks share (:func:`~fedquant.codecs.kernels.common.merge_edges` writes them after the
+    pass). Returns ``(chunks whose count of chosen coordinates disagrees with hi_before`` (0; such
+    a chunk writes nothing), ``rotated blocks holding NaN or Inf)``.
+
+    Per bucket, the vectorized loops compute everything (norm, choice, both indices, ``dot``'s
+    products); one short loop then compacts the indices into the two streams.
     """
-    n = x.size
     nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
     bad = np.zeros(nchunks, np.int64)
+    nonfinite = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         start = c * CHUNK
         stop = min(start + CHUNK, n)
+        if rotate:
+            xc = np.empty(stop - start, np.float32)
+            nonfinite[c] = forward_span(x, start, stop, layout, rot_scales, rot_key, xc)
+        else:
+            xc = x[start:stop]
         z = np.empty(d, np.float64)
+        prods = np.empty(d, np.float64)
         k_lo = np.zeros(d, np.uint8)
         k_hi = np.empty(d, np.uint8)
         flag = np.empty(d, np.uint8)
+        hashes = np.empty(d, np.uint32)
         lo_codes = np.empty(CHUNK + 1, np.uint8)
         hi_codes = np.empty(CHUNK + 1, np.uint8)
         n_lo = 0
         n_hi = 0
         tie = ties_before[c]
-        for lo in range(start, stop, d):
-            m = min(d, stop - lo)
-            b = lo // d
-            sq[b] = _normalized(x, lo, m, z)
-            tie = _chosen(key, lo, m, threshold, r, tie, flag)
-            if lo_width:
-                _nearest(z, m, lo_bounds, k_lo)
-            _nearest(z, m, hi_bounds, k_hi)
-            acc = np.zeros(8, np.float64)
-            for i in range(m):
-                f = flag[i]
-                cval = hi_cents[k_hi[i]] if f else (lo_cents[k_lo[i]] if lo_width else 0.0)
-                acc[i & 7] += cval * np.float64(x[lo + i])
-                hi_codes[n_hi] = k_hi[i]
-                lo_codes[n_lo] = k_lo[i]
-                n_hi += f
-                n_lo += 1 - f
-            dot[b] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+        for lo in range(0, stop - start, d):
+            m = min(d, stop - start - lo)
+            b = (start + lo) // d
+            xs = xc[lo : lo + m]
+            s = _sum_f64(xs, 0, m, True)
+            sq[b] = s
+            norm = np.sqrt(m / s) if s > 0 else 0.0
+            tie = _chosen(key, start + lo, m, threshold, r, tie, flag, hashes)
+            _split_bucket(xs, m, norm, flag, lo_width, lo_bounds, lo_cents, hi_bounds, hi_cents, k_lo, k_hi, prods, z)
+            dot[b] = _total_f64(prods, 0, m)
+            n_hi, n_lo = split_by_flags(flag, m, k_hi, k_lo, hi_codes, n_hi, lo_codes, n_lo)
         h0 = hi_before[c]
         if n_hi != hi_before[c + 1] - h0:
             bad[c] = 1
@@ -350,7 +492,7 @@ def split_quantize(
             edge_pos[4 * c] = -1
             edge_pos[4 * c + 1] = -1
         pack_at(hi_codes, n_hi, hi_width, hi_out, h0 * hi_width, edge_pos, edge_val, 4 * c + 2)
-    return bad.sum()
+    return bad.sum(), nonfinite.sum()
 
 
 def split_streams(lo_out: np.ndarray, hi_out: np.ndarray, edge_pos: np.ndarray, edge_val: np.ndarray) -> None:
@@ -360,17 +502,45 @@ def split_streams(lo_out: np.ndarray, hi_out: np.ndarray, edge_pos: np.ndarray, 
         merge_edges(out, np.ascontiguousarray(edge_pos[mine]), np.ascontiguousarray(edge_val[mine]))
 
 
+@njit(cache=True)
+def _split_values(codes, flag, m, lo_width, lo_cents, hi_cents, scale, dst):
+    """``dst[i] = centroid * scale``: ``hi_cents[codes[i]]`` where ``flag[i]``, else ``lo_cents[codes[i]]``
+    (0 when ``lo_width`` is 0); selects for the rates 0/1 and 1/2 bits (float32 centroids)."""
+    zero = np.float32(0.0)
+    if lo_width == 0 and hi_cents.size == 2:
+        h0, h1 = hi_cents[0], hi_cents[1]
+        for i in range(m):
+            dst[i] = ((h1 if codes[i] else h0) if flag[i] else zero) * scale
+    elif lo_width == 1 and hi_cents.size == 4:
+        h0, h1, h2, h3 = hi_cents[0], hi_cents[1], hi_cents[2], hi_cents[3]
+        l0, l1 = lo_cents[0], lo_cents[1]
+        for i in range(m):
+            k = codes[i]
+            high = h0 if k == 0 else (h1 if k == 1 else (h2 if k == 2 else h3))
+            low = l1 if k else l0
+            dst[i] = (high if flag[i] else low) * scale
+    else:
+        for i in range(m):
+            k = codes[i]
+            dst[i] = (hi_cents[k] if flag[i] else (lo_cents[k] if lo_width else zero)) * scale
+
+
 @parallel_kernel(count_arg=1)
 def split_dequantize(
     lo_data, numel, d, lo_width, hi_width, lo_cents, hi_cents, scales,
-    key, threshold, r, hi_before, ties_before, hi_data, out,
+    key, threshold, r, hi_before, ties_before, hi_data, out, layout, rot_scales, rot_key,
 ):  # fmt: skip
     """Fractional EDEN decoding into ``out``: ``centroid * scale`` of the stream each coordinate is in
     (0 where ``lo_width`` is 0). The streams must hold exactly their packed sizes (the caller checks).
-    Returns the number of chunks whose chosen coordinates disagree with ``hi_before`` (0).
+    With a rotation (see :func:`split_quantize`; ``numel`` its laid-out size) each chunk's values go
+    through ``rht``'s inverse rotation in cache and ``out`` receives the first ``out.size`` values.
+    Returns ``(chunks whose chosen coordinates disagree with hi_before`` (0), ``blocks of out
+    holding NaN or Inf`` (0 without a rotation)).
     """
     nchunks = (numel + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
     bad = np.zeros(nchunks, np.int64)
+    nonfinite = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         start = c * CHUNK
         stop = min(start + CHUNK, numel)
@@ -386,20 +556,20 @@ def split_dequantize(
             unpack_at(lo_data, (start - h0) * lo_width, n_lo, lo_width, lo_codes)
         unpack_at(hi_data, h0 * hi_width, n_hi, hi_width, hi_codes)
         flag = np.empty(d, np.uint8)
+        hashes = np.empty(d, np.uint32)
+        codes = np.empty(d, np.uint8)
+        values = np.empty(stop - start, np.float32) if rotate else out[start:stop]
         tie = ties_before[c]
         j_lo = 0
         j_hi = 0
-        for lo in range(start, stop, d):
-            m = min(d, stop - lo)
-            scale = scales[lo // d]
-            tie = _chosen(key, lo, m, threshold, r, tie, flag)
-            dst = out[lo : lo + m]
-            for i in range(m):
-                f = flag[i]
-                v_hi = hi_cents[hi_codes[min(j_hi, CHUNK)]]
-                v_lo = lo_cents[lo_codes[min(j_lo, CHUNK)]] if lo_width else np.float32(0.0)
-                dst[i] = (v_hi if f else v_lo) * scale
-                j_hi += f
-                j_lo += 1 - f
+        for lo in range(0, stop - start, d):
+            m = min(d, stop - start - lo)
+            scale = scales[(start + lo) // d]
+            tie = _chosen(key, start + lo, m, threshold, r, tie, flag, hashes)
+            j_hi, j_lo = merge_by_flags(flag, m, hi_codes, j_hi, lo_codes, j_lo, codes)
+            _split_values(codes, flag, m, lo_width, lo_cents, hi_cents, scale, values[lo : lo + m])
         bad[c] = j_hi != n_hi
-    return bad.sum()
+        if rotate:
+            kept = out[start : min(stop, out.size)]
+            nonfinite[c] = inverse_span(values, start, stop, layout, rot_scales, rot_key, kept)
+    return bad.sum(), nonfinite.sum()

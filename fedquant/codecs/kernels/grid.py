@@ -55,6 +55,7 @@ from fedquant.codecs.kernels.common import (
     parallel_kernel,
     unpack_from,
 )
+from fedquant.codecs.kernels.hadamard import forward_span, inverse_span, rotation_args
 from fedquant.rng import uniform
 from fedquant.wire.bitpack import packed_size
 
@@ -74,23 +75,24 @@ def _grid_symbol(v, t, h, sf):
 
 
 @njit(cache=True)
-def _chunk_codes(x, d, steps, s, key, c0, c1, codes, hs, ts):
-    """Symbols ``q + s`` of elements ``c0 .. c1`` into ``codes[0 : c1 - c0]``.
+def _chunk_codes(xc, d, steps, s, key, c0, c1, codes, hs, ts):
+    """Symbols ``q + s`` of elements ``c0 .. c1`` (``xc``: their values, from 0) into ``codes[0 : c1 - c0]``.
 
     Three loops over the chunk, each vectorized on its own lanes: the random bits into ``hs``
     (uint32, :func:`~fedquant.codecs.kernels.common.hash24_run`, 64-bit lanes), the quotients
     ``|v| / step`` into ``ts`` (float32, :func:`~fedquant.codecs.kernels.common.chunk_quotients`,
-    float64 lanes), then the
-    rounding (:func:`_grid_symbol`), 32-bit lanes only, branch-free on slices indexed from 0. A
-    chunk where a quotient may be a subnormal float32 is rounded with the division instead.
+    float64 lanes), then the rounding (:func:`_grid_symbol`), 32-bit lanes only, branch-free on
+    slices indexed from 0. A chunk where a quotient may be a subnormal float32 is rounded with
+    the division instead. ``xc`` may be a rotated chunk in an L1 buffer
+    (:func:`scale_round_pack_into`) or a slice of the tensor.
     """
     m = c1 - c0
     hash24_run(key, c0, m, hs)
     sf = np.float32(s)
     cs = codes[:m]
     us = hs[:m]
-    if not chunk_quotients(x, d, steps, _ONE32, False, False, c0, c1, ts):
-        xs = x[c0:c1]
+    xs = xc[:m]
+    if not chunk_quotients(xc, d, steps, _ONE32, False, False, c0, c1, ts):
         tt = ts[:m]
         for k in range(m):
             cs[k] = _grid_symbol(xs[k], tt[k], us[k], sf)
@@ -100,25 +102,26 @@ def _chunk_codes(x, d, steps, s, key, c0, c1, codes, hs, ts):
         b = i // d
         hi = min((b + 1) * d, c1)
         step = steps[b]
-        for k in range(i, hi):
-            cs[k - c0] = _grid_symbol(x[k], abs(x[k]) / step, us[k - c0], sf) if step > _ZERO32 else s
+        for k in range(i - c0, hi - c0):
+            cs[k] = _grid_symbol(xs[k], abs(xs[k]) / step, us[k], sf) if step > _ZERO32 else s
         i = hi
 
 
 @njit(cache=True)
-def _pack_chunk(x, d, steps, s, key, width, c0, c1, out):
-    """Round elements ``c0 .. c1`` (``c0`` a multiple of 8) and pack them into ``out``."""
-    n = c1 - c0  # scratch of the chunk's size: a small tensor allocates little
-    hs = np.empty(min(CHUNK, n), np.uint32)
-    ts = np.empty(min(CHUNK, n), np.float32)
+def _pack_chunk(xc, d, steps, s, key, width, c0, c1, out):
+    """Round elements ``c0 .. c1`` (``c0`` a multiple of 8; ``xc``: their values, from 0) and pack them
+    into ``out``."""
+    m = c1 - c0  # scratch of the chunk's size: a small tensor allocates little
+    hs = np.empty(m, np.uint32)
+    ts = np.empty(m, np.float32)
     if width <= 8:  # byte symbols: half the traffic through the chunk buffer
-        small = np.empty(min(CHUNK, n), np.uint8)
-        _chunk_codes(x, d, steps, s, key, c0, c1, small, hs, ts)
-        pack_into(small, c1 - c0, width, out, (c0 * width) // 8)
+        small = np.empty(m, np.uint8)
+        _chunk_codes(xc, d, steps, s, key, c0, c1, small, hs, ts)
+        pack_into(small, m, width, out, (c0 * width) // 8)
     else:
-        wide = np.empty(min(CHUNK, n), np.uint16)
-        _chunk_codes(x, d, steps, s, key, c0, c1, wide, hs, ts)
-        pack_into(wide, c1 - c0, width, out, (c0 * width) // 8)
+        wide = np.empty(m, np.uint16)
+        _chunk_codes(xc, d, steps, s, key, c0, c1, wide, hs, ts)
+        pack_into(wide, m, width, out, (c0 * width) // 8)
 
 
 @parallel_kernel
@@ -131,7 +134,8 @@ def round_pack_into(x, d, steps, s, key, width, out):
     n = x.size
     for c in prange((n + CHUNK - 1) // CHUNK):
         c0 = c * CHUNK
-        _pack_chunk(x, d, steps, s, key, width, c0, min(c0 + CHUNK, n), out)
+        c1 = min(c0 + CHUNK, n)
+        _pack_chunk(x[c0:c1], d, steps, s, key, width, c0, c1, out)
 
 
 def round_pack(x: np.ndarray, d: int, steps: np.ndarray, s: int, key: np.uint64, width: int) -> np.ndarray:
@@ -142,16 +146,16 @@ def round_pack(x: np.ndarray, d: int, steps: np.ndarray, s: int, key: np.uint64,
 
 
 @njit(cache=True)
-def _chunk_scales(x, d, s, l2, c0, c1, scales, steps):
-    """Scales (max |x| or L2) and grid steps of the buckets of elements ``c0 .. c1`` (whole buckets)."""
-    n = x.size
-    bits = x.view(np.uint32)
+def _chunk_scales(xc, d, s, l2, c0, c1, scales, steps):
+    """Scales (max |x| or L2) and grid steps of the buckets of elements ``c0 .. c1`` (whole buckets;
+    ``xc``: their values, from 0)."""
+    bits = xc.view(np.uint32)
     scale_bits = scales.view(np.uint32)
     for b in range(c0 // d, (c1 + d - 1) // d):
-        lo = b * d
-        hi = min(lo + d, n)
+        lo = b * d - c0
+        hi = min(lo + d, c1 - c0)
         if l2:
-            scales[b] = np.float32(np.sqrt(_sum_f64(x, lo, hi, True)))
+            scales[b] = np.float32(np.sqrt(_sum_f64(xc, lo, hi, True)))
         else:
             mb = np.uint32(0)
             seg = bits[lo:hi]
@@ -161,31 +165,46 @@ def _chunk_scales(x, d, s, l2, c0, c1, scales, steps):
         steps[b] = scales[b] / np.float32(s)
 
 
-@parallel_kernel
-def scale_round_pack_into(x, d, s, key, width, l2, scales, out):
+@parallel_kernel(count_arg=1)
+def scale_round_pack_into(x, n, d, s, key, width, l2, scales, out, layout, rot_scales, rot_key):
     """The bucket scales (max |x| or L2) fused with :func:`round_pack_into`: one read of ``x``.
 
     Each chunk computes the scales of its own buckets and rounds them while they are in cache;
     this needs whole buckets per chunk, so ``CHUNK % d == 0`` (callers check). Writes
     ``scales`` (float32, one per bucket) and ``out`` (the packed symbols), identical to the
-    two-pass result.
+    two-pass result. The ``n`` values are ``x``, or with a rotation (``layout``, ``rot_scales``,
+    ``rot_key`` of :class:`~fedquant.codecs.transforms.rht.FusedRotation`; an empty ``layout``
+    for none) ``rht``'s rotation of ``x``, each chunk rotated in cache first. Returns the number
+    of rotated blocks holding NaN or Inf (0 without a rotation).
     """
-    n = x.size
     steps = np.empty(scales.size, np.float32)
-    for c in prange((n + CHUNK - 1) // CHUNK):
+    nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
+    bad = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        _chunk_scales(x, d, s, l2, c0, c1, scales, steps)
-        _pack_chunk(x, d, steps, s, key, width, c0, c1, out)
+        if rotate:
+            xc = np.empty(c1 - c0, np.float32)
+            bad[c] = forward_span(x, c0, c1, layout, rot_scales, rot_key, xc)
+        else:
+            xc = x[c0:c1]
+        _chunk_scales(xc, d, s, l2, c0, c1, scales, steps)
+        _pack_chunk(xc, d, steps, s, key, width, c0, c1, out)
+    return bad.sum()
 
 
 def scale_round_pack(
-    x: np.ndarray, d: int, s: int, key: np.uint64, width: int, l2: bool
+    x: np.ndarray, d: int, s: int, key: np.uint64, width: int, l2: bool, rotation=None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`scale_round_pack_into` new arrays: ``(scales, packed)``."""
-    scales = np.empty((x.size + d - 1) // d, np.float32)
-    out = np.empty(packed_size(x.size, width), np.uint8)
-    scale_round_pack_into(x, d, s, key, width, l2, scales, out)
+    """:func:`scale_round_pack_into` new arrays: ``(scales, packed)``; ``rotation``: a
+    :class:`~fedquant.codecs.transforms.rht.FusedRotation` to apply first (it refuses a non-finite result)."""
+    n = x.size if rotation is None else rotation.padded
+    scales = np.empty((n + d - 1) // d, np.float32)
+    out = np.empty(packed_size(n, width), np.uint8)
+    nonfinite = scale_round_pack_into(x, n, d, s, key, width, l2, scales, out, *rotation_args(rotation))
+    if rotation is not None:
+        rotation.check(nonfinite)
     return scales, out
 
 
@@ -206,7 +225,7 @@ def round_codes_into(x, d, steps, s, key, out, counts):
         for c in range(first, end):
             c0 = c * CHUNK
             c1 = min(c0 + CHUNK, n)
-            _chunk_codes(x, d, steps, s, key, c0, c1, out[c0:c1], hs, ts)
+            _chunk_codes(x[c0:c1], d, steps, s, key, c0, c1, out[c0:c1], hs, ts)
             if counts.shape[1]:
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 
@@ -227,33 +246,51 @@ def round_codes(
 
 # ---------------------------------------------------------------- decoding
 @parallel_kernel(count_arg=1)
-def unpack_dequant_into(data, n, d, steps, s, width, out):
-    """Decode ``n`` packed symbols into ``out`` (float32). Returns the number of symbols > 2s."""
+def unpack_dequant_into(data, n, d, steps, s, width, out, layout, rot_scales, rot_key):
+    """Decode ``n`` packed symbols into ``out`` (float32). Returns the number of symbols > 2s, and with
+    a rotation (see :func:`scale_round_pack_into`; ``n`` its laid-out size, each chunk's values
+    rotated back in cache, ``out`` the first ``out.size`` values) the number of blocks of ``out``
+    holding NaN or Inf."""
     nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
     bad = np.zeros(nchunks, np.int64)
+    nonfinite = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
+        values = np.empty(c1 - c0, np.float32) if rotate else out[c0:c1]
         if width <= 8:
-            small = np.empty(min(CHUNK, n), np.uint8)
+            small = np.empty(c1 - c0, np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
-            bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, out)
+            bad[c] = _chunk_dequant(small, d, steps, s, c0, c1, values)
         else:
-            wide = np.empty(min(CHUNK, n), np.uint16)
+            wide = np.empty(c1 - c0, np.uint16)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
-            bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, out)
-    return bad.sum()
+            bad[c] = _chunk_dequant(wide, d, steps, s, c0, c1, values)
+        if rotate:
+            nonfinite[c] = inverse_span(values, c0, c1, layout, rot_scales, rot_key, out[c0 : min(c1, out.size)])
+    return bad.sum(), nonfinite.sum()
 
 
-def unpack_dequant(data: np.ndarray, n: int, d: int, steps: np.ndarray, s: int, width: int) -> tuple[np.ndarray, int]:
-    """Decode packed symbols into new float32 values. Returns ``(values, number of symbols > 2s)``."""
-    out = np.empty(n, np.float32)
-    return out, unpack_dequant_into(data, n, d, steps, s, width, out)
+def unpack_dequant(
+    data: np.ndarray, n: int, d: int, steps: np.ndarray, s: int, width: int, rotation=None
+) -> tuple[np.ndarray, int]:
+    """Decode packed symbols into new float32 values. Returns ``(values, number of symbols > 2s)``.
+
+    With ``rotation`` (a :class:`~fedquant.codecs.transforms.rht.FusedRotation`, ``n`` its laid-out
+    size) the values are rotated back (``rotation.numel`` of them) and ``rotation.finite`` is set.
+    """
+    out = np.empty(n if rotation is None else rotation.numel, np.float32)
+    bad, nonfinite = unpack_dequant_into(data, n, d, steps, s, width, out, *rotation_args(rotation))
+    if rotation is not None:
+        rotation.finite = nonfinite == 0
+    return out, bad
 
 
 @njit(cache=True)
-def _chunk_dequant(codes, d, steps, s, c0, c1, out):
-    """``(code - s) * step`` for elements ``c0 .. c1``; returns how many codes exceed ``2s``.
+def _chunk_dequant(codes, d, steps, s, c0, c1, values):
+    """``(code - s) * step`` of elements ``c0 .. c1`` into ``values`` (from 0); returns how many codes
+    exceed ``2s``.
 
     In float32 (symbols below ``2**16`` convert exactly) with a flag for bad codes, so that the
     loop runs on 32-bit lanes; a chunk with a bad code is counted again.
@@ -267,7 +304,7 @@ def _chunk_dequant(codes, d, steps, s, c0, c1, out):
         hi = min((b + 1) * d, c1)
         step = steps[b]
         cs = codes[i - c0 : hi - c0]
-        ys = out[i:hi]
+        ys = values[i - c0 : hi - c0]
         for k in range(hi - i):
             c = np.float32(cs[k])
             bad |= c > top
@@ -290,7 +327,7 @@ def codes_dequant_into(codes, d, steps, s, out):
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        bad[c] = _chunk_dequant(codes[c0:c1], d, steps, s, c0, c1, out)
+        bad[c] = _chunk_dequant(codes[c0:c1], d, steps, s, c0, c1, out[c0:c1])
     return bad.sum()
 
 

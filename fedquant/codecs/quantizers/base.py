@@ -17,6 +17,7 @@ width (:attr:`Quantized.packed`), and may decode packed bytes in one pass
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -146,6 +147,26 @@ class Quantizer(Configurable, KernelDispatch):
                 choices = tuple(cls.codings)
                 params["coding"] = Param(str, choices[0], f"symbol stream: {', '.join(choices)}", choices=choices)
         cls.params = params
+
+    #: The wire rotation its kernels apply themselves (a copy from :meth:`with_rotation`), or None.
+    rotation = None
+
+    def fuses(self, rotation) -> bool:
+        """Whether the kernels can apply ``rotation`` (``rht``'s :class:`~fedquant.codecs.transforms.rht.FusedRotation`)
+        themselves, chunk by chunk, in :meth:`quantize` and the dequantize methods. Default: no.
+
+        A quantizer that says yes, once bound (:meth:`with_rotation`), quantizes the tensor
+        *before* the rotation (``rotation.padded`` values after it) and dequantizes straight to
+        the tensor after the inverse rotation (``rotation.numel`` values), setting
+        ``rotation.finite``; the bytes are those of the unfused pipeline.
+        """
+        return False
+
+    def with_rotation(self, rotation) -> Quantizer:
+        """A copy bound to ``rotation`` (see :meth:`fuses`)."""
+        bound = copy.copy(self)
+        bound.rotation = rotation
+        return bound
 
     # ------------------------------------------------------------------ declarations
     @abstractmethod

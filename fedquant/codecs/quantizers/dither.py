@@ -50,6 +50,7 @@ import torch
 from fedquant.codecs.buckets import bucket_stat, check_bucket_scales, effective_bucket_size, num_buckets, to_buckets
 from fedquant.codecs.kernels import dither as kernels
 from fedquant.codecs.kernels.common import kernel_key
+from fedquant.codecs.kernels.hadamard import fwht_numba
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import (
     BucketScaledQuantizer,
@@ -97,7 +98,19 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         check_bucket_scales(side[0], self.name, "bucket step")
 
     # ------------------------------------------------------------------ encode
+    def fuses(self, rotation) -> bool:
+        """Fixed-width coding on the CPU kernels with buckets that tile the chunks rotates as it goes
+        (NDQSG's side information too: a bound copy takes it before the rotation)."""
+        d = effective_bucket_size(self.bucket_size, rotation.padded)
+        return self.coding == "fixed" and self.uses_kernels() and kernels.CHUNK % d == 0
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        if self.rotation is not None:  # the kernels rotate each chunk and take its steps in one pass
+            d = effective_bucket_size(self.bucket_size, self.rotation.padded)
+            steps, packed = kernels.step_encode_packed(
+                flat.numpy(), d, kernel_key(seed), packed_width, rotation=self.rotation, **self._kernel_args()
+            )
+            return Quantized([steps], packed=packed)
         numel = flat.numel()
         d = effective_bucket_size(self.bucket_size, numel)
         if self.uses_kernels(flat):
@@ -130,6 +143,8 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
 
     # ------------------------------------------------------------------ decode
     def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
+        if self.rotation is not None:
+            raise RuntimeError(f"{self.name}: a quantizer bound to a rotation decodes packed symbols only")
         if self.uses_kernels():
             y = self._side_info_array()
             try:
@@ -154,14 +169,15 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
     def dequantize_packed(
         self, side: list[np.ndarray], packed: np.ndarray, width: int, numel: int, seed: int
     ) -> torch.Tensor:
-        if not self.uses_kernels():
+        if self.rotation is None and not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed)
         y = self._side_info_array()
         try:
             d, steps = self.bucket_scales(side, numel)
             values, top, finite = kernels.decode_packed(
-                packed, numel, d, steps, kernel_key(seed), width, side_info=y, **self._kernel_args()
-            )
+                packed, numel, d, steps, kernel_key(seed), width, side_info=y, rotation=self.rotation,
+                **self._kernel_args(),
+            )  # fmt: skip
         except PayloadError:
             self._check_side_finite(y)  # bad side information is reported first, as always
             raise
@@ -342,6 +358,12 @@ class NDQSGQuantizer(SideInfoQuantizer, DitherQuantizer):
             raise ValueError("ndqsg: side_info contains NaN or Inf")
 
     def _check_side_finite(self, y: np.ndarray | None, finite: bool | None = None) -> None:
+        rotation = self.rotation
+        if rotation is not None and finite is None:
+            # Bound to a rotation the side information is given before it, and what is refused is its
+            # rotation (the kernel refuses that itself): the unfused pipeline rotates it first.
+            rotation.check(fwht_numba(y, rotation.runs, rotation.key, False)[1])
+            return
         if not (kernels.all_finite(y) if finite is None else finite):
             raise ValueError("ndqsg: side_info contains NaN or Inf")
 

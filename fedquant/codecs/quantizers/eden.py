@@ -62,6 +62,7 @@ import torch
 
 from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import count_table, uniform_stream
+from fedquant.codecs.kernels.hadamard import rotation_args
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
@@ -307,17 +308,24 @@ class EdenQuantizer(BitsLadder, Quantizer):
 
     # ------------------------------------------------------------------ the two directions
     def _kernel_path(self, flat: torch.Tensor | None = None) -> bool:
-        """Numba kernels: CPU float32 data (or decoding) without ``force_torch``."""
+        """Numba kernels: CPU float32 data (or decoding) without ``force_torch``; always when bound to a rotation."""
+        if self.rotation is not None:
+            return True
         return self.uses_kernels(flat) and (flat is None or flat.dtype == torch.float32)
+
+    def fuses(self, rotation) -> bool:
+        """The CPU kernels rotate as they go (:func:`kernels.quantize`, :func:`kernels.split_quantize` and
+        their decoders)."""
+        return self._kernel_path()
 
     def _quantize_kernel(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         x = np.ascontiguousarray(flat.numpy())
-        n = x.size
+        n = x.size if self.rotation is None else self.rotation.padded
         nb = self.num_buckets(n)
         sq = np.empty(nb, np.float64)
         dot = np.empty(nb, np.float64)
         if self.split:
-            streams = self._split_kernel(x, seed, sq, dot)
+            streams = self._split_kernel(x, n, seed, sq, dot)
             return Quantized([self._finite(_scales(sq, dot, seed)), *streams])
         centroids, boundaries = lloyd_max(1 << self._lo)
         pack = packed_width is not None
@@ -325,7 +333,12 @@ class EdenQuantizer(BitsLadder, Quantizer):
             raise RuntimeError(f"eden: packed width {packed_width} for {self._lo}-bit indices")
         out = np.empty(packed_size(n, self._lo) if pack else n, np.uint8)
         counts = count_table(n, (1 << self._lo) if not pack and self.wants_counts() else 0)
-        kernels.quantize(x, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot, counts)
+        layout, rot_scales, key = rotation_args(self.rotation)
+        nonfinite = kernels.quantize(
+            x, n, self.bucket_size, boundaries, centroids, self._lo, pack, out, sq, dot, counts, layout, rot_scales, key
+        )
+        if self.rotation is not None:
+            self.rotation.check(nonfinite)
         scales = self._finite(_scales(sq, dot, seed))
         if pack:
             return Quantized([scales], packed=out)
@@ -348,19 +361,22 @@ class EdenQuantizer(BitsLadder, Quantizer):
         lo_cents, lo_bounds = lloyd_max(1 << self._lo)
         return lo_bounds, lo_cents, hi_bounds, hi_cents
 
-    def _split_kernel(self, x: np.ndarray, seed: int, sq: np.ndarray, dot: np.ndarray) -> list[np.ndarray]:
-        """The two index streams of fractional bits (one when ``floor(B)`` is 0), ``sq`` / ``dot`` written."""
-        n = x.size
+    def _split_kernel(self, x: np.ndarray, n: int, seed: int, sq: np.ndarray, dot: np.ndarray) -> list[np.ndarray]:
+        """The two index streams of fractional bits (one when ``floor(B)`` is 0) of ``n`` coordinates (``x``,
+        or its rotation when bound to one), ``sq`` / ``dot`` written."""
         key, threshold, r, hi_before, ties_before = self._split_plan(n, seed)
         k = int(hi_before[-1])
         lo_out = np.empty(packed_size(n - k, self._lo) if self._lo else 0, np.uint8)
         hi_out = np.empty(packed_size(k, self._hi), np.uint8)
         edge_pos = np.empty(4 * (hi_before.size - 1), np.int64)  # 4 per chunk: both ends of both streams
         edge_val = np.empty(edge_pos.size, np.uint8)
-        bad = kernels.split_quantize(
-            x, self.bucket_size, self._lo, self._hi, *self._split_tables(),
+        bad, nonfinite = kernels.split_quantize(
+            x, n, self.bucket_size, self._lo, self._hi, *self._split_tables(),
             key, threshold, r, hi_before, ties_before, lo_out, hi_out, sq, dot, edge_pos, edge_val,
+            *rotation_args(self.rotation),
         )  # fmt: skip
+        if self.rotation is not None:
+            self.rotation.check(nonfinite)
         if bad:
             raise RuntimeError("eden: the split kernel disagrees with its plan")
         kernels.split_streams(lo_out, hi_out, edge_pos, edge_val)
@@ -380,13 +396,15 @@ class EdenQuantizer(BitsLadder, Quantizer):
             require_items(lo_data, packed_size(numel - k, self._lo), f"{self._lo}-bit indices")
         lo_cents = lloyd_max(1 << self._lo)[0].astype(np.float32) if self._lo else np.zeros(1, np.float32)
         hi_cents = lloyd_max(1 << self._hi)[0].astype(np.float32)
-        out = np.empty(numel, np.float32)
-        bad = kernels.split_dequantize(
+        out = np.empty(numel if self.rotation is None else self.rotation.numel, np.float32)
+        bad, nonfinite = kernels.split_dequantize(
             lo_data, numel, self.bucket_size, self._lo, self._hi, lo_cents, hi_cents, scales,
-            key, threshold, r, hi_before, ties_before, hi_data, out,
+            key, threshold, r, hi_before, ties_before, hi_data, out, *rotation_args(self.rotation),
         )  # fmt: skip
         if bad:
             raise RuntimeError("eden: the split kernel disagrees with its plan")
+        if self.rotation is not None:
+            self.rotation.finite = nonfinite == 0
         return torch.from_numpy(out)
 
     def _dequantize_kernel(self, side, data: np.ndarray, numel: int, packed: bool) -> torch.Tensor:
@@ -397,10 +415,15 @@ class EdenQuantizer(BitsLadder, Quantizer):
         else:
             require_items(data, numel, "eden symbols")
         centroids = lloyd_max(1 << self._lo)[0].astype(np.float32)
-        out = np.empty(numel, np.float32)
-        bad = kernels.dequantize(data, numel, self.bucket_size, scales, centroids, self._lo, packed, out)
+        out = np.empty(numel if self.rotation is None else self.rotation.numel, np.float32)
+        layout, rot_scales, key = rotation_args(self.rotation)
+        bad, nonfinite = kernels.dequantize(
+            data, numel, self.bucket_size, scales, centroids, self._lo, packed, out, layout, rot_scales, key
+        )
         if bad:
             raise PayloadError(f"eden payload holds {bad} symbols beyond the {centroids.size} centroids")
+        if self.rotation is not None:
+            self.rotation.finite = nonfinite == 0
         return torch.from_numpy(out)
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:

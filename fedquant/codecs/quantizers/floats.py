@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
+from fedquant.codecs.kernels.hadamard import fwht_numba, rotate_into_bytes
 from fedquant.codecs.quantizers.base import Quantized, Quantizer, SideField
+from fedquant.wire.body import Deferred
 
 FP16_MAX = 65504.0
 
@@ -42,8 +46,31 @@ class Float32Quantizer(FloatQuantizer):
     def error_bound(self, numel: int) -> float:
         return 0.0
 
+    def fuses(self, rotation) -> bool:
+        """On the CPU kernels, decoding rotates the payload's floats back where they lie (no copy first)."""
+        return self.uses_kernels()
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
+        if self.rotation is not None:  # the rotated floats are written straight into the payload
+            rotation, x = self.rotation, flat.numpy()
+
+            def fill(dst: np.ndarray) -> None:
+                rotation.check(rotate_into_bytes(x, dst, rotation.layout, rotation.scales, rotation.key))
+
+            if sys.byteorder == "little":
+                return Quantized([Deferred(4 * rotation.padded, fill)])
+            rotated, nonfinite = fwht_numba(x, rotation.runs, rotation.key, False)
+            rotation.check(nonfinite)
+            return Quantized([rotated])
         return Quantized([flat.cpu().numpy()])
+
+    def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
+        if self.rotation is None:
+            return super().dequantize(side, symbols, numel, seed)
+        values = np.ascontiguousarray(side[0], dtype=np.float32)  # the payload's bytes, read only
+        out, nonfinite = fwht_numba(values, self.rotation.runs, self.rotation.key, True)
+        self.rotation.finite = nonfinite == 0
+        return torch.from_numpy(out)[: self.rotation.numel]
 
 
 class Float16Quantizer(FloatQuantizer):

@@ -97,8 +97,20 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         frac = t - torch.floor(t)
         return relative_error((step * step * frac * (1 - frac)).sum(), flat)
 
+    def fuses(self, rotation) -> bool:
+        """Fixed-width coding on the CPU kernels with buckets that tile the chunks rotates as it goes."""
+        d = effective_bucket_size(self.bucket_size, rotation.padded)
+        clipped = getattr(self, "clip", None)
+        return self.coding == "fixed" and self.uses_kernels() and kernels.CHUNK % d == 0 and not clipped
+
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         s, norm = self.grid()
+        if self.rotation is not None:  # the kernels rotate each chunk first (see fuses)
+            d = effective_bucket_size(self.bucket_size, self.rotation.padded)
+            scales, packed = kernels.scale_round_pack(
+                flat.numpy(), d, s, kernel_key(seed), packed_width, norm == "l2", self.rotation
+            )
+            return Quantized([scales], packed=packed)
         flat = self.prepare(flat)
         d = effective_bucket_size(self.bucket_size, flat.numel())
         check = self.checks_finite()
@@ -136,6 +148,8 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         return values
 
     def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
+        if self.rotation is not None:
+            raise RuntimeError(f"{self.name}: a quantizer bound to a rotation decodes packed symbols only")
         s = self.grid()[0]
         d, steps = self._steps(side, numel)
         if self.uses_kernels():
@@ -148,11 +162,11 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         return self._checked(*kernels.torch_dequantize(codes, d, steps, s))
 
     def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
-        if not self.uses_kernels():
+        if self.rotation is None and not self.uses_kernels():
             return super().dequantize_packed(side, packed, width, numel, seed)
         d, steps = self._steps(side, numel)
         require_items(packed, packed_size(numel, width), "packed symbols")
-        values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width)
+        values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width, self.rotation)
         return self._checked(torch.from_numpy(values), int(bad))
 
     def defers_packed(self) -> bool:

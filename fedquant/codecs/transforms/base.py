@@ -31,6 +31,9 @@ class Transform(Configurable, KernelDispatch):
     """
 
     spec_lists_defaults = False
+    #: Whether :meth:`forward` refuses (:class:`NonFiniteOutput`) an output that is not finite, which
+    #: any NaN or Inf in its input makes: the codec then skips its own check of the input.
+    checks_finite: bool = False
 
     def output_numel(self, numel: int) -> int:
         """Elements after :meth:`forward` of ``numel`` elements (padding transforms grow it)."""
@@ -43,6 +46,27 @@ class Transform(Configurable, KernelDispatch):
     @abstractmethod
     def inverse(self, flat: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
         """Decoder side: undo :meth:`forward`, back to ``numel`` elements."""
+
+    def fused(self, numel: int, seed: int, flat: torch.Tensor | None = None) -> Any:
+        """This transform as a quantizer's kernels can apply it themselves, or None (the default).
+
+        ``numel``: elements before the transform; ``flat``: the encoder's input (None when
+        decoding). A quantizer that accepts the result (``Quantizer.fuses``) is given it
+        instead of the transformed tensor (:mod:`fedquant.codecs.codec`).
+        """
+        return None
+
+    def inverse_checked(self, flat: torch.Tensor, numel: int, seed: int) -> tuple[torch.Tensor, bool]:
+        """:meth:`inverse`, and True when every value it returns is known to be finite.
+
+        Default: not known (False), the codec checks. A transform whose kernels see every value
+        anyway says so, and the codec skips its own pass over the decoded tensor.
+        """
+        return self.inverse(flat, numel, seed), False
+
+
+class NonFiniteOutput(ValueError):
+    """A transform's output holds NaN or Inf (its input did, or the transform overflowed float32)."""
 
 
 class StatefulTransform(Configurable):

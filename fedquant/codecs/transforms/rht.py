@@ -33,12 +33,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from fedquant.codecs.codec import all_finite
-from fedquant.codecs.kernels.hadamard import fwht_numba, fwht_torch, runs_numel
+from fedquant.codecs.kernels.hadamard import fusable, fwht_numba, fwht_torch, layout_table, runs_numel
 from fedquant.codecs.params import Param
-from fedquant.codecs.transforms.base import Transform
+from fedquant.codecs.transforms.base import NonFiniteOutput, Transform
 from fedquant.rng import derive_seed, stream_key
 
 #: Default full block (log2): the 512-element bucket of the quantizers (docs/rht_layout.md).
@@ -96,6 +97,46 @@ def _runs_numel(runs: tuple[tuple[int, int], ...]) -> int:
     return runs_numel(runs)
 
 
+class FusedRotation:
+    """``rht``'s rotation left to a quantizer's kernels (:meth:`RandomizedHadamard.fused`).
+
+    The kernels rotate each chunk of their own pass in cache
+    (:func:`~fedquant.codecs.kernels.hadamard.forward_span` before quantizing it,
+    :func:`~fedquant.codecs.kernels.hadamard.inverse_span` after dequantizing it) instead of
+    reading a rotated copy of the tensor from memory; the bytes are the same. Only layouts whose
+    blocks fit a tile (:func:`~fedquant.codecs.kernels.hadamard.fusable`: the default ``rht``).
+
+    Attributes
+    ----------
+    numel : int
+        Elements before the rotation: the encoder's input, the decoder's output.
+    runs : tuple of (int, int)
+        The block layout (:func:`block_runs`).
+    padded : int
+        Elements of the rotated layout: what the quantizer quantizes.
+    key : np.uint64
+        Stream key of the signs.
+    layout, scales : np.ndarray
+        The layout as kernels take it (:func:`~fedquant.codecs.kernels.hadamard.layout_table`).
+    finite : bool or None
+        Decoding: whether the kernels found every decoded value finite (set by the quantizer).
+    """
+
+    def __init__(self, transform: RandomizedHadamard, numel: int, runs: tuple[tuple[int, int], ...], key: int):
+        self.transform = transform
+        self.numel = numel
+        self.runs = runs
+        self.padded = _runs_numel(runs)
+        self.key = np.uint64(key)
+        self.layout, self.scales = layout_table(runs)
+        self.finite: bool | None = None
+
+    def check(self, nonfinite: int) -> None:
+        """Refuse as :meth:`RandomizedHadamard.forward` does when the rotated values were not all finite."""
+        if nonfinite:
+            self.transform.refuse()
+
+
 class RandomizedHadamard(Transform):
     """Randomized Hadamard rotation by blocks (``rht``): signs from the seed, never sent.
 
@@ -109,6 +150,7 @@ class RandomizedHadamard(Transform):
     """
 
     name = "rht"
+    checks_finite = True
     params = {
         "max_log2": Param(int, MAX_BLOCK_LOG2, "log2 of the full blocks", minimum=1, maximum=62),
         "min_log2": Param(int, None, "log2 of the smallest block of the remainder (none: one padded block)", minimum=0),
@@ -136,33 +178,51 @@ class RandomizedHadamard(Transform):
 
     def _rotate(
         self, flat: torch.Tensor, runs: tuple[tuple[int, int], ...], seed: int, inverse: bool
-    ) -> tuple[torch.Tensor, bool]:
-        """The rotated tensor and whether every value of it is finite."""
+    ) -> tuple[torch.Tensor, bool | None]:
+        """The rotated tensor and whether every value of it is finite (None: not checked, torch inverse)."""
         sign_seed = self.sign_seed(seed)
         flat = flat.to(torch.float32).contiguous()
         if not self.uses_kernels(flat):
             out = fwht_torch(flat, runs, sign_seed, inverse)
-            return out, all_finite(out)
+            return out, None if inverse else all_finite(out)
         out, nonfinite = fwht_numba(flat.numpy(), runs, stream_key(sign_seed), inverse)
         return torch.from_numpy(out), nonfinite == 0
+
+    def fused(self, numel: int, seed: int, flat: torch.Tensor | None = None) -> FusedRotation | None:
+        """The rotation for a quantizer's kernels (CPU kernels, blocks of at most a tile), else None."""
+        if not self.uses_kernels(flat) or (flat is not None and flat.dtype != torch.float32):
+            return None
+        runs = self.runs(numel)
+        if not fusable(runs):
+            return None
+        return FusedRotation(self, numel, runs, stream_key(self.sign_seed(seed)))
 
     def forward(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
         """Rotate ``flat`` (1-D float32): ``output_numel(numel)`` elements on its device.
 
         Raises
         ------
-        ValueError
-            If the rotation overflows float32 (values within ``sqrt(2**max_log2)`` of the largest
-            float32).
+        NonFiniteOutput
+            (a ValueError) If the rotation overflows float32 (values within ``sqrt(2**max_log2)``
+            of the largest float32), or ``flat`` holds NaN or Inf.
         """
         out, finite = self._rotate(flat, self.runs(flat.numel()), seed, inverse=False)
         if not finite:
-            raise ValueError(f"{self.name}: the rotated tensor overflows float32; scale the update down")
+            self.refuse()
         return out
+
+    def refuse(self) -> None:
+        """Raise the error of a rotated tensor that is not finite."""
+        raise NonFiniteOutput(f"{self.name}: the rotated tensor overflows float32; scale the update down")
 
     def inverse(self, flat: torch.Tensor, numel: int, seed: int) -> torch.Tensor:
         """Rotate back: ``flat`` holds ``output_numel(numel)`` elements; returns the first ``numel``."""
+        return self.inverse_checked(flat, numel, seed)[0]
+
+    def inverse_checked(self, flat: torch.Tensor, numel: int, seed: int) -> tuple[torch.Tensor, bool]:
+        """:meth:`inverse`, and whether the kernels found every value finite (the padding included)."""
         runs = self.runs(numel)
         if flat.numel() != _runs_numel(runs):
             raise ValueError(f"{self.name}: {flat.numel()} elements are not the rotation of {numel}")
-        return self._rotate(flat, runs, seed, inverse=True)[0][:numel]
+        out, finite = self._rotate(flat, runs, seed, inverse=True)
+        return out[:numel], bool(finite)

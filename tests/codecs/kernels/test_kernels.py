@@ -12,6 +12,7 @@ import torch
 from fedquant.codecs.buckets import bucket_stat
 from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels import grid as kernels
+from fedquant.codecs.kernels.hadamard import NO_ROTATION
 from fedquant.codecs.quantizers.grid import grid_steps
 from fedquant.rng import stream_key, uniform
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
@@ -75,7 +76,10 @@ def test_subnormal_quotients_take_the_division(d):
         steps = grid_steps(bucket_stat(x, d, "max", use_kernels=True), s)
         ts = np.empty(common.CHUNK, np.float32)
         one, c = np.float32(1), common.CHUNK
-        flags = [common.chunk_quotients(x.numpy(), d, steps, one, False, False, i, i + c, ts) for i in (0, c, 2 * c)]
+        xs = x.numpy()  # each chunk's values from 0, as the kernels pass them
+        flags = [
+            common.chunk_quotients(xs[i : i + c], d, steps, one, False, False, i, i + c, ts) for i in (0, c, 2 * c)
+        ]
         assert flags == [True, False, True]
         codes = kernels.round_codes(x.numpy(), d, steps, s, key)
         assert np.array_equal(codes, kernels.torch_round_codes(x, d, steps, s, 3).numpy())
@@ -219,9 +223,11 @@ def test_serial_and_parallel_versions_of_a_kernel_agree(n):
     outputs = {}
     for version in ("serial", "parallel"):
         scales, packed = np.empty(nb, np.float32), np.empty(packed_size(n, 4), np.uint8)
-        getattr(kernels.scale_round_pack_into, version)(x, 128, 7, key, 4, False, scales, packed)
+        getattr(kernels.scale_round_pack_into, version)(x, n, 128, 7, key, 4, False, scales, packed, *NO_ROTATION)
         y = np.empty(n, np.float32)
-        bad = getattr(kernels.unpack_dequant_into, version)(packed, n, 128, scales / np.float32(7), 7, 4, y)
+        bad, _ = getattr(kernels.unpack_dequant_into, version)(
+            packed, n, 128, scales / np.float32(7), 7, 4, y, *NO_ROTATION
+        )
         bits = np.empty(packed_size(n, 1), np.uint8)
         getattr(kernels.sign_pack_into, version)(x, bits)
         codes, counts = np.empty(n, np.uint16), np.zeros((3, 15), np.int64)
@@ -256,3 +262,20 @@ def test_switch_picks_by_size_and_both_versions_load_from_their_own_cache():
         if run.stdout.split() == ["1", "1"]:
             break
     assert run.stdout.split() == ["1", "1"]
+
+
+# ---------------------------------------------------------------- splitting and merging by flags
+@pytest.mark.parametrize("density", [0.0, 0.037, 0.5, 1.0])
+@pytest.mark.parametrize("m", [0, 5, 32, 100, 512])
+def test_split_and_merge_by_flags_are_the_element_loops(density, m):
+    rng = np.random.default_rng(m)
+    flags = (rng.random(512) < density).astype(np.uint8) * rng.integers(1, 255, 512).astype(np.uint8)
+    a, b = rng.integers(0, 255, 512).astype(np.uint8), rng.integers(0, 255, 512).astype(np.uint8)
+    out_a, out_b = np.zeros(600, np.uint8), np.zeros(600, np.uint8)
+    pos = common.split_by_flags(flags, m, a, b, out_a, 3, out_b, 7)
+    chosen = flags[:m] != 0
+    assert pos == (3 + chosen.sum(), 7 + m - chosen.sum())
+    assert np.array_equal(out_a[3 : pos[0]], a[:m][chosen]) and np.array_equal(out_b[7 : pos[1]], b[:m][~chosen])
+    merged = np.zeros(512, np.uint8)
+    assert common.merge_by_flags(flags, m, out_a, 3, out_b, 7, merged) == pos
+    assert np.array_equal(merged[:m], np.where(chosen, a[:m], b[:m]))

@@ -133,6 +133,78 @@ def test_overflowing_rotation_is_refused_at_encode():
         get_codec("rht+fp32").encode(torch.full((4,), 3e38), seed=1)
 
 
+FUSED_SPECS = [
+    "eden:bits=1",
+    "eden:bits=2",
+    "eden:bits=3",
+    "rht:min_log2=0+eden:bits=2,bucket_size=64",
+    "eden:bits=1.037",
+    "eden:bits=0.5",
+    "rht:min_log2=0+eden:bits=2.5,bucket_size=128",
+    "rht+qsgd:levels=7",
+    "rht+terngrad",
+    "rht:min_log2=2+qsgd:bucket_size=128,norm=l2",
+    "rht+dqsg",
+    "rht+ndqsg",
+    "rht:min_log2=0+ndqsg:rho=5,alpha=0.5",
+]
+
+
+def _unfused(codec: Codec) -> Codec:
+    """The same pipeline with a quantizer that declines the rotation: the transform's own kernels run."""
+    unfused = get_codec(codec.spec)
+    unfused.quantizer.fuses = lambda rotation: False
+    return unfused
+
+
+@pytest.mark.parametrize("spec", FUSED_SPECS)
+@pytest.mark.parametrize("n", [1, 10, 1000, 4097, 3 * (1 << 14) + 515, (1 << 16) + 5])
+def test_kernels_that_rotate_as_they_go_give_the_bytes_of_the_transform(spec, n):
+    codec = get_codec(spec)
+    rotation = codec.wire_transforms[-1].fused(n, 3)
+    assert rotation is not None and codec.quantizer.fuses(rotation)
+    x = sample_tensor((n,), seed=n) * 3
+    side = x + 0.05 * sample_tensor((n,), seed=n + 1) if codec.needs_side_info else None
+    payload = codec.encode(x, seed=3)
+    assert payload == _unfused(codec).encode(x, seed=3)
+    decoded = codec.decode(payload, seed=3, side_info=side)
+    assert np.array_equal(_bits(decoded), _bits(_unfused(codec).decode(payload, seed=3, side_info=side)))
+
+
+def test_fused_kernels_refuse_what_the_transform_refuses():
+    for spec in ("eden:bits=1", "rht+qsgd", "rht+dqsg", "rht+ndqsg"):
+        codec = get_codec(spec)
+        with pytest.raises(ValueError, match="overflows"):
+            codec.encode(torch.full((600,), 3e38), seed=1)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.encode(torch.tensor([1.0, float("inf"), 2.0]), seed=1)
+    ndqsg = get_codec("rht+ndqsg")
+    payload = ndqsg.encode(torch.ones(600), seed=1)
+    with pytest.raises(ValueError, match="overflows"):  # side information the rotation cannot take
+        ndqsg.decode(payload, seed=1, side_info=torch.full((600,), float("nan")))
+
+
+@pytest.mark.parametrize("spec", ["eden:bits=1", "rht+qsgd:levels=7", "rht+dqsg"])
+@pytest.mark.parametrize("scale", [1e30, 1e37, 3e38])
+def test_fused_decoding_refuses_what_the_transform_refuses(spec, scale):
+    codec = get_codec(spec)
+    p = read_payload(codec.encode(sample_tensor((1024,), seed=2), seed=4))
+    body = bytearray(p.body)  # the first two bucket scales (steps), made huge
+    if spec.startswith("eden"):
+        huge = np.full(2, (np.array([scale], np.float32).view(np.uint32) >> 16)[0], "<u2")
+    else:
+        huge = np.full(2, scale, "<f4")
+    body[: huge.nbytes] = huge.tobytes()
+    payload = write_payload(p.spec, p.dtype, p.shape, [bytes(body)])
+    outcomes = []
+    for c in (codec, _unfused(codec)):
+        try:
+            outcomes.append(_bits(c.decode(payload, seed=4)).tobytes())
+        except PayloadError as err:
+            outcomes.append(str(err))
+    assert outcomes[0] == outcomes[1]
+
+
 @cuda
 @pytest.mark.parametrize("max_log2", [None, 16])
 @pytest.mark.parametrize("n", [10, 4097, 3 * (1 << 16) + 100])
