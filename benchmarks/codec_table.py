@@ -29,7 +29,14 @@ from fedquant.codecs import available_codecs, get_codec
 from fedquant.protocol import DEFAULT_MIN_NUMEL
 from simulations.models import build_model
 
-FRONTIER = ["qsgd:coding=entropy", "dqsg:coding=entropy", "eden:bits=1", "eden:bits=2"]
+FRONTIER = [
+    "qsgd:coding=entropy",
+    "dqsg:coding=entropy",
+    "eden:bits=1",
+    "eden:bits=2",
+    "ecdq:bits=1",
+    "ecdq:bits=2",
+]
 
 
 def model_update(model_name: str, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from simulations.history import RunHistory, run_dir_name
@@ -57,6 +58,7 @@ def run_app(
     num_supernodes: int = DEFAULT_SUPERNODES,
     num_cpus: float = DEFAULT_CPUS,
     num_gpus: float = 0.0,
+    on_start: Callable[[RunHistory], None] | None = None,
     **overrides: Any,
 ) -> RunHistory:
     """Run one simulation of the app; returns its history once it has finished.
@@ -68,6 +70,8 @@ def run_app(
         win. Missing keys take the defaults of ``pyproject.toml``.
     num_supernodes, num_cpus, num_gpus : int, float, float
         Federation size and resources per client (default: Flower's default federation).
+    on_start : callable, optional
+        Called with the run's history once the ServerApp has created it (its folder exists).
 
     Raises
     ------
@@ -86,10 +90,16 @@ def run_app(
         raise RunConfigError([f"num-supernodes={num_supernodes}, num-cpus={num_cpus}, num-gpus={num_gpus}: "
                               "need >= 1 supernode, > 0 CPUs and >= 0 GPUs per client"])  # fmt: skip
     started: list[RunHistory] = []
+
+    def record_start(history: RunHistory) -> None:
+        started.append(history)
+        if on_start is not None:
+            on_start(history)
+
     config = {k.replace("-", "_"): v for k, v in settings.as_config().items()}
     try:
         run_simulation(
-            server_app=make_server_app(on_start=started.append, **config),
+            server_app=make_server_app(on_start=record_start, **config),
             client_app=client_app,
             num_supernodes=num_supernodes,
             backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus}},
@@ -168,6 +178,24 @@ def _problem(text: str) -> int:
     return 2
 
 
+def _stop_at_ctrl_c(started: list[RunHistory]) -> None:
+    """Ctrl-C records the run as stopped and exits 130 at once.
+
+    A KeyboardInterrupt raised into Flower's simulation loop shuts Ray down while the ServerApp
+    thread still calls it, and Ray's core worker then ends the process with status 1 (seen under
+    load), so the handler never lets the interrupt reach that loop: the rounds finished are already
+    on disk, only the status is left to write.
+    """
+
+    def stop(signum: int, frame: Any) -> None:
+        if started:
+            started[-1].finish("stopped", "KeyboardInterrupt")
+        print("simulations.run: stopped (Ctrl-C); the rounds it finished are saved", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from flwr.common.config import parse_config_args
 
@@ -195,9 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for warning in data_warnings(settings, args.num_supernodes):
             print(f"warning: {warning}")
         return 0
+    started: list[RunHistory] = []
+    _stop_at_ctrl_c(started)
     try:
         history = run_app(run_config, num_supernodes=args.num_supernodes, num_cpus=args.num_cpus,
-                          num_gpus=args.num_gpus)  # fmt: skip
+                          num_gpus=args.num_gpus, on_start=started.append)  # fmt: skip
     except RunConfigError as err:
         for problem in err.problems:
             _problem(problem)
@@ -206,9 +236,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"; the rounds it finished are in {err.history.folder}" if err.history else ""
         print(f"simulations.run: the run FAILED: {err}{where}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("simulations.run: stopped (Ctrl-C); the rounds it finished are saved", file=sys.stderr, flush=True)
-        os._exit(130)  # the ServerApp thread still waits for replies that will not come
     final = history.final
     print(f"simulations.run: finished, accuracy {final.get('accuracy', float('nan')):.4f} after "
           f"{len(history.rounds) - 1} rounds; results in {history.folder}")  # fmt: skip

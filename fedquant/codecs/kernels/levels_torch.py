@@ -60,18 +60,33 @@ def per_bucket(flat: torch.Tensor, bucket_size: int, select: Callable[[torch.Ten
     parts = []
     if full:
         rows = flat[: full * bucket_size].view(full, bucket_size)
-        parts.append(select(torch.sort(rows, dim=1).values))
+        parts.append(select(sorted_rows(rows)))
     if n - full * bucket_size:
         tail = flat[full * bucket_size :].view(1, -1)
-        parts.append(select(torch.sort(tail, dim=1).values))
+        parts.append(select(sorted_rows(tail)))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def sorted_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Each row of float32 ``rows`` sorted ascending as the kernels sort a bucket: ``-0.0`` before
+    ``0.0`` (``torch.sort`` takes them as equal and keeps their order, and the levels picked from
+    the sorted row go on the wire as bits). Sorts the order-preserving int32 keys of the values."""
+    bits = rows.contiguous().view(torch.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: their magnitude bits reversed
+    ordered = torch.sort(keys, dim=1).values
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
 def prefix_sums(w: torch.Tensor) -> torch.Tensor:
-    """``P[:, j] = sum(w[:, :j])`` in float64, shape ``(buckets, m + 1)``."""
+    """``P[:, j] = sum(w[:, :j])`` in float64, shape ``(buckets, m + 1)``.
+
+    As the kernels accumulate it, from ``+0.0``: a cumulative sum starts from ``w[:, 0]`` itself,
+    which keeps a leading ``-0.0`` (the kernels' ``0.0 + -0.0`` is ``+0.0``); adding ``0.0``
+    changes nothing but the sign of such zeros, which BinGrad-pb's levels otherwise inherit.
+    """
     p = torch.zeros(w.shape[0], w.shape[1] + 1, dtype=torch.float64, device=w.device)
     torch.cumsum(w.to(torch.float64), dim=1, out=p[:, 1:])
-    return p
+    return p.add_(0.0)
 
 
 def recursion_tree(s: int) -> list[tuple[int, int, int]]:
@@ -237,7 +252,11 @@ def _pb_update_low(w: torch.Tensor, p: torch.Tensor, b1: torch.Tensor, steps: in
     jf = j.to(torch.float64)
     stationary = (3.0 * pj + (k - j).to(torch.float64) * b1 - pk) / (2.0 * jf)
     left = w.gather(1, (j - 1)[:, None])[:, 0].to(torch.float64)
-    return torch.minimum(torch.maximum(stationary, left), right_end(j)).to(torch.float32)
+    # max then min as the kernels' Python builtins take them, the first argument on a tie: on
+    # zeros of both signs torch.maximum/minimum return either, and the level's sign goes on the wire
+    low = torch.where(stationary >= left, stationary, left)
+    right = right_end(j)
+    return torch.where(low <= right, low, right).to(torch.float32)
 
 
 def partially_biased_levels(w: torch.Tensor, max_sweeps: int = PB_MAX_SWEEPS) -> torch.Tensor:

@@ -185,3 +185,18 @@ def test_clip_is_applied_before_choosing_levels():
     for spec in ("bingrad-b:clip=2.5", "bingrad-pb:clip=2.5"):
         codec = get_codec(spec)
         assert codec.decode(codec.encode(x, seed=1), seed=1).abs().max().item() <= bound * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("spec", ["bingrad-b", "bingrad-pb", "orq", "orq:levels=4", "linear"])
+@pytest.mark.parametrize("seed", [0, 1, 98765])
+def test_numba_and_torch_levels_agree_to_the_sign_of_zero(spec, seed):
+    """Mostly zeros of both signs with ties (payload_identity's sparse input): the levels go on the
+    wire as float32 bits, so a -0.0 against a 0.0 is a different payload. torch.maximum/minimum
+    return either zero on such a tie; the twin takes the first argument, as the kernels do."""
+    gen = torch.Generator().manual_seed(4097 + seed)
+    x = torch.zeros(4097)
+    x[::7] = torch.randint(-3, 4, (len(range(0, 4097, 7)),), generator=gen).float() * 0.25
+    x[3::11] = -0.0
+    quantizer = get_codec(spec).quantizer
+    kernel, twin = quantizer.select_levels(x), quantizer._levels_torch(x)
+    assert torch.equal(kernel.view(torch.int32), twin.view(torch.int32)), (spec, kernel[kernel != twin])
