@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="core,all", help="thread settings: core (1 thread), all (default threads)")
     ap.add_argument("--target-size", default="25M", help="element count the per-core targets apply at")
     args = ap.parse_args(argv)
+    os.environ.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
     sizes = [parse_size(s) for s in ("1M" if args.quick else args.sizes).split(",")]
     target_size = parse_size(args.target_size)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

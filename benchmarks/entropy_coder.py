@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import hashlib
 import math
+import os
 import subprocess
 import sys
 import time
@@ -351,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zstd-src", type=Path, help="a zstd checkout: add huff0 on the same streams")
     ap.add_argument("--coder-only", action="store_true", help="only the coder table and its targets")
     args = ap.parse_args(argv)
+    os.environ.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
     n = parse_size(args.size)
     threads = Threads(args.rounds)
     huf = load_huff0(args.zstd_src) if args.zstd_src else None

@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", default="25M", help="throughput tensor size (default 25M)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    os.environ.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
     ok = variance_table()
     two_level_table()
     if not args.no_throughput:
