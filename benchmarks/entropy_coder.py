@@ -18,7 +18,8 @@ each, as zstd codes literals) runs on the same byte streams in the same process:
 **The codecs**: whole ``encode`` and ``decode`` of a float32 tensor of ``--size`` elements as a
 multiple of an in-place copy of the same tensor (``y.copy_(x)``) measured in the same run, per
 core (1 thread, CPU time) and on all cores (wall time), and where the per-core time goes
-(rotation, quantizer pass, histogram, coder, dequantize, inverse rotation).
+(rotation, quantizer pass, histogram, coder, dequantize, inverse rotation; a rotation the
+quantizer's kernels apply themselves is timed with the pass it is fused into).
 
 Every time is the best of ``--rounds`` rounds. Targets (exit status 1 on a miss): the decoder
 at least 500 M symbols/s per core on every codec stream, every stream's size within 0.5% of
@@ -324,22 +325,36 @@ def time_split(codec, x: torch.Tensor, payload: bytes, threads: Threads, seed: i
     flat = x.reshape(-1).contiguous()
     parts: dict[str, float] = {}
     sizes = [flat.numel()]
-    for t in codec.wire_transforms:
-        parts[f"{t.name} fwd"] = threads.time(lambda t=t, f=flat: t.forward(f, seed), True)
-        flat = t.forward(flat, seed).contiguous()
-        sizes.append(flat.numel())
-    parts["quantize"] = threads.time(lambda: quantizer.quantize(flat, seed, None), True)
-    symbols = np.asarray(quantizer.quantize(flat, seed, None).symbols)
+    wire = codec.wire_transforms
+    rotation = wire[-1].fused(flat.numel(), seed, flat) if len(wire) == 1 else None
+    if rotation is not None and quantizer.fuses(rotation):  # as encode runs it: one kernel, counts included
+        bound = quantizer.with_rotation(rotation)
+        parts[f"{wire[0].name} fwd+quantize+histogram"] = threads.time(lambda: bound.quantize(flat, seed, None), True)
+        symbols = np.asarray(bound.quantize(flat, seed, None).symbols)
+        sizes.append(rotation.padded)
+    else:
+        bound = None
+        for t in wire:
+            parts[f"{t.name} fwd"] = threads.time(lambda t=t, f=flat: t.forward(f, seed), True)
+            flat = t.forward(flat, seed).contiguous()
+            sizes.append(flat.numel())
+        parts["quantize"] = threads.time(lambda: quantizer.quantize(flat, seed, None), True)
+        symbols = np.asarray(quantizer.quantize(flat, seed, None).symbols)
     counts = symbol_counts(symbols, k)
-    parts["histogram"] = threads.time(lambda: symbol_counts(symbols, k), True)
+    if bound is None:
+        parts["histogram"] = threads.time(lambda: symbol_counts(symbols, k), True)
     parts["coder enc"] = threads.time(lambda: entropy_encode(symbols, k, counts=counts), True)
     body = BodyReader(read_payload(payload).body, quantizer.name)
-    side = read_side(quantizer, body, flat.numel())
+    m = sizes[-1]
+    side = read_side(quantizer, body, m)
     section = np.frombuffer(body.take_rest(), np.uint8)
-    parts["coder dec"] = threads.time(lambda: entropy_decode(section, flat.numel(), k), True)
-    decoded = entropy_decode(section, flat.numel(), k)
-    parts["dequantize"] = threads.time(lambda: quantizer.dequantize(side, decoded, flat.numel(), seed), True)
-    values = quantizer.dequantize(side, decoded, flat.numel(), seed)
+    parts["coder dec"] = threads.time(lambda: entropy_decode(section, m, k), True)
+    decoded = entropy_decode(section, m, k)
+    if bound is not None:
+        parts[f"dequantize+{wire[0].name} inv"] = threads.time(lambda: bound.dequantize(side, decoded, m, seed), True)
+        return {name: seconds / copy for name, seconds in parts.items()}
+    parts["dequantize"] = threads.time(lambda: quantizer.dequantize(side, decoded, m, seed), True)
+    values = quantizer.dequantize(side, decoded, m, seed)
     for t, size in zip(reversed(codec.wire_transforms), reversed(sizes[:-1]), strict=True):
         parts[f"{t.name} inv"] = threads.time(lambda t=t, v=values, s=size: t.inverse(v, s, seed), True)
     return {name: seconds / copy for name, seconds in parts.items()}

@@ -284,6 +284,33 @@ def _codes(x, d, steps, nested, levels, rho, alpha, key, out, counts):
                 add_counts(out[c0:c1], c1 - c0, counts[g])
 
 
+@parallel_kernel(count_arg=1)
+def _steps_codes(x, n, d, nested, levels, rho, alpha, key, steps, out, counts, layout, rot_scales, rot_key):
+    """The bucket steps fused with :func:`_codes` (``CHUNK % d == 0``) behind ``rht``'s rotation
+    (``layout``, ``rot_scales``, ``rot_key``; see :func:`_steps_pack`): each chunk of the ``n``
+    rotated values is rotated into an L1 buffer, its buckets' steps taken, its symbols written to
+    ``out`` and counted into its group's row of ``counts`` (no columns: not counted). Returns the
+    number of rotated blocks holding NaN or Inf."""
+    nchunks = (n + CHUNK - 1) // CHUNK
+    groups = counts.shape[0]
+    bad = np.zeros(groups, np.int64)
+    for g in prange(groups):
+        first, end = group_chunks(g, groups, nchunks)
+        xs = np.empty(min(CHUNK, n), np.float32)
+        hs = np.empty(min(CHUNK, n), np.uint32)
+        ts = np.empty(min(CHUNK, n), np.float32)
+        for c in range(first, end):
+            c0 = c * CHUNK
+            c1 = min(c0 + CHUNK, n)
+            xc = xs[: c1 - c0]
+            bad[g] += forward_span(x, c0, c1, layout, rot_scales, rot_key, xc)
+            _chunk_steps(xc, d, levels, c0, c1, steps)
+            _chunk_symbols(xc, d, steps, nested, levels, rho, alpha, key, c0, c1, out[c0:c1], hs, ts)
+            if counts.shape[1]:
+                add_counts(out[c0:c1], c1 - c0, counts[g])
+    return bad.sum()
+
+
 # ---------------------------------------------------------------- decoding
 @njit(cache=True)
 def _largest(codes, m):
@@ -526,6 +553,29 @@ def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
     return (tops.max() if nchunks else 0), bad.sum()
 
 
+@parallel_kernel(count_arg=1)
+def _values_rotated(codes, n, d, steps, nested, levels, rho, alpha, key, y, out, layout, rot_scales, rot_key):
+    """:func:`_values` followed by ``rht``'s inverse rotation, chunk by chunk in cache, as the rotated
+    branches of :func:`_unpack` (same returns) on unpacked symbols (as an entropy decoder returns them)."""
+    nchunks = (n + CHUNK - 1) // CHUNK
+    tops = np.zeros(nchunks, np.int64)
+    bad_out = np.zeros(nchunks, np.int64)
+    bad_side = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        c0 = c * CHUNK
+        c1 = min(c0 + CHUNK, n)
+        if nested:
+            tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
+                codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+            )
+        else:  # DQSG: the chunk's values, then rotated back
+            vals = np.empty(c1 - c0, np.float32)
+            hs = np.empty(c1 - c0, np.uint32)
+            tops[c], _ = _chunk_values(codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, vals, hs)
+            bad_out[c] = inverse_span(vals, c0, c1, layout, rot_scales, rot_key, out[c0 : min(c1, out.size)])
+    return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
+
+
 # ---------------------------------------------------------------- side information check
 _EXP_MASK = np.uint32(0x7F800000)
 
@@ -657,6 +707,39 @@ def encode_symbols(
     return (out, counts.sum(axis=0)) if count else out
 
 
+def step_encode_symbols(
+    x: np.ndarray,
+    d: int,
+    key: np.uint64,
+    rotation,
+    *,
+    levels: int,
+    nested: bool = False,
+    rho: int = 1,
+    alpha: float = 1.0,
+    count: bool = False,
+) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The bucket steps fused with :func:`encode_symbols` behind ``rht``'s rotation: one read of ``x``.
+
+    ``rotation`` is a :class:`~fedquant.codecs.transforms.rht.FusedRotation` (it refuses a rotated
+    tensor that is not finite); each chunk of its ``rotation.padded`` values is rotated in cache,
+    and ``CHUNK % d == 0`` (callers check). Returns ``(steps, symbols)``, with ``count``
+    ``(steps, symbols, histogram)``: those of :func:`step_encode_packed`'s steps and
+    :func:`encode_symbols` on the rotated tensor, the bytes of the unfused route.
+    """
+    nested, levels, rho = _args(nested, levels, rho)
+    k = rho if nested else 2 * levels + 1
+    n = rotation.padded
+    steps = np.empty(-(-n // d), np.float32)
+    out = np.empty(n, np.uint8 if k <= 256 else np.uint16)
+    counts = count_table(n, k if count else 0)
+    nonfinite = _steps_codes(
+        x, n, d, nested, levels, rho, np.float32(alpha), np.uint64(key), steps, out, counts, *rotation_args(rotation)
+    )
+    rotation.check(nonfinite)
+    return (steps, out, counts.sum(axis=0)) if count else (steps, out)
+
+
 def _side(y: np.ndarray | None) -> np.ndarray:
     return np.zeros(0, np.float32) if y is None else np.ascontiguousarray(y, dtype=np.float32)
 
@@ -730,11 +813,25 @@ def decode_symbols(
     rho: int = 1,
     alpha: float = 1.0,
     side_info: np.ndarray | None = None,
+    rotation=None,
 ) -> tuple[np.ndarray, int, bool]:
-    """Like :func:`decode_packed` from unpacked symbols (as an entropy decoder returns them)."""
+    """Like :func:`decode_packed` from unpacked symbols (as an entropy decoder returns them), with or
+    without ``rotation`` (then ``codes.size`` is its laid-out size)."""
     nested, levels, rho = _args(nested, levels, rho)
     codes = np.ascontiguousarray(codes, dtype=codes.dtype if codes.dtype in (np.uint8, np.uint16) else np.uint16)
-    _require_buckets(codes.size, d, steps, nested, side_info)
-    out = np.empty(codes.size, np.float32)
-    top, bad = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
-    return out, int(top), bad == 0
+    if rotation is None:
+        _require_buckets(codes.size, d, steps, nested, side_info)
+        out = np.empty(codes.size, np.float32)
+        top, bad = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
+        return out, int(top), bad == 0
+    _require_buckets(codes.size, d, steps, False, None)
+    if nested:
+        require_items(_side(side_info), rotation.numel, "side information")
+    out = np.empty(rotation.numel, np.float32)
+    top, bad_out, bad_side = _values_rotated(
+        codes, codes.size, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out,
+        *rotation_args(rotation),
+    )  # fmt: skip
+    rotation.check(bad_side)
+    rotation.finite = bad_out == 0
+    return out, int(top), True

@@ -99,14 +99,20 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
 
     # ------------------------------------------------------------------ encode
     def fuses(self, rotation) -> bool:
-        """Fixed-width coding on the CPU kernels with buckets that tile the chunks rotates as it goes
-        (NDQSG's side information too: a bound copy takes it before the rotation)."""
+        """Fixed-width or entropy coding on the CPU kernels with buckets that tile the chunks rotates as
+        it goes (NDQSG's side information too: a bound copy takes it before the rotation)."""
         d = effective_bucket_size(self.bucket_size, rotation.padded)
-        return self.coding == "fixed" and self.uses_kernels() and kernels.CHUNK % d == 0
+        return self.coding in ("fixed", "entropy") and self.uses_kernels() and kernels.CHUNK % d == 0
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         if self.rotation is not None:  # the kernels rotate each chunk and take its steps in one pass
             d = effective_bucket_size(self.bucket_size, self.rotation.padded)
+            if packed_width is None:  # entropy coding: the symbols (and their histogram)
+                count = self.wants_counts()
+                out = kernels.step_encode_symbols(
+                    flat.numpy(), d, kernel_key(seed), self.rotation, count=count, **self._kernel_args()
+                )
+                return Quantized([out[0]], symbols=out[1], counts=out[2] if count else None)
             steps, packed = kernels.step_encode_packed(
                 flat.numpy(), d, kernel_key(seed), packed_width, rotation=self.rotation, **self._kernel_args()
             )
@@ -143,14 +149,12 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
 
     # ------------------------------------------------------------------ decode
     def dequantize(self, side: list[np.ndarray], symbols: np.ndarray, numel: int, seed: int) -> torch.Tensor:
-        if self.rotation is not None:
-            raise RuntimeError(f"{self.name}: a quantizer bound to a rotation decodes packed symbols only")
-        if self.uses_kernels():
+        if self.rotation is not None or self.uses_kernels():  # (bound to a rotation: the kernels rotate back)
             y = self._side_info_array()
             try:
                 d, steps = self.bucket_scales(side, numel)
                 values, top, finite = kernels.decode_symbols(
-                    symbols, d, steps, kernel_key(seed), side_info=y, **self._kernel_args()
+                    symbols, d, steps, kernel_key(seed), side_info=y, rotation=self.rotation, **self._kernel_args()
                 )
             except PayloadError:
                 self._check_side_finite(y)  # bad side information is reported first, as always

@@ -147,6 +147,10 @@ FUSED_SPECS = [
     "rht+dqsg",
     "rht+ndqsg",
     "rht:min_log2=0+ndqsg:rho=5,alpha=0.5",
+    "rht+dqsg:levels=2,coding=entropy",
+    "rht:min_log2=0+dqsg:levels=200,bucket_size=128,coding=entropy",
+    "rht+ndqsg:coding=entropy",
+    "rht:min_log2=0+ndqsg:rho=301,alpha=0.5,coding=entropy",
 ]
 
 
@@ -203,6 +207,43 @@ def test_fused_decoding_refuses_what_the_transform_refuses(spec, scale):
         except PayloadError as err:
             outcomes.append(str(err))
     assert outcomes[0] == outcomes[1]
+
+
+def _outcome(call):
+    """What a call gives: its result's bytes, or its error's type and message."""
+    try:
+        out = call()
+    except (ValueError, PayloadError) as err:
+        return type(err).__name__, str(err)
+    return out if isinstance(out, bytes) else _bits(out).tobytes()
+
+
+@pytest.mark.parametrize("spec", ["rht+dqsg:levels=2,coding=entropy", "rht:min_log2=0+ndqsg:rho=5,coding=entropy"])
+def test_fused_entropy_route_refuses_what_the_unfused_one_refuses(spec):
+    codec = get_codec(spec)
+    unfused = _unfused(codec)
+    pair = (codec, unfused)
+    assert codec.quantizer.fuses(codec.wire_transforms[-1].fused(1030, 4))
+    inputs = [torch.full((600,), 3e38), torch.tensor([1.0, float("inf"), 2.0]), torch.full((1030,), float("nan"))]
+    for x in inputs:
+        fused = _outcome(lambda x=x: codec.encode(x, seed=1))
+        assert isinstance(fused, tuple) and fused == _outcome(lambda x=x: unfused.encode(x, seed=1))
+    x = sample_tensor((1030,), seed=2)
+    side = x + 0.01 * sample_tensor((1030,), seed=3) if codec.needs_side_info else None
+    p = read_payload(codec.encode(x, seed=4))
+    sides = [side]
+    if codec.needs_side_info:
+        sides += [torch.full((1030,), float("nan")), torch.where(x > 1, float("inf"), x), torch.full((1030,), 3e38)]
+    for scale in (1.0, 1e30, 3e38):  # the first two bucket steps made huge: decoded values overflow
+        body = bytearray(p.body)
+        if scale != 1.0:
+            body[:8] = np.full(2, scale, "<f4").tobytes()
+        payload = write_payload(p.spec, p.dtype, p.shape, [bytes(body)])
+        for y in sides:
+            outcomes = [_outcome(lambda c=c, y=y, b=payload: c.decode(b, seed=4, side_info=y)) for c in pair]
+            assert outcomes[0] == outcomes[1]
+            if y is not side and scale == 1.0:  # side information that is not finite, or overflows in the rotation
+                assert isinstance(outcomes[0], tuple)
 
 
 @cuda
