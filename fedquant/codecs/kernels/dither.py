@@ -56,6 +56,7 @@ from fedquant.codecs.kernels.hadamard import (
     block_at,
     butterflies,
     butterflies_checked,
+    chunk_in_cache,
     forward_span,
     inverse_span,
     rotation_args,
@@ -252,16 +253,11 @@ def _steps_pack(x, n, d, nested, levels, rho, alpha, key, width, steps, out, lay
     values are ``rht``'s rotation of ``x``, each chunk rotated in cache first. Returns the number of
     rotated blocks holding NaN or Inf (0 without a rotation)."""
     nchunks = (n + CHUNK - 1) // CHUNK
-    rotate = layout.shape[0] > 0
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        if rotate:
-            xc = np.empty(c1 - c0, np.float32)
-            bad[c] = forward_span(x, c0, c1, layout, rot_scales, rot_key, xc)
-        else:
-            xc = x[c0:c1]
+        xc, bad[c] = chunk_in_cache(x, c0, c1, layout, rot_scales, rot_key)
         _chunk_steps(xc, d, levels, c0, c1, steps)
         _encode_chunk(xc, d, steps, nested, levels, rho, alpha, key, width, c0, c1, out)
     return bad.sum()

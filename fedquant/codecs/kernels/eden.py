@@ -47,7 +47,7 @@ from fedquant.codecs.kernels.common import (
     unpack_at,
     unpack_from,
 )
-from fedquant.codecs.kernels.hadamard import forward_span, inverse_span
+from fedquant.codecs.kernels.hadamard import chunk_in_cache, forward_span, inverse_span
 
 #: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
 WINDOW_SIGMAS = 12.0
@@ -426,7 +426,6 @@ def _split_bucket(xs, m, norm, flag, lo_width, lo_bounds, lo_cents, hi_bounds, h
             prods[i] = (hi_cents[k_hi[i]] if flag[i] else low) * np.float64(xs[i])
 
 
-
 @parallel_kernel(count_arg=1)
 def split_quantize(
     x, n, d, lo_width, hi_width, lo_bounds, lo_cents, hi_bounds, hi_cents,
@@ -447,17 +446,12 @@ def split_quantize(
     products); one short loop then compacts the indices into the two streams.
     """
     nchunks = (n + CHUNK - 1) // CHUNK
-    rotate = layout.shape[0] > 0
     bad = np.zeros(nchunks, np.int64)
     nonfinite = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         start = c * CHUNK
         stop = min(start + CHUNK, n)
-        if rotate:
-            xc = np.empty(stop - start, np.float32)
-            nonfinite[c] = forward_span(x, start, stop, layout, rot_scales, rot_key, xc)
-        else:
-            xc = x[start:stop]
+        xc, nonfinite[c] = chunk_in_cache(x, start, stop, layout, rot_scales, rot_key)
         z = np.empty(d, np.float64)
         prods = np.empty(d, np.float64)
         k_lo = np.zeros(d, np.uint8)

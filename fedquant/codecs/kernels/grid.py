@@ -55,7 +55,7 @@ from fedquant.codecs.kernels.common import (
     parallel_kernel,
     unpack_from,
 )
-from fedquant.codecs.kernels.hadamard import forward_span, inverse_span, rotation_args
+from fedquant.codecs.kernels.hadamard import chunk_in_cache, inverse_span, rotation_args
 from fedquant.rng import uniform
 from fedquant.wire.bitpack import packed_size
 
@@ -179,16 +179,11 @@ def scale_round_pack_into(x, n, d, s, key, width, l2, scales, out, layout, rot_s
     """
     steps = np.empty(scales.size, np.float32)
     nchunks = (n + CHUNK - 1) // CHUNK
-    rotate = layout.shape[0] > 0
     bad = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        if rotate:
-            xc = np.empty(c1 - c0, np.float32)
-            bad[c] = forward_span(x, c0, c1, layout, rot_scales, rot_key, xc)
-        else:
-            xc = x[c0:c1]
+        xc, bad[c] = chunk_in_cache(x, c0, c1, layout, rot_scales, rot_key)
         _chunk_scales(xc, d, s, l2, c0, c1, scales, steps)
         _pack_chunk(xc, d, steps, s, key, width, c0, c1, out)
     return bad.sum()

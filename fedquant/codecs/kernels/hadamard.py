@@ -534,6 +534,17 @@ def forward_span(src, lo, hi, layout, scales, key, dst):
     return bad
 
 
+@njit(cache=True, inline="always")
+def chunk_in_cache(x, c0, c1, layout, scales, key):
+    """The values of positions ``c0 .. c1`` a fused kernel quantizes: ``x[c0:c1]`` itself, or with
+    a rotation (a non-empty ``layout``) :func:`forward_span` of them in a new chunk-sized buffer
+    (it stays in cache while the kernel works on it); and 1 if a rotated value is not finite, else 0."""
+    if layout.shape[0] > 0:
+        xc = np.empty(c1 - c0, np.float32)
+        return xc, forward_span(x, c0, c1, layout, scales, key, xc)
+    return x[c0:c1], 0
+
+
 @njit(cache=True)
 def inverse_span(src, lo, hi, layout, scales, key, dst):
     """``dst`` = the first ``dst.size`` values (at most ``hi - lo``) of the inverse transform of
