@@ -108,6 +108,24 @@ def test_long_streams_use_many_lanes_and_blocks():
     assert section_layout(entropy_encode(s, k), s, k).coder == "rans64"
 
 
+def test_the_reused_word_buffer_never_leaks_into_a_returned_stream():
+    """The encoder keeps its word buffer between calls (per thread): every returned stream must
+    be its own bytes, unchanged by later encodes, in one thread and in several at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = ((300_000, 33, 1), (20_000, 7, 2), (500_000, 300, 3))
+    streams = [(gaussian_indices(n, k, seed), k) for n, k, seed in sizes]
+    coded = [entropy_encode(s, k) for s, k in streams]
+    kept = [bytes(c) for c in coded]
+    again = [entropy_encode(s, k) for s, k in streams]  # reuses (and overwrites) the same buffer
+    for (s, k), c, before, c2 in zip(streams, coded, kept, again, strict=True):
+        assert bytes(c) == before == bytes(c2)
+        assert np.array_equal(entropy_decode(c, s.size, k), s)
+    with ThreadPoolExecutor(3) as pool:
+        parallel = list(pool.map(lambda sk: entropy_encode(*sk), streams * 4))
+    assert [bytes(c) for c in parallel] == kept * 4
+
+
 LAYOUTS = [
     (coder, precision, lanes, block_log2, n)
     for coder, precisions, lane_counts in (
