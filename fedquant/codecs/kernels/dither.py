@@ -780,19 +780,32 @@ def decode_packed(
     """
     nested, levels, rho = _args(nested, levels, rho)
     require_items(data, (n * width + 7) // 8, "packed indices")
-    if rotation is None:
-        _require_buckets(n, d, steps, nested, side_info)
-    else:
-        _require_buckets(n, d, steps, False, None)
-        if nested:
-            require_items(_side(side_info), rotation.numel, "side information")
-    out = np.empty(n if rotation is None else rotation.numel, np.float32)
+    out = _decode_output(n, d, steps, nested, side_info, rotation)
     top, bad_out, bad_side = _unpack(
         data, n, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out,
         *rotation_args(rotation),
     )  # fmt: skip
     if rotation is None:
         return out, int(top), bad_side == 0
+    return _rotated_back(out, top, bad_out, bad_side, rotation)
+
+
+def _decode_output(n: int, d: int, steps: np.ndarray, nested: bool, side_info, rotation) -> np.ndarray:
+    """The checked bucket steps and side information of ``n`` decoded symbols, and the array their
+    values go to (``rotation.numel`` of them behind a rotation, whose side information is given
+    before it)."""
+    if rotation is None:
+        _require_buckets(n, d, steps, nested, side_info)
+        return np.empty(n, np.float32)
+    _require_buckets(n, d, steps, False, None)
+    if nested:
+        require_items(_side(side_info), rotation.numel, "side information")
+    return np.empty(rotation.numel, np.float32)
+
+
+def _rotated_back(out: np.ndarray, top: int, bad_out: int, bad_side: int, rotation) -> tuple[np.ndarray, int, bool]:
+    """A rotated decode's result: the rotation refuses non-finite side information and records
+    whether the values are finite (the side information then counts as checked)."""
     rotation.check(bad_side)
     rotation.finite = bad_out == 0
     return out, int(top), True
@@ -815,19 +828,12 @@ def decode_symbols(
     without ``rotation`` (then ``codes.size`` is its laid-out size)."""
     nested, levels, rho = _args(nested, levels, rho)
     codes = np.ascontiguousarray(codes, dtype=codes.dtype if codes.dtype in (np.uint8, np.uint16) else np.uint16)
+    out = _decode_output(codes.size, d, steps, nested, side_info, rotation)
     if rotation is None:
-        _require_buckets(codes.size, d, steps, nested, side_info)
-        out = np.empty(codes.size, np.float32)
         top, bad = _values(codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out)
         return out, int(top), bad == 0
-    _require_buckets(codes.size, d, steps, False, None)
-    if nested:
-        require_items(_side(side_info), rotation.numel, "side information")
-    out = np.empty(rotation.numel, np.float32)
     top, bad_out, bad_side = _values_rotated(
         codes, codes.size, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out,
         *rotation_args(rotation),
     )  # fmt: skip
-    rotation.check(bad_side)
-    rotation.finite = bad_out == 0
-    return out, int(top), True
+    return _rotated_back(out, top, bad_out, bad_side, rotation)
