@@ -420,7 +420,7 @@ class Codec:
         expected = sizes[len(wire)]
         if flat.numel() != expected:
             raise PayloadError(f"{self.name} body decoded to {flat.numel()} elements, expected {expected}")
-        finite = bool(rotation is not None and rotation.finite)
+        finite = bool(rotation.finite if rotation is not None else quantizer.values_finite)
         for t, n in zip(reversed(wire), reversed(sizes[: len(wire)])):
             flat, finite = t.inverse_checked(flat, n, seed)
         # Check the tensor as returned: a float32 value beyond the declared float16/bfloat16
@@ -512,7 +512,7 @@ class Codec:
             quantizer = self._body_quantizer(p.numel, seed, side_info, len(wire)).with_rotation(rotation)
         else:
             rotation = None
-            quantizer = self._body_quantizer(p.numel, seed, side_info)
+            quantizer = self._body_quantizer(p.numel, seed, side_info).for_decode()
         body = BodyReader(p.body, self.name)
         return p, quantizer, sizes, body, wire, rotation
 

@@ -168,6 +168,18 @@ class Quantizer(Configurable, KernelDispatch):
         bound.rotation = rotation
         return bound
 
+    #: Set by a dequantize method, on the copy of one decode call (:meth:`for_decode`), when it
+    #: checked every value it returned for NaN or Inf in its own pass: the codec then skips its
+    #: pass over the result.
+    values_finite = False
+
+    def for_decode(self) -> Quantizer:
+        """A copy for one decode call, on which the dequantize methods record what they checked
+        (``values_finite``); the quantizer a codec holds is shared by every call and thread."""
+        bound = copy.copy(self)
+        bound.values_finite = False
+        return bound
+
     # ------------------------------------------------------------------ declarations
     @abstractmethod
     def num_symbols(self) -> int:

@@ -153,13 +153,13 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
             y = self._side_info_array()
             try:
                 d, steps = self.bucket_scales(side, numel)
-                values, top, finite = kernels.decode_symbols(
+                values, top, finite, values_finite = kernels.decode_symbols(
                     symbols, d, steps, kernel_key(seed), side_info=y, rotation=self.rotation, **self._kernel_args()
                 )
             except PayloadError:
                 self._check_side_finite(y)  # bad side information is reported first, as always
                 raise
-            return self._kernel_values(values, top, finite, y)
+            return self._kernel_values(values, top, finite, values_finite, y)
         self._checked_side_info()
         d, steps = self.bucket_scales(side, numel)
         nb = num_buckets(numel, d)
@@ -178,21 +178,24 @@ class DitherQuantizer(LevelsLadder, BucketScaledQuantizer):
         y = self._side_info_array()
         try:
             d, steps = self.bucket_scales(side, numel)
-            values, top, finite = kernels.decode_packed(
+            values, top, finite, values_finite = kernels.decode_packed(
                 packed, numel, d, steps, kernel_key(seed), width, side_info=y, rotation=self.rotation,
                 **self._kernel_args(),
             )  # fmt: skip
         except PayloadError:
             self._check_side_finite(y)  # bad side information is reported first, as always
             raise
-        return self._kernel_values(values, top, finite, y)
+        return self._kernel_values(values, top, finite, values_finite, y)
 
-    def _kernel_values(self, values: np.ndarray, top: int, finite: bool, y: np.ndarray | None) -> torch.Tensor:
+    def _kernel_values(
+        self, values: np.ndarray, top: int, finite: bool, values_finite: bool, y: np.ndarray | None
+    ) -> torch.Tensor:
         """A decoding kernel's values, after its checks: the side information (NaN/Inf, read in the
-        kernel's pass), then the largest symbol."""
+        kernel's pass), then the largest symbol; the kernel checked the values too (``values_finite``)."""
         if y is not None:
             self._check_side_finite(y, finite)
         self._check_top(top)
+        self.values_finite = values_finite
         return torch.from_numpy(values)
 
     def _check_top(self, top: int) -> None:

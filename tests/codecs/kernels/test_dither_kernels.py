@@ -243,17 +243,48 @@ def test_paths_agree_where_quotients_are_subnormal(spec):
 
 def test_ndqsg_decode_takes_the_division_near_half_cells():
     # round(r / step2) from r * (1 / step2) is flagged wherever the two could round apart
-    from fedquant.codecs.kernels.dither import _ndqsg_value
+    from fedquant.codecs.kernels.dither import _may_round_apart, _ndqsg_value
 
     st1 = 0.1
     st2 = 3 * st1
     for cells in (0.5, 1.5, -2.5, 7.5):
         r = cells * st2
-        c = r / st1  # symbol minus half minus dither, with u = 0, y = 0, half = 0
-        value, near = _ndqsg_value(c, 0.0, 0.0, st1, st2, 1 / st2, 0.0, 1.0, False)
-        assert near
-        exact, _ = _ndqsg_value(c, 0.0, 0.0, st1, st2, st2, 0.0, 1.0, True)
-        rr = c * st1
+        shifted = r / st1  # symbol minus half minus dither, against y = 0
+        _, z, k = _ndqsg_value(shifted, 0.0, st1, st2, 1 / st2, 1.0, False)
+        assert _may_round_apart(z, k)
+        exact, _, _ = _ndqsg_value(shifted, 0.0, st1, st2, st2, 1.0, True)
+        rr = shifted * st1
         assert exact == np.float32(rr - st2 * np.rint(rr / st2))
-    _, near = _ndqsg_value(0.7 / st1, 0.0, 0.0, st1, st2, 1 / st2, 0.0, 1.0, False)
-    assert not near
+    _, z, k = _ndqsg_value(0.7 / st1, 0.0, st1, st2, 1 / st2, 1.0, False)
+    assert not _may_round_apart(z, k)
+
+
+@pytest.mark.parametrize("n", [4099, PARALLEL_MIN + 1234])
+@pytest.mark.parametrize("spec", ["ndqsg", "ndqsg:rho=5,alpha=0.7,bucket_size=100"])
+def test_ndqsg_buckets_with_far_side_information_take_the_exact_pass(spec, n):
+    # side values at or beyond (2**20 - 1) step2 send their bucket through the division pass,
+    # which must start from the bucket's own dither again: the values are still the torch path's
+    x = _input(n, seed=8)
+    side = x + 0.25
+    side[3] = 1e9  # far from a step of about 3 / 3
+    side[n // 2 : n // 2 + 700] *= 1e7
+    side[-5:] = -3e38
+    _check_same(spec, x, seed=8, side_info=side)
+
+
+@pytest.mark.parametrize("force_torch", [False, True])
+def test_values_beyond_float32_are_refused_on_both_paths(force_torch):
+    # the kernels check the values they write (the codec then skips its own pass); the torch
+    # path is checked by the codec: both refuse the same payloads
+    big = float(np.finfo(np.float32).max)
+    x = torch.full((PARALLEL_MIN + 3,), big)
+    cases = [("dqsg:levels=1", None), ("ndqsg", torch.full_like(x, big)), ("ndqsg:bucket_size=0", -x)]
+    for spec, side in cases:
+        codec = get_codec(spec)
+        codec.quantizer.force_torch = force_torch
+        payload = codec.encode(x, seed=4)
+        kw = {} if side is None else {"side_info": side}
+        with pytest.raises(PayloadError, match="NaN or Inf"):
+            codec.decode(payload, seed=4, **kw)
+        fine = codec.decode(payload, seed=4, check_finite=False, **kw)
+        assert not torch.isfinite(fine).all()  # the values did overflow
