@@ -386,13 +386,10 @@ def _pb_update_low(w, p, b1_32):
     return np.float32(min(max(stationary, left), _pb_right_end(w, k, j, b1)))
 
 
-@njit(cache=True)
-def _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row):
+@njit(inline="always")
+def _pb_sweeps(w, p, wr, pr, max_sweeps, row):
+    """BinGrad-pb levels from ``w`` and its reversed negation ``wr``, with their prefix sums."""
     m = w.size
-    wr = wr_buf[:m]
-    for i in range(m):
-        wr[i] = -w[m - 1 - i]
-    pr = _prefix(wr, pr_buf)
     b0 = w[(m - 1) // 4]
     b1 = w[(3 * (m - 1)) // 4]
     for _ in range(max_sweeps):
@@ -405,6 +402,95 @@ def _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row):
             break
     row[0] = b0
     row[1] = b1
+
+
+@njit(cache=True)
+def _pb_bucket(w, p, wr_buf, pr_buf, max_sweeps, row):
+    m = w.size
+    wr = wr_buf[:m]
+    for i in range(m):
+        wr[i] = -w[m - 1 - i]
+    _pb_sweeps(w, p, wr, _prefix(wr, pr_buf), max_sweeps, row)
+
+
+# ---------------------------------------------------------------- the same, LANES sorted buckets at a time
+# Values and prefix sums in the layout of _sorted_lanes (element i of bucket q at i * LANES + q): the
+# float64 prefix sums, each a chain of dependent additions, run LANES chains side by side in vectors,
+# each accumulated in the order of _prefix.
+@njit(inline="always")
+def _lane_prefix(v, d, p):
+    """``p[: (d + 1) * LANES]``: per-lane float64 prefix sums of the first ``d`` rows of ``v``; returns that view."""
+    p[:LANES] = 0.0
+    for i in range(d):
+        src = v[i * LANES : (i + 1) * LANES]
+        prev = p[i * LANES : (i + 1) * LANES]
+        nxt = p[(i + 1) * LANES : (i + 2) * LANES]
+        for q in range(LANES):
+            nxt[q] = prev[q] + np.float64(src[q])
+    return p[: (d + 1) * LANES]
+
+
+@njit(inline="always")
+def _two_means_lanes(p, d, rows):
+    """:func:`_two_means_bucket` of every lane (``d >= 2``), from :func:`_lane_prefix` sums; the same arithmetic."""
+    total = p[d * LANES : (d + 1) * LANES]
+    best = np.ones(LANES, np.int64)
+    best_score = np.full(LANES, -1.0)
+    mean = np.empty(LANES)
+    for q in range(LANES):
+        mean[q] = total[q] / d
+    for j in range(1, d):
+        jf = np.float64(j)
+        den = jf * np.float64(d - j)
+        pj = p[j * LANES : (j + 1) * LANES]
+        for q in range(LANES):
+            centred = pj[q] - jf * mean[q]
+            score = centred * centred / den
+            better = score > best_score[q]
+            best_score[q] = score if better else best_score[q]
+            best[q] = j if better else best[q]
+    for q in range(LANES):
+        b = best[q]
+        rows[q, 0] = np.float32(p[b * LANES + q] / np.float64(b))
+        rows[q, 1] = np.float32((total[q] - p[b * LANES + q]) / np.float64(d - b))
+
+
+@njit(cache=True)
+def _lanes_levels(t, d, family, s, tree_lo, tree_mid, tree_hi, max_sweeps, p_buf, wr_buf, pr_buf, idx, rows):
+    """Levels of the ``LANES`` buckets sorted by :func:`_sorted_lanes` into ``rows`` (``LANES`` rows).
+
+    Overwrites the keys in ``t`` with their float32 values. ``p_buf`` and ``pr_buf`` hold
+    ``(d + 1) * LANES`` float64, ``wr_buf`` ``d * LANES`` float32 (BinGrad-pb only).
+    """
+    if family == 1:
+        for q in range(LANES):
+            _linear_lane(t, q, d, s, rows[q])
+        return
+    for j in range(d * LANES):
+        t[j] = _signed_key(t[j])
+    v = t[: d * LANES].view(np.float32)
+    p = _lane_prefix(v, d, p_buf)
+    if family == 2 and d >= 2:
+        _two_means_lanes(p, d, rows)
+        return
+    w2 = v.reshape(d, LANES)
+    p2 = p.reshape(d + 1, LANES)
+    if family == 3:
+        wr = wr_buf[: d * LANES]
+        for i in range(d):
+            dst = wr[i * LANES : (i + 1) * LANES]
+            src = v[(d - 1 - i) * LANES : (d - i) * LANES]
+            for q in range(LANES):
+                dst[q] = -src[q]
+        wr2 = wr.reshape(d, LANES)
+        pr2 = _lane_prefix(wr, d, pr_buf).reshape(d + 1, LANES)
+    for q in range(LANES):
+        if family == 0:
+            _orq_bucket(w2[:, q], p2[:, q], s, tree_lo, tree_mid, tree_hi, idx, rows[q])
+        elif family == 2:
+            _two_means_bucket(w2[:, q], p2[:, q], rows[q])
+        else:
+            _pb_sweeps(w2[:, q], p2[:, q], wr2[:, q], pr2[:, q], max_sweeps, rows[q])
 
 
 # ---------------------------------------------------------------- level selection
@@ -457,7 +543,9 @@ def select_levels(x, d, s, family, tree_lo, tree_mid, tree_hi, max_sweeps):
     rows = _network_rows(d)
     for g in prange(groups):
         t = np.empty(rows * LANES if lane_groups else 0, np.int32)
-        vals = np.empty(d, np.float32)
+        lane_p = np.empty((d + 1) * LANES if lane_groups else 0, np.float64)
+        lane_wr = np.empty(d * LANES if lane_groups and family == 3 else 0, np.float32)
+        lane_pr = np.empty((d + 1) * LANES if lane_groups and family == 3 else 0, np.float64)
         keys = np.empty(d, np.uint32)
         spare = np.empty(d, np.uint32)
         count = np.empty(1024, np.int64)
@@ -468,15 +556,10 @@ def select_levels(x, d, s, family, tree_lo, tree_mid, tree_hi, max_sweeps):
         for u in range((g * units) // groups, ((g + 1) * units) // groups):
             if u < lane_groups:
                 _sorted_lanes(x, u * LANES * d, d, t)
-                for q in range(LANES):
-                    row = out[u * LANES + q]
-                    if family == 1:
-                        _linear_lane(t, q, d, s, row)
-                    else:
-                        w = _lane_values(t, q, d, vals)
-                        _bucket_levels(
-                            w, family, s, tree_lo, tree_mid, tree_hi, max_sweeps, p_buf, wr_buf, pr_buf, idx, row
-                        )
+                rows_out = out[u * LANES : (u + 1) * LANES]
+                _lanes_levels(
+                    t, d, family, s, tree_lo, tree_mid, tree_hi, max_sweeps, lane_p, lane_wr, lane_pr, idx, rows_out
+                )
             else:
                 b = lane_groups * LANES + (u - lane_groups)
                 start = b * d

@@ -54,8 +54,11 @@ def test_network_sort_gives_the_radix_sort_bits(d, data):
 def test_bucket_levels_do_not_depend_on_which_sort_ran(version, family, d):
     # 3 * LANES + 5 full buckets and a short one: network runs, radix left-overs, a partial bucket.
     # Each bucket alone (fewer than LANES buckets) always takes the radix sort.
+    # Finite values only: the codecs reject others before selecting levels, and NaN levels may
+    # differ in their payload bits between the scalar and the vectorized arithmetic.
     n = (3 * LANES + 5) * d + d // 3
     x = _awkward(n, family)
+    x[~np.isfinite(x)] = np.float32(-3e38)
     s = 9 if family < 2 else 2
     tree = tuple(np.array(a, np.int64) for a in zip(*twin.level_schedule(s), strict=True))
     none = np.zeros(0, np.int64)
