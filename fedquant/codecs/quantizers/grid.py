@@ -47,6 +47,12 @@ def grid_steps(scales: np.ndarray, levels: int) -> np.ndarray:
     return (scales.astype(np.float32, copy=False) / np.float32(levels)).astype(np.float32, copy=False)
 
 
+def value_bound(steps: np.ndarray, s: int) -> float:
+    """A bound on ``|(code - s) step|`` for every valid code (``|code - s| <= s``): ``s`` times the
+    largest step, and the float32 product rounds up by at most one part in ``2**24``."""
+    return float(s) * float(steps.max()) * (1 + 2.0**-22) if steps.size else 0.0
+
+
 class ScaledGridQuantizer(BucketScaledQuantizer):
     """Base of the quantizers that round each bucket onto ``scale * {-s..s} / s`` (QSGD, TernGrad).
 
@@ -147,6 +153,12 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
             raise PayloadError(f"{self.name} payload holds {bad} symbols beyond the {self.num_symbols()} levels")
         return values
 
+    def _kernel_checked(self, values: np.ndarray, bad: int, steps: np.ndarray) -> torch.Tensor:
+        """:meth:`_checked` of a kernel's values, which are all finite when no step can overflow
+        float32 (steps are checked finite): then the codec skips its pass over them."""
+        self.values_finite = value_bound(steps, self.grid()[0]) <= _F32_MAX
+        return self._checked(torch.from_numpy(values), int(bad))
+
     def dequantize(self, side, symbols, numel, seed) -> torch.Tensor:
         if self.rotation is not None:
             raise RuntimeError(f"{self.name}: a quantizer bound to a rotation decodes packed symbols only")
@@ -156,8 +168,7 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
             codes = np.ascontiguousarray(
                 symbols, dtype=symbols.dtype if symbols.dtype in (np.uint8, np.uint16) else np.uint16
             )
-            values, bad = kernels.codes_dequant(codes, d, steps, s)
-            return self._checked(torch.from_numpy(values), int(bad))
+            return self._kernel_checked(*kernels.codes_dequant(codes, d, steps, s), steps)
         codes = torch.from_numpy(np.asarray(symbols).astype(np.int32))
         return self._checked(*kernels.torch_dequantize(codes, d, steps, s))
 
@@ -167,7 +178,9 @@ class ScaledGridQuantizer(BucketScaledQuantizer):
         d, steps = self._steps(side, numel)
         require_items(packed, packed_size(numel, width), "packed symbols")
         values, bad = kernels.unpack_dequant(packed, numel, d, steps, self.grid()[0], width, self.rotation)
-        return self._checked(torch.from_numpy(values), int(bad))
+        if self.rotation is not None:  # (rotation.finite says what the kernel found)
+            return self._checked(torch.from_numpy(values), int(bad))
+        return self._kernel_checked(values, bad, steps)
 
     def defers_packed(self) -> bool:
         """Decoded values can be deferred (:class:`GridValues`) where the kernels run."""
@@ -197,8 +210,7 @@ class GridValues(DeferredValues):
         self.width = width
         self.s = quantizer.grid()[0]
         self._squares: float | None = None  # sum(u**2), once accumulate has checked the symbols
-        # |u| <= s x step (the float32 product rounds up by at most one part in 2**24)
-        self.bound = float(self.s) * float(steps.max()) * (1 + 2.0**-22) if steps.size else 0.0
+        self.bound = value_bound(steps, self.s)
 
     def accumulate(self, base, consensus, weighted, weight, base_bound=None) -> tuple[float, int]:
         check = base_bound is None or not base_bound + self.bound <= _F32_MAX

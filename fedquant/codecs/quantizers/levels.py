@@ -202,7 +202,7 @@ class LevelQuantizer(Quantizer):
         # Symbols come checked below s <= 256: one byte each, "packed" at width 8.
         codes = np.ascontiguousarray(symbols, dtype=np.uint8)
         return self._checked(
-            *kernels.unpack_gather(codes, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, 8)
+            *kernels.unpack_gather(codes, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, 8), levels
         )
 
     def dequantize_packed(self, side, packed, width, numel, seed) -> torch.Tensor:
@@ -210,14 +210,18 @@ class LevelQuantizer(Quantizer):
             return super().dequantize_packed(side, packed, width, numel, seed)
         levels = self._rows(side, numel)
         return self._checked(
-            *kernels.unpack_gather(packed, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, width)
+            *kernels.unpack_gather(packed, numel, levels.reshape(-1), levels.shape[1], self.bucket_size, width),
+            levels,
         )
 
-    def _checked(self, values: np.ndarray, bad: int) -> torch.Tensor:
+    def _checked(self, values: np.ndarray, bad: int, levels: np.ndarray) -> torch.Tensor:
+        """The kernel's values, refused where an index was beyond the levels; each value is one of
+        ``levels``, so they are all finite when those are (the codec then skips its pass)."""
         if bad:
             raise PayloadError(
                 f"{self.name} payload holds {int(bad)} level indices >= {self.num_levels()}, the number of levels"
             )
+        self.values_finite = bool(np.isfinite(levels).all())
         return torch.from_numpy(values)
 
 

@@ -80,6 +80,7 @@ class SignSGDQuantizer(BucketScaledQuantizer):
         if self.uses_kernels():
             codes = np.ascontiguousarray(symbols, dtype=np.uint8)  # checked below 2
             require_items(codes, numel, "sign symbols")
+            self.values_finite = True  # +-scale, and check_side found every scale finite
             return torch.from_numpy(kernels.sign_values(codes[:numel], d, scales))
         return kernels.torch_sign_values(torch.from_numpy(np.asarray(symbols) != 0), d, scales)
 
@@ -88,4 +89,5 @@ class SignSGDQuantizer(BucketScaledQuantizer):
             return super().dequantize_packed(side, packed, width, numel, seed)
         d, scales = self.bucket_scales(side, numel)
         require_items(packed, packed_size(numel, 1), "sign bits")  # the kernel does not check
+        self.values_finite = True  # +-scale, and check_side found every scale finite
         return torch.from_numpy(kernels.sign_unpack(packed, numel, d, scales))
