@@ -636,6 +636,41 @@ def _array_c(t, dtype) -> bool:
     return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == dtype
 
 
+def _target_has_avx512f() -> bool:
+    """Whether numba compiles for a CPU with AVX-512F (its target features: ``NUMBA_CPU_FEATURES``,
+    else the host's; numba's cache keys compiled code by them too)."""
+    from numba.core import config
+    from numba.core.codegen import get_host_cpu_features
+
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return "+avx512f" in features.split(",")
+
+
+def _permute_ir(builder, floats, words, native: bool):
+    """A function ``(table, index) -> table[index]`` lane by lane on 16-lane IR vectors.
+
+    With ``native`` one ``vpermps`` (``llvm.x86.avx512.permvar.sf.512``, AVX-512F only); without,
+    a lane-by-lane extract and insert that any LLVM target lowers (slower, the same values): the
+    kernels then still compile on other CPUs (ARM, x86 without AVX-512).
+    """
+    if native:
+        permvar = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(floats, [floats, words]), "llvm.x86.avx512.permvar.sf.512"
+        )
+        return lambda table, index: builder.call(permvar, [table, index])
+    i32 = ir.IntType(32)
+
+    def lanewise(table, index):
+        out = ir.Constant(floats, None)
+        for j in range(floats.count):
+            lane = ir.Constant(i32, j)
+            picked = builder.extract_element(table, builder.extract_element(index, lane))
+            out = builder.insert_element(out, picked, lane)
+        return out
+
+    return lanewise
+
+
 @intrinsic
 def _round16(typingctx, xs, us, cs, row, s, groups):
     """Random rounding of ``xs[: 16 * groups]`` onto the ``s <= 16`` levels ``row[:s]``, 16 values per step.
@@ -650,8 +685,8 @@ def _round16(typingctx, xs, us, cs, row, s, groups):
     each step one ``vpermps``). Then ``lo = row[index]``, ``hi = row[index + 1]`` by two more
     permutes and the float64 decision of :func:`_random_round_bucket` on two ``<8 x double>``
     halves, in the same operations (no contraction into FMAs). Said in IR because LLVM
-    vectorizes neither a search nor a gather from a row by itself; ``vpermps`` needs
-    AVX-512F, and numba compiles for the host CPU, as the other vector intrinsics here.
+    vectorizes neither a search nor a gather from a row by itself; ``vpermps`` needs AVX-512F,
+    elsewhere the lookups go lane by lane (:func:`_permute_ir`).
     """
     f32, u32, u8 = types.float32, types.uint32, types.uint8
     if not (_array_c(xs, f32) and _array_c(us, u32) and _array_c(cs, u8) and _array_c(row, f32)):
@@ -677,9 +712,7 @@ def _round16(typingctx, xs, us, cs, row, s, groups):
                 vector, vector, ir.Constant(words, [min(j + k, lanes - 1) for j in range(lanes)])
             )
 
-        permvar = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(floats, [floats, words]), "llvm.x86.avx512.permvar.sf.512"
-        )
+        permute = _permute_ir(builder, floats, words, _target_has_avx512f())
         levels = builder.load(builder.bitcast(r_arr.data, floats.as_pointer()), align=4)
         s32 = builder.trunc(args[4], i32)
         lane = ir.Constant(words, [ir.Constant(i32, j) for j in range(lanes)])
@@ -699,10 +732,10 @@ def _round16(typingctx, xs, us, cs, row, s, groups):
             u = builder.load(builder.bitcast(builder.gep(u_arr.data, [at]), words.as_pointer()), align=4)
             index = builder.select(builder.fcmp_ordered(">=", v, first), splat_int(8), splat_int(0))
             for k, t in steps:
-                below = builder.fcmp_ordered(">=", v, builder.call(permvar, [t, index]))
+                below = builder.fcmp_ordered(">=", v, permute(t, index))
                 index = builder.select(below, builder.or_(index, splat_int(k)), index)
-            lo = builder.fpext(builder.call(permvar, [levels, index]), doubles)
-            hi = builder.fpext(builder.call(permvar, [above, index]), doubles)
+            lo = builder.fpext(permute(levels, index), doubles)
+            hi = builder.fpext(permute(above, index), doubles)
             below_up = builder.fmul(builder.fmul(builder.uitofp(u, doubles), scale), builder.fsub(hi, lo))
             up = builder.fcmp_ordered("<", below_up, builder.fsub(builder.fpext(v, doubles), lo))
             code = builder.trunc(builder.add(index, builder.zext(up, words)), bytes_)

@@ -88,3 +88,26 @@ def test_round_pack_indices_match_the_ladder_per_bucket(version, s, d):
     counts = np.zeros((3, 0), np.int64)  # three runs of chunks
     getattr(kernels.round_pack_into, version)(x, levels, d, key, False, 8, out, counts)
     assert np.array_equal(out, _reference(x, levels, d, key))
+
+
+def test_without_avx512_the_lookups_go_lane_by_lane_to_the_same_indices(monkeypatch):
+    # CPUs without AVX-512F (ARM, older x86) compile the portable lookups instead of vpermps
+    monkeypatch.setattr(kernels, "_target_has_avx512f", lambda: False)
+
+    @njit  # a new caller: lowered now, under the patched target
+    def portable(xs, row16, us, s):
+        cs = np.empty(xs.size, np.uint8)
+        kernels._round16(xs, us, cs, row16, s, xs.size // VECTOR)
+        return cs
+
+    rng = np.random.default_rng(7)
+    for s in (3, 9, 16):
+        for ties in (False, True):
+            row = _rows(rng, 1, s, ties)[0]
+            row16 = np.full(VECTOR, np.float32(np.nan))
+            row16[:s] = row
+            xs = _values(rng, 16 * 20, row[None])
+            us = rng.integers(0, 1 << 24, xs.size).astype(np.uint32)
+            assert np.array_equal(portable(xs, row16, us, s), _ladder(xs, row, us, s)), (s, row)
+    ir_text = "".join(portable.inspect_llvm().values())
+    assert "llvm.x86.avx512" not in ir_text and "extractelement" in ir_text
