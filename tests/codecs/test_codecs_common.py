@@ -89,6 +89,9 @@ SELF_CHECKING = [
     "ndqsg:coding=entropy",
     "signsgd",
     "signsgd:bucket_size=100,coding=entropy",
+    "orq",
+    "orq:levels=9,refine=2",
+    "linear:levels=4,bucket_size=100,coding=entropy",
 ]
 
 
@@ -96,8 +99,8 @@ SELF_CHECKING = [
 @pytest.mark.parametrize("n", [5, 70_001])
 @pytest.mark.parametrize("force_torch", [False, True])
 def test_quantizers_that_check_their_input_reject_non_finite_values_everywhere(spec, n, force_torch):
-    # these skip the codec's own pass over the input: their bucket maxima are finite exactly
-    # when the bucket is (float64 inputs beyond the float32 range count as Inf)
+    # these skip the codec's own pass over the input: their bucket maxima (ORQ's and Linear's end
+    # levels) are finite exactly when the bucket is (float64 inputs beyond float32 count as Inf)
     codec = get_codec(spec)
     codec.quantizer.force_torch = force_torch
     assert codec.quantizer.checks_finite() and codec._quantizer_checks_finite()
@@ -113,7 +116,9 @@ def test_quantizers_that_check_their_input_reject_non_finite_values_everywhere(s
     codec.encode(x.double() * 1e30, seed=1)  # large but finite as float32
 
 
-@pytest.mark.parametrize("spec", ["qsgd:norm=l2", "terngrad:clip=2.5", "rht+qsgd", "signsgd:bucket_size=0", "orq"])
+@pytest.mark.parametrize(
+    "spec", ["qsgd:norm=l2", "terngrad:clip=2.5", "rht+qsgd", "signsgd:bucket_size=0", "orq:clip=2.5", "bingrad-b"]
+)
 def test_other_quantizers_leave_the_check_to_the_codec(spec):
     codec = get_codec(spec)
     assert not codec._quantizer_checks_finite()

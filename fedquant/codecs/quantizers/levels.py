@@ -58,7 +58,14 @@ from fedquant.codecs.kernels import levels as kernels
 from fedquant.codecs.kernels import levels_torch as twin
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.params import Param
-from fedquant.codecs.quantizers.base import LevelsLadder, Quantized, Quantizer, SideField, relative_error
+from fedquant.codecs.quantizers.base import (
+    LevelsLadder,
+    Quantized,
+    Quantizer,
+    SideField,
+    relative_error,
+    require_finite,
+)
 from fedquant.errors import PayloadError
 
 FP16_MAX = 65504.0
@@ -89,6 +96,8 @@ class LevelQuantizer(Quantizer):
 
     rounding: ClassVar[str] = "random"
     outward_ends: ClassVar[bool] = True
+    #: Whether every bucket's first and last levels are its min and max (ORQ, Linear).
+    ends_are_extremes: ClassVar[bool] = False
     params = COMMON_PARAMS
 
     @abstractmethod
@@ -105,6 +114,12 @@ class LevelQuantizer(Quantizer):
 
     def num_symbols(self) -> int:
         return self.num_levels()
+
+    def checks_finite(self) -> bool:
+        """Without ``clip``, where the end levels are each bucket's min and max: both sorts (the
+        kernels' order-preserving integer keys, ``torch.sort``) put a NaN or Inf at an end of its
+        bucket, so the end levels are finite exactly when the bucket is."""
+        return self.ends_are_extremes and not self.clip
 
     def error_bound(self, numel: int) -> float | None:
         """``omega <= d`` for unbiased rounding between the bucket's levels (ORQ, Linear).
@@ -172,7 +187,10 @@ class LevelQuantizer(Quantizer):
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         x = clip_sigma(flat, self.clip).contiguous()
-        wire = self.wire_levels(self.select_levels(x).cpu().numpy())
+        selected = self.select_levels(x).cpu().numpy()
+        if self.checks_finite():
+            require_finite(selected[:, [0, -1]])
+        wire = self.wire_levels(selected)
         levels = wire.astype(np.float32)
         d = self.bucket_size
         if self.uses_kernels(x):
@@ -258,6 +276,7 @@ class ORQQuantizer(LevelsLadder, LevelQuantizer):
         **COMMON_PARAMS,
     }
     unbiased = True
+    ends_are_extremes = True
     paper = "Xu, Huo, Huang 2020 (arXiv 2002.11082), ORQ-s; levels per algorithms.md §4.4 [RECON]"
     wire = "per bucket s float levels + ceil(log2 s) bits per element"
 
@@ -290,6 +309,7 @@ class LinearQuantizer(LevelsLadder, LevelQuantizer):
         **COMMON_PARAMS,
     }
     unbiased = True
+    ends_are_extremes = True
     paper = "Xu, Huo, Huang 2020 (arXiv 2002.11082), Linear-s baseline; quantile levels per algorithms.md §4.7"
     wire = "per bucket s float levels + ceil(log2 s) bits per element"
 
