@@ -587,38 +587,26 @@ def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, l
     return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
 
 
-@parallel_kernel
-def _values(codes, d, steps, nested, levels, rho, alpha, key, y, out):
-    """Decode unpacked symbols into ``out``; returns the largest symbol and how many chunks hold
-    non-finite values, and non-finite side information (as :func:`_unpack` without a rotation)."""
-    n = out.size
-    nchunks = (n + CHUNK - 1) // CHUNK
-    tops = np.zeros(nchunks, np.int64)
-    bad_out = np.zeros(nchunks, np.int64)
-    bad_side = np.zeros(nchunks, np.int64)
-    for c in prange(nchunks):
-        c0 = c * CHUNK
-        c1 = min(c0 + CHUNK, n)
-        yc = y[c0:c1] if nested else y
-        hs = np.empty(0 if nested else c1 - c0, np.uint32)
-        tops[c], bad_side[c], bad_out[c] = _chunk_values(
-            codes[c0:c1], d, steps, nested, levels, rho, alpha, key, yc, c0, c1, out[c0:c1], hs
-        )
-    return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
-
-
 @parallel_kernel(count_arg=1)
-def _values_rotated(codes, n, d, steps, nested, levels, rho, alpha, key, y, out, layout, rot_scales, rot_key):
-    """:func:`_values` followed by ``rht``'s inverse rotation, chunk by chunk in cache, as the rotated
-    branches of :func:`_unpack` (same returns) on unpacked symbols (as an entropy decoder returns them)."""
+def _values(codes, n, d, steps, nested, levels, rho, alpha, key, y, out, layout, rot_scales, rot_key):
+    """Decode ``n`` unpacked symbols (as an entropy decoder returns them) into ``out``, as :func:`_unpack`
+    decodes packed ones, with or without ``rht``'s inverse rotation (same arguments after ``y``,
+    same returns)."""
     nchunks = (n + CHUNK - 1) // CHUNK
+    rotate = layout.shape[0] > 0
     tops = np.zeros(nchunks, np.int64)
     bad_out = np.zeros(nchunks, np.int64)
     bad_side = np.zeros(nchunks, np.int64)
     for c in prange(nchunks):
         c0 = c * CHUNK
         c1 = min(c0 + CHUNK, n)
-        if nested:
+        if not rotate:
+            yc = y[c0:c1] if nested else y
+            hs = np.empty(0 if nested else c1 - c0, np.uint32)
+            tops[c], bad_side[c], bad_out[c] = _chunk_values(
+                codes[c0:c1], d, steps, nested, levels, rho, alpha, key, yc, c0, c1, out[c0:c1], hs
+            )
+        elif nested:
             tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
                 codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
             )
@@ -844,9 +832,7 @@ def decode_packed(
         data, n, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), width, out,
         *rotation_args(rotation),
     )  # fmt: skip
-    if rotation is None:
-        return out, int(top), bad_side == 0, bad_out == 0
-    return _rotated_back(out, top, bad_out, bad_side, rotation)
+    return _decoded(out, top, bad_out, bad_side, rotation)
 
 
 def _decode_output(n: int, d: int, steps: np.ndarray, nested: bool, side_info, rotation) -> np.ndarray:
@@ -862,11 +848,12 @@ def _decode_output(n: int, d: int, steps: np.ndarray, nested: bool, side_info, r
     return np.empty(rotation.numel, np.float32)
 
 
-def _rotated_back(
-    out: np.ndarray, top: int, bad_out: int, bad_side: int, rotation
-) -> tuple[np.ndarray, int, bool, bool]:
-    """A rotated decode's result: the rotation refuses non-finite side information and records
-    whether the values are finite (the side information then counts as checked)."""
+def _decoded(out: np.ndarray, top: int, bad_out: int, bad_side: int, rotation) -> tuple[np.ndarray, int, bool, bool]:
+    """A decoding kernel's result as :func:`decode_packed` returns it. Behind a rotation, the rotation
+    refuses non-finite side information and records whether the values are finite (the side
+    information then counts as checked)."""
+    if rotation is None:
+        return out, int(top), bad_side == 0, bad_out == 0
     rotation.check(bad_side)
     rotation.finite = bad_out == 0
     return out, int(top), True, rotation.finite
@@ -890,13 +877,8 @@ def decode_symbols(
     nested, levels, rho = _args(nested, levels, rho)
     codes = np.ascontiguousarray(codes, dtype=codes.dtype if codes.dtype in (np.uint8, np.uint16) else np.uint16)
     out = _decode_output(codes.size, d, steps, nested, side_info, rotation)
-    if rotation is None:
-        top, bad_out, bad_side = _values(
-            codes, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out
-        )
-        return out, int(top), bad_side == 0, bad_out == 0
-    top, bad_out, bad_side = _values_rotated(
+    top, bad_out, bad_side = _values(
         codes, codes.size, d, steps, nested, levels, rho, float(alpha), np.uint64(key), _side(side_info), out,
         *rotation_args(rotation),
     )  # fmt: skip
-    return _rotated_back(out, top, bad_out, bad_side, rotation)
+    return _decoded(out, top, bad_out, bad_side, rotation)
