@@ -118,8 +118,9 @@ def parse_codec_list(text: str | None) -> list[str] | None:
     """Split a ``--codecs`` value into names and specs.
 
     ``"fp32,qsgd:levels=1,bucket_size=128,terngrad"`` gives ``["fp32",
-    "qsgd:levels=1,bucket_size=128", "terngrad"]``: a ``key=value`` item without a ``:`` belongs
-    to the spec before it. ``;`` always separates.
+    "qsgd:levels=1,bucket_size=128", "terngrad"]``: a ``key=value`` item whose key (the text before
+    its ``=``) holds no ``:`` belongs to the spec before it, also when a chained stage follows
+    (``"rht:max_log2=12,min_log2=4+qsgd"`` is one spec). ``;`` always separates.
     """
     if not text:
         return None
@@ -129,7 +130,7 @@ def parse_codec_list(text: str | None) -> list[str] | None:
             item = item.strip()
             if not item:
                 continue
-            if "=" in item and ":" not in item and out:
+            if "=" in item and ":" not in item.split("=", 1)[0] and out:
                 out[-1] += "," + item
             else:
                 out.append(item)
