@@ -47,11 +47,19 @@ from fedquant.codecs.kernels.common import (
     unpack_at,
     unpack_from,
 )
-from fedquant.codecs.kernels.hadamard import chunk_in_cache, forward_span, inverse_span
+from fedquant.codecs.kernels.hadamard import (
+    chunk_in_cache,
+    forward_span,
+    inverse_scaled,
+    inverse_span,
+    keep_head,
+    kept_blocks,
+)
 
 #: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
 WINDOW_SIGMAS = 12.0
 _TOP = 1 << 24
+_ONE32 = np.float32(1.0)
 
 
 @njit(cache=True)
@@ -165,21 +173,50 @@ def quantize(x, n, d, bounds, centroids, width, pack, out, sq, dot, counts, layo
 
 
 @njit(cache=True)
-def _values(codes, m, centroids, scale, dst):
-    """``dst[i] = centroids[codes[i]] * scale`` (codes clamped to the table), by selects for 2 and 4 centroids."""
+def _values(codes, m, centroids, scale, c, dst):
+    """``dst[i] = (centroids[codes[i]] * scale) * c`` (codes clamped to the table; float32, each product
+    rounded), by selects for 2 and 4 centroids. ``c`` is ``rht``'s block scale, or 1 (exact) without
+    a rotation."""
     top = centroids.size - 1
     if top == 1:
         c0, c1 = centroids[0], centroids[1]
         for i in range(m):
-            dst[i] = (c1 if codes[i] else c0) * scale
+            dst[i] = ((c1 if codes[i] else c0) * scale) * c
     elif top == 3:
         c0, c1, c2, c3 = centroids[0], centroids[1], centroids[2], centroids[3]
         for i in range(m):
             k = codes[i]
-            dst[i] = (c0 if k == 0 else (c1 if k == 1 else (c2 if k == 2 else c3))) * scale
+            dst[i] = ((c0 if k == 0 else (c1 if k == 1 else (c2 if k == 2 else c3))) * scale) * c
     else:
         for i in range(m):
-            dst[i] = centroids[min(codes[i], top)] * scale
+            dst[i] = (centroids[min(codes[i], top)] * scale) * c
+
+
+@njit(cache=True)
+def _rotated_values(codes, start, stop, d, scales, centroids, layout, rot_scales, key, out):
+    """The values of laid-out positions ``start .. stop`` (``codes[: stop - start]``) through ``rht``'s
+    inverse into ``out`` (its first ``out.size`` positions), block by block in L1: each block's
+    values are written scaled by the block's ``c`` straight into it, then transformed in place
+    (:func:`~fedquant.codecs.kernels.hadamard.inverse_scaled`), the values :func:`inverse_span`
+    gives from the chunk's values, bit for bit, without that chunk buffer. Returns 1 if a value
+    of ``out`` is not finite, else 0."""
+    blocks = kept_blocks(layout, start, stop, out.size - start)
+    size = out.size
+    bad = 0
+    for j in range(blocks.shape[0]):
+        p = blocks[j, 0]
+        length = blocks[j, 1]
+        cut = p + length > size
+        seg = np.empty(length, np.float32) if cut else out[p : p + length]
+        q = p
+        while q < p + length:  # the buckets the block holds, or the part of one
+            b = q // d
+            e = min(p + length, (b + 1) * d)
+            _values(codes[q - start : e - start], e - q, centroids, scales[b], rot_scales[blocks[j, 2]], seg[q - p :])
+            q = e
+        block_bad = inverse_scaled(seg, key, p)
+        bad |= keep_head(seg, out[p:size]) if cut else block_bad
+    return bad
 
 
 @parallel_kernel(count_arg=1)
@@ -207,16 +244,18 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, ro
             unpack_from(data, start // 8 * width, stop - start, width, codes)
         else:
             codes = data[start:stop]
-        count = 0
-        for i in range(stop - start):
-            count += codes[i] > top
-        over[c] = count
-        values = np.empty(stop - start, np.float32) if rotate else out[start:stop]
+        if not packed or (1 << width) > top + 1:  # packed at width bits: beyond the table only if wider
+            count = 0
+            for i in range(stop - start):
+                count += codes[i] > top
+            over[c] = count
+        if rotate:
+            bad[c] = _rotated_values(codes, start, stop, d, scales, centroids, layout, rot_scales, key, out)
+            continue
+        values = out[start:stop]
         for lo in range(0, stop - start, d):
             m = min(d, stop - start - lo)
-            _values(codes[lo : lo + m], m, centroids, scales[(start + lo) // d], values[lo : lo + m])
-        if rotate:
-            bad[c] = inverse_span(values, start, stop, layout, rot_scales, key, out[start : min(stop, out.size)])
+            _values(codes[lo : lo + m], m, centroids, scales[(start + lo) // d], _ONE32, values[lo : lo + m])
     return over.sum(), bad.sum()
 
 

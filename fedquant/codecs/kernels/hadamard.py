@@ -605,26 +605,63 @@ def inverse_span(src, lo, hi, layout, scales, key, dst):
     Returns 1 if a value of ``dst`` is not finite, else 0; a block that ``dst`` cuts goes through a
     scratch block.
     """
-    r = _run_at(layout, lo)
-    p = lo
+    blocks = kept_blocks(layout, lo, hi, dst.size)
     size = dst.size
     bad = 0
-    while p < hi and p - lo < size:
+    for j in range(blocks.shape[0]):
+        s = blocks[j, 0] - lo
+        length = blocks[j, 1]
+        c = scales[blocks[j, 2]]
+        if s + length <= size:
+            bad |= _inverse_block(src[s : s + length], dst[s : s + length], c, key, lo + s)
+        else:
+            block = np.empty(length, np.float32)
+            _inverse_block(src[s : s + length], block, c, key, lo + s)
+            bad |= keep_head(block, dst[s:size])
+    return bad
+
+
+@njit(cache=True)
+def kept_blocks(layout, lo, hi, size):
+    """``(position, length, run)`` rows of the blocks of laid-out positions ``lo .. hi`` (whole blocks)
+    that start before ``lo + size``: those an inverse transform into ``size`` values writes."""
+    r = _run_at(layout, lo)
+    count = 0
+    p = lo
+    while p < hi and p - lo < size:  # count first: the table is exact-sized
         k = layout[r, 0]
-        length = 1 << k
         end = min(hi, layout[r, 2] + (layout[r, 1] << k))
-        c = scales[r]
-        while p < end:
-            s = p - lo
-            if s + length <= size:
-                bad |= _inverse_block(src[s : s + length], dst[s : s + length], c, key, p)
-            elif s < size:
-                block = np.empty(length, np.float32)
-                _inverse_block(src[s : s + length], block, c, key, p)
-                dst[s:size] = block[: size - s]
-                bad |= any_nonfinite(dst[s:size])
-            p += length
+        while p < end and p - lo < size:
+            count += 1
+            p += 1 << k
         r += 1
+    blocks = np.empty((count, 3), np.int64)
+    r = _run_at(layout, lo)
+    p = lo
+    for j in range(count):
+        while layout[r, 2] + (layout[r, 1] << layout[r, 0]) <= p:
+            r += 1
+        blocks[j, 0] = p
+        blocks[j, 1] = 1 << layout[r, 0]
+        blocks[j, 2] = r
+        p += blocks[j, 1]
+    return blocks
+
+
+@njit(cache=True)
+def keep_head(block, dst):
+    """``dst`` = the first ``dst.size`` values of ``block`` (a block the kept values end in); 1 if one of
+    them is not finite (the padding's values are dropped unchecked)."""
+    dst[:] = block[: dst.size]
+    return any_nonfinite(dst)
+
+
+@njit(cache=True)
+def inverse_scaled(seg, key, o):
+    """The inverse transform, in place, of the block ``seg`` at laid-out position ``o`` whose values are
+    already scaled (as :func:`_inverse_block` scales them); 1 if a result is not finite, else 0."""
+    bad = butterflies_checked(seg, seg.size)
+    _flip_signs(seg, key, o)
     return bad
 
 
