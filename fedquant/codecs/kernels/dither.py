@@ -56,7 +56,6 @@ from fedquant.codecs.kernels.hadamard import (
     TILE,
     _flip_signs_checked,
     any_nonfinite,
-    apply_masks,
     apply_masks_into,
     block_at,
     butterflies,
@@ -546,11 +545,15 @@ def _decode_chunk_rotated(
             sign_masks(mk, rot_key, p)
             m = min(max(n_y - p, 0), length)
             ys = y[p : p + m]
+            # apply_masks fused into the scaling loop (one pass over the block, not two: 25M,
+            # one core, 1.5-2 ms less): the same product, then the same sign bit flipped; the zero
+            # padding flipped is the mask itself (the bits of +0 are 0).
+            sy_bits = sy.view(np.uint32)
             for i in range(m):
                 sy[i] = ys[i] * c
+                sy_bits[i] ^= mk[i]
             for i in range(m, length):
-                sy[i] = _ZERO32
-            apply_masks(sy, mk)
+                sy_bits[i] = mk[i]
             bad_side |= butterflies_checked(sy, length)
         block_top, _, _ = _chunk_values(
             codes[p - c0 :], d, steps, nested, levels, rho, alpha, key, sy, p, p + length, sv, hs
