@@ -413,7 +413,7 @@ def _nested_bucket(cs, w, side, side_bits, ys, st1, st2, half, alpha):
     (:func:`_nested_exact`), which also tells the two checks apart. ``alpha`` 1 has a loop of its
     own without the multiplications by it (exact either way). Inlined into the bucket loop of
     :func:`_chunk_values`: a call per bucket (its array arguments and their reference counts)
-    measured 5-9 ms at 25M elements, one core.
+    cost 5 ms at 25M elements, one core, in a standalone loop (about 1 ms in the decoder).
     """
     inv2 = 1.0 / st2
     st1s = st1 * _U_SCALE64
