@@ -58,12 +58,12 @@ from fedquant.codecs.kernels.hadamard import (
     any_nonfinite,
     apply_masks_into,
     block_at,
-    butterflies,
     butterflies_checked,
     chunk_in_cache,
     forward_span,
     inverse_span,
     rotation_args,
+    scaled_butterflies,
     sign_masks,
 )
 from fedquant.rng import uniform
@@ -559,9 +559,7 @@ def _decode_chunk_rotated(
             codes[p - c0 :], d, steps, nested, levels, rho, alpha, key, sy, p, p + length, sv, hs
         )  # (a rotated side value that is not finite is bad_side's already)
         top = max(top, block_top)
-        for i in range(length):
-            sv[i] *= c
-        butterflies(sv, length)
+        scaled_butterflies(sv, c)
         if p < size:  # the padded tail block: only what is kept is written and checked
             kept = min(length, size - p)
             if nested:

@@ -657,6 +657,21 @@ def keep_head(block, dst):
 
 
 @njit(cache=True)
+def scaled_butterflies(seg, c):
+    """:func:`butterflies` of ``seg * c`` in place (float32 ``c``; each product rounded as a pass of its
+    own rounds it), the scaling riding on the first sweep of stages where the block has 32 or more."""
+    length = seg.size
+    if length >= 32:
+        for g in range(length // 16):
+            _scaled_first4x16(seg, seg, 16 * g, c)
+        _wide_stages16(seg, length, 16)
+    else:
+        for i in range(length):
+            seg[i] *= c
+        butterflies(seg, length)
+
+
+@njit(cache=True)
 def inverse_scaled(seg, key, o):
     """The inverse transform, in place, of the block ``seg`` at laid-out position ``o`` whose values are
     already scaled (as :func:`_inverse_block` scales them); 1 if a result is not finite, else 0."""
