@@ -111,3 +111,15 @@ def test_entropy_families_fuzz_the_multi_block_layouts_of_both_coders():
         wide += bool(flags & 0x20) and lanes == 5
         narrow += not flags & 0x20
     assert multi > 30 and wide > 30 and narrow > 30
+
+
+def test_the_twin_rans_decoder_keeps_a_forged_streams_tables_within_the_memory_bound(monkeypatch):
+    # A forged 2 KB entropy section of 5,000 symbols names a model whose direct decode table has
+    # 2**15 slots; the NumPy twin (what a server runs while numba's cache is cold) once held it,
+    # and the stream's words, as lists of Python ints: 1.45 MB traced against a bound of 89 KB
+    # plus the 1 MB slack. Found by `python -m benchmarks.fuzz` (case 1556 of dqsg:coding=entropy).
+    from fedquant.codecs.kernels.cache import MODE_ENV
+    from fedquant.testing.fuzzing import replay
+
+    monkeypatch.setenv(MODE_ENV, "twin")
+    assert replay("dqsg:coding=entropy", 1556) == ("payload-error", "")

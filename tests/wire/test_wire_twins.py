@@ -228,3 +228,20 @@ def test_entropy_and_elias_codecs_compile_nothing_with_a_cold_cache_and_give_the
         y = codec.decode(payload, seed=11)
         expected = [hashlib.sha256(payload).hexdigest(), hashlib.sha256(y.numpy().tobytes()).hexdigest()]
         assert result["digests"][spec] == expected, spec
+
+
+@pytest.mark.parametrize("precision", [1, 8, 12, 15, 16])
+def test_direct_table_twin_gives_the_kernels_table(precision):
+    # the twin builds it in place in uint32; a single symbol (f = 2**16 at precision 16) wraps as
+    # the kernel's store of f << 16 into uint32 does
+    from fedquant.wire import rans, rans_twin
+
+    rng = np.random.default_rng(precision)
+    for k in (1, 2, min(300, 1 << precision)):
+        counts = rng.integers(1, 1000, k).astype(np.int64)
+        freq = rans.quantize_counts(counts, int(counts.sum()), precision)
+        symbols = np.sort(rng.choice(1 << 16, k, replace=False)).astype(np.uint16)
+        kernel = rans.direct_table(symbols, freq, precision)
+        twin = rans_twin.direct_table(symbols, freq, precision)
+        for a, b in zip(kernel, twin, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), (precision, k)
