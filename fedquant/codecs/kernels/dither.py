@@ -54,8 +54,6 @@ from fedquant.codecs.kernels.common import (
 )
 from fedquant.codecs.kernels.hadamard import (
     TILE,
-    _flip_signs_checked,
-    any_nonfinite,
     apply_masks_into,
     block_at,
     butterflies_checked,
@@ -514,60 +512,52 @@ def _decode_chunk(data, d, steps, nested, levels, rho, alpha, key, yc, width, c0
 
 
 @njit(cache=True)
-def _decode_chunk_rotated(
-    codes, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
-):  # fmt: skip
-    """:func:`_chunk_values` of elements ``c0 .. c1`` between ``rht``'s two rotations, block by block in L1.
+def _decode_chunk_rotated(codes, d, steps, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key):
+    """NDQSG's :func:`_chunk_values` of elements ``c0 .. c1`` between ``rht``'s two rotations, block by
+    block in L1.
 
-    Each block of the side information ``y`` (NDQSG; given before the rotation, zero padded) is
-    rotated, the block's values reconstructed against it, rotated back and written to ``out`` (its
-    first ``out.size`` elements); the block's signs are hashed once for both rotations. (DQSG, which
-    has no side information, goes chunk by chunk: per block it measured slower, 65 ms against 42.)
+    Each block of the side information ``y`` (given before the rotation, zero padded) is rotated,
+    the block's values reconstructed against it, rotated back and written to ``out`` (its first
+    ``out.size`` elements); the block's signs are hashed once for both rotations. (DQSG, which has
+    no side information, goes chunk by chunk: per block it measured slower, 65 ms against 42.)
     Returns
     ``(largest symbol, 1 if a value written to out is not finite, 1 if a rotated side value is not)``.
     """
     top = 0
     bad_out = 0
     bad_side = 0
-    seg_y = np.empty(TILE if nested else 0, np.float32)
+    seg_y = np.empty(TILE, np.float32)
     seg_v = np.empty(TILE, np.float32)
-    masks = np.empty(TILE if nested else 0, np.uint32)
-    hs = np.empty(0 if nested else TILE, np.uint32)
+    masks = np.empty(TILE, np.uint32)
+    no_hashes = np.empty(0, np.uint32)
     n_y = y.size
     size = out.size
     p = c0
     while p < c1:
         length, c = block_at(layout, rot_scales, p)
-        sy = seg_y[:length] if nested else seg_y
+        sy = seg_y[:length]
         sv = seg_v[:length]
         mk = masks[:length]
-        if nested:
-            sign_masks(mk, rot_key, p)
-            m = min(max(n_y - p, 0), length)
-            ys = y[p : p + m]
-            # apply_masks fused into the scaling loop (one pass over the block, not two: 25M,
-            # one core, 1.5-2 ms less): the same product, then the same sign bit flipped; the zero
-            # padding flipped is the mask itself (the bits of +0 are 0).
-            sy_bits = sy.view(np.uint32)
-            for i in range(m):
-                sy[i] = ys[i] * c
-                sy_bits[i] ^= mk[i]
-            for i in range(m, length):
-                sy_bits[i] = mk[i]
-            bad_side |= butterflies_checked(sy, length)
+        sign_masks(mk, rot_key, p)
+        m = min(max(n_y - p, 0), length)
+        ys = y[p : p + m]
+        # apply_masks fused into the scaling loop (one pass over the block, not two: 25M,
+        # one core, 1.5-2 ms less): the same product, then the same sign bit flipped; the zero
+        # padding flipped is the mask itself (the bits of +0 are 0).
+        sy_bits = sy.view(np.uint32)
+        for i in range(m):
+            sy[i] = ys[i] * c
+            sy_bits[i] ^= mk[i]
+        for i in range(m, length):
+            sy_bits[i] = mk[i]
+        bad_side |= butterflies_checked(sy, length)
         block_top, _, _ = _chunk_values(
-            codes[p - c0 :], d, steps, nested, levels, rho, alpha, key, sy, p, p + length, sv, hs
+            codes[p - c0 :], d, steps, True, levels, rho, alpha, key, sy, p, p + length, sv, no_hashes
         )  # (a rotated side value that is not finite is bad_side's already)
         top = max(top, block_top)
         scaled_butterflies(sv, c)
         if p < size:  # the padded tail block: only what is kept is written and checked
-            kept = min(length, size - p)
-            if nested:
-                bad_out |= apply_masks_into(sv, mk, out[p : p + kept])
-            else:
-                bad = _flip_signs_checked(sv, rot_key, p)
-                out[p : p + kept] = sv[:kept]
-                bad_out |= bad if kept == length else any_nonfinite(sv[:kept])
+            bad_out |= apply_masks_into(sv, mk, out[p : min(p + length, size)])
         p += length
     return top, bad_out, bad_side
 
@@ -606,13 +596,13 @@ def _unpack(data, n, d, steps, nested, levels, rho, alpha, key, y, width, out, l
             small = np.empty(c1 - c0, np.uint8)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, small)
             tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
-                small, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+                small, d, steps, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
             )
         else:
             wide = np.empty(c1 - c0, np.uint16)
             unpack_from(data, (c0 * width) // 8, c1 - c0, width, wide)
             tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
-                wide, d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+                wide, d, steps, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
             )
     return (tops.max() if nchunks else 0), bad_out.sum(), bad_side.sum()
 
@@ -638,7 +628,7 @@ def _values(codes, n, d, steps, nested, levels, rho, alpha, key, y, out, layout,
             )
         elif nested:
             tops[c], bad_out[c], bad_side[c] = _decode_chunk_rotated(
-                codes[c0:c1], d, steps, nested, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
+                codes[c0:c1], d, steps, levels, rho, alpha, key, y, c0, c1, out, layout, rot_scales, rot_key
             )
         else:  # DQSG: the chunk's values, then rotated back
             vals = np.empty(c1 - c0, np.float32)
