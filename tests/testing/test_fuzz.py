@@ -67,6 +67,20 @@ def test_no_payload_crashes_hangs_or_escapes_as_another_error():
         assert decoded and all(bool(torch.isfinite(y.float()).all()) for y in decoded), spec
 
 
+@pytest.mark.slow  # a fuzz campaign in worker processes
+def test_the_twins_survive_the_same_payloads(monkeypatch):
+    """The NumPy and torch twins decode while numba's cache is cold (a fresh server's first
+    minutes): the same mutated payloads against them, fewer per family."""
+    from fedquant.codecs.kernels.cache import MODE_ENV
+
+    monkeypatch.setenv(MODE_ENV, "twin")  # the workers inherit it
+    specs = families()
+    report = run_fuzz(20 * len(specs), seed=2, workers=2, specs=specs, case_timeout=60.0)
+    assert not report.worker_errors
+    assert report.total == 20 * len(specs)
+    assert not report.failures, "\n".join(f"{o} {s} case {i}: {d}" for s, i, o, d in report.failures[:20])
+
+
 @pytest.mark.slow  # three worker starts and a 5 s hang timeout, by design
 def test_harness_reports_crash_hang_and_nonfinite():
     spec = "fp32"  # no kernels to load: the three worker starts stay short
