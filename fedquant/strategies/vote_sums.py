@@ -3,7 +3,7 @@
 The direction rules need the consensus (the sum of the vote's updates) and a FedAvg-like inner
 strategy needs the weighted sum of the admitted updates. Both would otherwise take a pass of their
 own over every decoded update, long after it left the cache. :class:`VoteSums` adds each update of
-the vote to both in the pass that checks it (:func:`~fedquant.codecs.kernels.norms.checked_accumulate`,
+the vote to both in the pass that checks it (:func:`~fedquant.codecs.kernels.norms.accumulate_bounded`,
 the decode's own ``base + update`` check), before the vote is judged: *speculatively*. The sums
 stand only when the vote ends as they assumed:
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedquant.codecs.deferred import DeferredValues
-from fedquant.codecs.kernels.norms import checked_accumulate
+from fedquant.codecs.kernels.norms import accumulate_bounded
 from fedquant.records import RecordError, checked_squares
 from fedquant.strategies.reply_decoder import DecodedReply
 
@@ -93,7 +93,9 @@ class VoteSums:
         if deferred:  # the values computed in this pass from the payload's symbols, never stored
             squares, nonfinite = update.accumulate(base, consensus, weighted, self._weight, self._bound(reference))
         else:
-            squares, nonfinite = checked_accumulate(base, update.reshape(-1), consensus, weighted, self._weight)
+            squares, nonfinite = accumulate_bounded(
+                base, update.reshape(-1), consensus, weighted, self._weight, self._bound(reference)
+            )
         if nonfinite:
             raise RecordError(f"'{name}': received + update overflows {reference.dtype} to Inf")
         return float(squares)

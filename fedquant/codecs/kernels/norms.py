@@ -18,6 +18,8 @@ a round's updates), both without the float64 copies NumPy would make.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -137,11 +139,12 @@ def checked_sum_squares(base, update):
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
-def _block_accumulate(base, update, consensus, weighted, weight, lo, hi):
-    """:func:`_block_checked` of ``lo .. hi`` that also adds the update to the running sums."""
+def _block_accumulate(base, update, consensus, weighted, weight, lo, hi, check):
+    """:func:`_block_checked` of ``lo .. hi`` that also adds the update to the running sums; without
+    ``check`` only the squares (``base`` unread, the count 0)."""
     acc = 0.0
     nonfinite = 0
-    us, bs = update[lo:hi], base[lo:hi]
+    us = update[lo:hi]
     if consensus.size:
         cs = consensus[lo:hi]
         for j in range(us.size):
@@ -150,11 +153,17 @@ def _block_accumulate(base, update, consensus, weighted, weight, lo, hi):
         ws = weighted[lo:hi]
         for j in range(us.size):
             ws[j] += weight * np.float64(us[j])
-    for j in range(us.size):
-        u = us[j]
-        nonfinite += not abs(bs[j] + u) <= _F32_MAX
-        v = np.float64(u)
-        acc += v * v
+    if check:
+        bs = base[lo:hi]
+        for j in range(us.size):
+            u = us[j]
+            nonfinite += not abs(bs[j] + u) <= _F32_MAX
+            v = np.float64(u)
+            acc += v * v
+    else:
+        for j in range(us.size):
+            v = np.float64(us[j])
+            acc += v * v
     return acc, nonfinite
 
 
@@ -172,9 +181,50 @@ def checked_accumulate(base, update, consensus, weighted, weight):
     bad = np.zeros(blocks, np.int64)
     for b in prange(blocks):
         partial[b], bad[b] = _block_accumulate(
-            base, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK)
+            base, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK), True
         )
     return partial.sum(), bad.sum()
+
+
+def _accumulate_twin(update, consensus, weighted, weight) -> float:
+    return _checked_accumulate_twin(update, update, consensus, weighted, weight)[0]
+
+
+@parallel_kernel(twin=_accumulate_twin)
+def _accumulate(update, consensus, weighted, weight):
+    """:func:`checked_accumulate` without the check (``base`` unread): ``sum(update**2)``, the sums added."""
+    n = update.size
+    blocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(blocks, np.float64)
+    for b in prange(blocks):
+        partial[b] = _block_accumulate(
+            update, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK), False
+        )[0]
+    return partial.sum()
+
+
+#: ``|u_i| <= ||u||``; this margin covers the float64 rounding of ``sqrt(sum(u**2))`` and of the sum.
+_BOUND_MARGIN = 1.0 - 2.0**-20
+
+
+def accumulate_bounded(
+    base: np.ndarray,
+    update: np.ndarray,
+    consensus: np.ndarray,
+    weighted: np.ndarray,
+    weight: float,
+    base_bound: float,
+) -> tuple[float, int]:
+    """:func:`checked_accumulate`, given ``base_bound >= max |base|`` (NaN: none known): the pass reads
+    ``update`` and the sums but not ``base`` (4 bytes an element less), and counts the non-finite
+    ``base + update`` only when ``||update|| + base_bound`` may reach ``FLOAT32_MAX`` (every
+    ``|update_i| <= ||update||``; a NaN or Inf makes the norm NaN or Inf and takes the count too).
+    The count is then exact as :func:`checked_accumulate`'s; the squares agree to float64 rounding.
+    """
+    squares = float(_accumulate(update, consensus, weighted, weight))
+    if math.sqrt(squares) + base_bound <= float(_F32_MAX) * _BOUND_MARGIN:
+        return squares, 0
+    return squares, int(checked_sum_squares(base, update)[1])
 
 
 @parallel_kernel(count_arg=1, twin=_add_scaled_twin)

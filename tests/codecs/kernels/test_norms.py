@@ -161,3 +161,42 @@ def test_checked_accumulate_checks_as_checked_sum_squares_and_adds_to_both_sums(
             == checked_sum_squares(base, update)[1]
             == 3
         )
+
+
+@pytest.mark.parametrize("n", [0, 1, 4097, 50_000])
+def test_accumulate_bounded_counts_as_checked_accumulate_without_reading_base_when_it_may(n):
+    from fedquant.codecs.kernels.norms import accumulate_bounded
+
+    rng = np.random.default_rng(n + 7)
+    base = rng.standard_normal(n).astype(np.float32)
+    update = rng.standard_normal(n).astype(np.float32)
+    consensus0, weighted0 = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n)
+    bound = float(np.max(np.abs(base))) if n else 0.0
+
+    def both(b, u, base_bound):
+        c1, w1, c2, w2 = consensus0.copy(), weighted0.copy(), consensus0.copy(), weighted0.copy()
+        got = accumulate_bounded(b, u, c1, w1, 2.5, base_bound)
+        want = checked_accumulate(b, u, c2, w2, 2.5)
+        np.testing.assert_array_equal(c1, c2)
+        np.testing.assert_array_equal(w1, w2)
+        assert got[0] == pytest.approx(want[0], rel=1e-12, nan_ok=True)
+        return got[1], want[1]
+
+    assert both(base, update, bound) == (0, 0)
+    unread = np.full(n, np.nan, np.float32)  # a base the bound vouches for is not read
+    assert both(unread, update, bound)[0] == 0
+    if n < 2:
+        return
+    big = update.copy()
+    big[0] = np.float32(F32_MAX)  # near the limit: the count runs, and finds the one overflow
+    base[0] = np.float32(F32_MAX)
+    got, want = both(base, big, float(np.max(np.abs(base))))
+    assert got == want == 1
+    big[0] = np.float32(F32_MAX) * np.float32(0.6)  # the bound cannot vouch; no element overflows
+    base[0], base[1] = 1.0, np.float32(F32_MAX) * np.float32(0.6)
+    assert both(base, big, float(np.max(np.abs(base)))) == (0, 0)
+    for bad in (np.nan, np.inf):
+        u = update.copy()
+        u[-1] = bad
+        assert both(base, u, bound) == (1, 1)
+    assert both(base, update, float("nan")) == (0, 0)  # no bound known: counted, none
