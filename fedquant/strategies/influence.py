@@ -32,6 +32,7 @@ from fedquant.strategies.update_bounds import (
     bool_majority,
     clip_update,
     consensus_cosine,
+    consensus_terms,
     float_update,
     integer_change,
     non_float_names,
@@ -218,16 +219,18 @@ class InfluenceBounds:
         if not self.consensus:
             return None
         update = float_update(decoded, received, deferred=True)
+        terms = None  # the update's inner products, one pass for both cosines
         # with one other update, who opposes whom is undecidable: both would be flagged
         if self.directions is not None and self.voters - in_vote >= 2:
-            others = consensus_cosine(update, self.consensus, -1 if in_vote else 0, self.consensus_squares)
+            terms = consensus_terms(update, self.consensus)
+            others = consensus_cosine(update, self.consensus, -1 if in_vote else 0, self.consensus_squares, terms)
             if others is not None:
                 self.directions.observe(node, others)
         if self.directions is not None and self.directions.persistent(node):
             return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
         if not self.rules.reject_opposing:
             return None
-        cosine = consensus_cosine(update, self.consensus, 0 if in_vote else 1, self.consensus_squares)
+        cosine = consensus_cosine(update, self.consensus, 0 if in_vote else 1, self.consensus_squares, terms)
         if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"

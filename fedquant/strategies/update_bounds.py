@@ -165,28 +165,45 @@ def float_update(
     return out
 
 
+def consensus_terms(
+    update: Mapping[str, np.ndarray | DeferredValues], consensus: Mapping[str, np.ndarray]
+) -> dict[str, tuple[float, float]]:
+    """``(<u, c>, <u, u>)`` per entry both hold (float64, one pass over each): what
+    :func:`consensus_cosine` needs of the update, for any ``self_weight`` (a caller that asks for
+    two cosines of one update passes these to both instead of reading it twice). An entry may be
+    deferred (:func:`float_update` with ``deferred``): its values are computed in the pass."""
+    terms = {}
+    for k in update:
+        if k not in consensus or not _same_layout(update[k], consensus[k]):
+            continue
+        c = np.ascontiguousarray(consensus[k]).ravel()  # float32 (the vote's running sum) or float64
+        if isinstance(update[k], DeferredValues):
+            terms[k] = update[k].dot_terms(c)
+        else:
+            terms[k] = dot_terms(np.ascontiguousarray(update[k], dtype=np.float32).ravel(), c)
+    return terms
+
+
 def consensus_cosine(
     update: Mapping[str, np.ndarray | DeferredValues],
     consensus: Mapping[str, np.ndarray],
     self_weight: float,
     consensus_squares: Mapping[str, float] | None = None,
+    terms: Mapping[str, tuple[float, float]] | None = None,
 ) -> float | None:
     """Cosine between an update and ``consensus + self_weight x update``, over the entries both hold;
     None when either is zero. ``self_weight`` 1 adds the update to a consensus without it, -1 leaves
-    it out of one that holds it (leave-one-out), 0 takes the consensus as it is. An entry may be
-    deferred (:func:`float_update` with ``deferred``): its values are computed in the pass.
-    ``consensus_squares`` (:func:`squares_of`) saves a pass over the consensus per call."""
-    keys = [k for k in update if k in consensus and _same_layout(update[k], consensus[k])]
+    it out of one that holds it (leave-one-out), 0 takes the consensus as it is.
+    ``consensus_squares`` (:func:`squares_of`) saves a pass over the consensus per call, ``terms``
+    (:func:`consensus_terms` of this update and consensus) the pass over the update."""
+    if terms is None:
+        terms = consensus_terms(update, consensus)
     dot = square = own = 0.0
-    for k in keys:
-        c = np.ascontiguousarray(consensus[k]).ravel()  # float32 (the vote's running sum) or float64
-        if isinstance(update[k], DeferredValues):
-            terms = update[k].dot_terms(c)
-        else:
-            terms = dot_terms(np.ascontiguousarray(update[k], dtype=np.float32).ravel(), c)
-        cc = consensus_squares[k] if consensus_squares is not None else _squares(c)
-        terms = cosine_with(*terms, cc, float(self_weight))
-        dot, square, own = dot + terms[0], square + terms[1], own + terms[2]
+    for k, (uc, uu) in terms.items():
+        c = consensus[k]
+        cc = consensus_squares[k] if consensus_squares is not None else _squares(np.ascontiguousarray(c).ravel())
+        parts = cosine_with(uc, uu, cc, float(self_weight))
+        dot, square, own = dot + parts[0], square + parts[1], own + parts[2]
     if not (square > 0 and own > 0):
         return None
     return dot / math.sqrt(square * own)

@@ -172,6 +172,37 @@ def test_consensus_cosine_counts_the_update_itself():
     assert consensus_cosine({"other": np.ones(2)}, consensus, self_weight=0) is None
 
 
+def test_both_cosines_of_an_update_come_from_one_pass_over_it(monkeypatch):
+    """With ``reject_opposing`` the direction rules ask two cosines of one update (leave-one-out for the
+    CUSUM, with itself for the rejection): from precomputed terms they are the same numbers, and
+    ``opposition`` reads the update once."""
+    import fedquant.strategies.update_bounds as bounds
+
+    rng = np.random.default_rng(4)
+    update = {"w": rng.standard_normal((30, 7)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    consensus = {k: (3 * v + rng.standard_normal(v.shape)).astype(np.float32) for k, v in update.items()}
+    squares = bounds.squares_of(consensus)
+    terms = bounds.consensus_terms(update, consensus)
+    for weight in (-1, 0, 1):
+        assert bounds.consensus_cosine(update, consensus, weight, squares, terms) == bounds.consensus_cosine(
+            update, consensus, weight, squares
+        )
+    passes = []
+    real = bounds.dot_terms
+    monkeypatch.setattr(bounds, "dot_terms", lambda u, c: passes.append(u.size) or real(u, c))
+    from fedquant.strategies.admission import AdmissionRules
+    from fedquant.strategies.influence import InfluenceBounds
+    from fedquant.strategies.reply_decoder import DecodedReply
+
+    influence = InfluenceBounds(AdmissionRules(reject_opposing=True), "num-examples")
+    assert influence.directions is not None  # the CUSUM's cosine and the rejection's: two asked
+    influence.consensus, influence.voters, influence.consensus_squares = consensus, 5, squares
+    updates = {k: torch.from_numpy(v.reshape(-1)) for k, v in update.items()}
+    reply = DecodedReply(record_name="r", plain={}, plain_values={}, updates=updates, update_norm=1.0)
+    influence.opposition(3, reply, {k: np.zeros_like(v) for k, v in update.items()}, in_vote=True)
+    assert sorted(passes) == sorted(v.size for v in update.values())  # once per entry, not twice
+
+
 # ---------------------------------------------------------------------------------------------- body sizes
 @pytest.mark.parametrize(
     "spec",
