@@ -99,6 +99,7 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
     import numpy as np
 
     from fedquant.codecs.kernels.norms import (
+        accumulate_bounded,
         add_scaled,
         add_scaled_float32,
         add_sum_squares,
@@ -119,6 +120,8 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         dot_terms(x, x.copy())
         checked_accumulate(x, x, np.zeros(n, np.float32), np.zeros(n), 0.5)
         checked_accumulate(x, x, np.zeros(0, np.float32), np.zeros(0), 0.5)
+        accumulate_bounded(x, x, np.zeros(n, np.float32), np.zeros(n), 0.5, 1.0)
+        accumulate_bounded(x, x, np.zeros(0, np.float32), np.zeros(0), 0.5, 1.0)
 
 
 def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
