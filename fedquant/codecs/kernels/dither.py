@@ -61,6 +61,7 @@ from fedquant.codecs.kernels.hadamard import (
     forward_span,
     inverse_span,
     rotation_args,
+    scale_masked,
     scaled_butterflies,
     sign_masks,
 )
@@ -541,15 +542,7 @@ def _decode_chunk_rotated(codes, d, steps, levels, rho, alpha, key, y, c0, c1, o
         sign_masks(mk, rot_key, p)
         m = min(max(n_y - p, 0), length)
         ys = y[p : p + m]
-        # apply_masks fused into the scaling loop (one pass over the block, not two: 25M,
-        # one core, 1.5-2 ms less): the same product, then the same sign bit flipped; the zero
-        # padding flipped is the mask itself (the bits of +0 are 0).
-        sy_bits = sy.view(np.uint32)
-        for i in range(m):
-            sy[i] = ys[i] * c
-            sy_bits[i] ^= mk[i]
-        for i in range(m, length):
-            sy_bits[i] = mk[i]
+        scale_masked(ys, m, sy, c, mk)  # scaling and signs in one pass (25M, one core: 1.5-2 ms less)
         bad_side |= butterflies_checked(sy, length)
         block_top, _, _ = _chunk_values(
             codes[p - c0 :], d, steps, True, levels, rho, alpha, key, sy, p, p + length, sv, no_hashes

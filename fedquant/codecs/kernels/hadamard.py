@@ -268,7 +268,7 @@ def _first4x16(typingctx, seg, i):
 def _scaled_first4x16(typingctx, src, seg, i, c):
     """``seg[i : i + 16]`` = :func:`_first4x16` of ``src[i : i + 16] * c`` (float32 ``c``): the product
     rounded to float32 as a pass of its own would round it, then the same stages, without storing
-    and reloading the scaled block (the first sweep of :func:`inverse_block`)."""
+    and reloading the scaled block (the first sweep of :func:`_scaled_stages`)."""
     if not (_float32_c(src) and _float32_c(seg) and c == types.float32):
         return None
 
@@ -410,20 +410,14 @@ def butterflies(seg, length):
         _small_stages(seg, length)
 
 
-@njit(cache=True)
-def _flip_signs_checked(seg, key, o):
-    """:func:`_flip_signs`, and 1 if a result is NaN or Inf (:func:`any_nonfinite` in the same loop)."""
-    bits = seg.view(np.uint32)
-    w = key + np.uint64(o + 1) * _GAMMA
-    acc = np.uint32(0)
-    for i in range(seg.size):
-        z = (w ^ (w >> _S30)) * _MIX1
-        z = (z ^ (z >> _S27)) * _MIX2
-        b = bits[i] ^ (np.uint32(z >> _S32) & _SIGN)
-        bits[i] = b
-        acc |= (b & _EXP_MASK) + _EXP_ONE
-        w += _GAMMA
-    return np.int64((acc & _SIGN) != 0)
+@njit(cache=True, inline="always")
+def _sign_bit(w):
+    """The sign bit (0 or ``0x80000000``) the rotation flips for counter term ``w``: the top bit of
+    its 64-bit hash, the uniform being at least 1/2 exactly then (the final xor-shift of the hash
+    leaves the top bit alone, so it is left out)."""
+    z = (w ^ (w >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    return np.uint32(z >> _S32) & _SIGN
 
 
 @njit(cache=True)
@@ -437,9 +431,7 @@ def _flip_signs(seg, key, o):
     bits = seg.view(np.uint32)
     w = key + np.uint64(o + 1) * _GAMMA
     for i in range(seg.size):
-        z = (w ^ (w >> _S30)) * _MIX1
-        z = (z ^ (z >> _S27)) * _MIX2
-        bits[i] ^= np.uint32(z >> _S32) & _SIGN
+        bits[i] ^= _sign_bit(w)
         w += _GAMMA
 
 
@@ -450,10 +442,8 @@ def _scale_flip(xs, m, seg, c, key, o):
     bits = seg.view(np.uint32)
     w = key + np.uint64(o + 1) * _GAMMA
     for i in range(m):
-        z = (w ^ (w >> _S30)) * _MIX1
-        z = (z ^ (z >> _S27)) * _MIX2
         seg[i] = xs[i] * c
-        bits[i] ^= np.uint32(z >> _S32) & _SIGN
+        bits[i] ^= _sign_bit(w)
         w += _GAMMA
     for i in range(m, seg.size):
         seg[i] = _ZERO32
@@ -465,27 +455,30 @@ def sign_masks(masks, key, o):
     """``masks[i]`` = the sign bit the rotation flips at laid-out position ``o + i`` (0 or ``0x80000000``).
 
     For a kernel that rotates the same positions twice (forward and back: NDQSG's side information
-    and its decoded values) and hashes them once; :func:`apply_masks` flips.
+    and its decoded values) and hashes them once; :func:`scale_masked` and :func:`apply_masks_into` flip.
     """
     w = key + np.uint64(o + 1) * _GAMMA
     for i in range(masks.size):
-        z = (w ^ (w >> _S30)) * _MIX1
-        z = (z ^ (z >> _S27)) * _MIX2
-        masks[i] = np.uint32(z >> _S32) & _SIGN
+        masks[i] = _sign_bit(w)
         w += _GAMMA
 
 
 @njit(cache=True)
-def apply_masks(seg, masks):
-    """Flip the signs of ``seg`` where ``masks`` (of :func:`sign_masks`) say so."""
+def scale_masked(xs, m, seg, c, masks):
+    """``seg`` = ``xs[:m] * c`` then zeros, with the signs of ``masks`` (:func:`sign_masks`) flipped: as
+    :func:`_scale_flip` with the signs hashed already (the zero padding flipped is the mask itself:
+    the bits of +0 are 0)."""
     bits = seg.view(np.uint32)
-    for i in range(seg.size):
+    for i in range(m):
+        seg[i] = xs[i] * c
         bits[i] ^= masks[i]
+    for i in range(m, seg.size):
+        bits[i] = masks[i]
 
 
 @njit(cache=True)
 def apply_masks_into(seg, masks, dst):
-    """``dst[: dst.size]`` = ``seg`` with the signs of :func:`apply_masks` flipped (``dst`` at most as long),
+    """``dst[: dst.size]`` = ``seg`` with the signs of ``masks`` flipped (``dst`` at most as long),
     and 1 if one of those values is NaN or Inf (checked in the same loop)."""
     bits = seg.view(np.uint32)
     out = dst.view(np.uint32)
@@ -537,15 +530,7 @@ def _inverse_block(ys, seg, c, key, o):
     it change no value's finiteness): two passes over the block fewer than scaling, transforming
     and flipping with a check each on its own (1M elements, one core: 1.03 -> 0.7 ms).
     """
-    length = seg.size
-    if length >= 32:
-        for g in range(length // 16):
-            _scaled_first4x16(ys, seg, 16 * g, c)
-        bad = _wide_stages16_checked(seg, length, 16)
-    else:
-        for i in range(length):
-            seg[i] = ys[i] * c
-        bad = butterflies_checked(seg, length)
+    bad = _scaled_stages(ys, seg, c, True)
     _flip_signs(seg, key, o)
     return bad
 
@@ -657,18 +642,31 @@ def keep_head(block, dst):
 
 
 @njit(cache=True)
-def scaled_butterflies(seg, c):
-    """:func:`butterflies` of ``seg * c`` in place (float32 ``c``; each product rounded as a pass of its
-    own rounds it), the scaling riding on the first sweep of stages where the block has 32 or more."""
+def _scaled_stages(src, seg, c, check):
+    """``seg`` = :func:`butterflies` of ``src * c`` (float32 ``c``; ``src`` may be ``seg``), each product
+    rounded as a pass of its own rounds it, the scaling riding on the first sweep of stages where
+    the block has 32 or more; with ``check``, 1 if a result is not finite (the last sweep checks),
+    else 0."""
     length = seg.size
     if length >= 32:
         for g in range(length // 16):
-            _scaled_first4x16(seg, seg, 16 * g, c)
+            _scaled_first4x16(src, seg, 16 * g, c)
+        if check:
+            return _wide_stages16_checked(seg, length, 16)
         _wide_stages16(seg, length, 16)
-    else:
-        for i in range(length):
-            seg[i] *= c
-        butterflies(seg, length)
+        return 0
+    for i in range(length):
+        seg[i] = src[i] * c
+    if check:
+        return butterflies_checked(seg, length)
+    butterflies(seg, length)
+    return 0
+
+
+@njit(cache=True)
+def scaled_butterflies(seg, c):
+    """:func:`butterflies` of ``seg * c`` in place (see :func:`_scaled_stages`)."""
+    _scaled_stages(seg, seg, c, False)
 
 
 @njit(cache=True)

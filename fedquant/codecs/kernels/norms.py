@@ -44,25 +44,33 @@ def _add_sum_squares_twin(base: np.ndarray, update: np.ndarray, out: np.ndarray)
     return _sum_squares_twin(update), int(out.size - np.count_nonzero(np.isfinite(out)))
 
 
-def _checked_sum_squares_twin(base: np.ndarray, update: np.ndarray) -> tuple[float, int]:
+def _nonfinite_sums(base: np.ndarray, update: np.ndarray) -> int:
     with np.errstate(over="ignore", invalid="ignore"):
         total = base + update
-    return _sum_squares_twin(update), int(total.size - np.count_nonzero(np.isfinite(total)))
+    return int(total.size - np.count_nonzero(np.isfinite(total)))
+
+
+def _checked_sum_squares_twin(base: np.ndarray, update: np.ndarray) -> tuple[float, int]:
+    return _sum_squares_twin(update), _nonfinite_sums(base, update)
 
 
 def _add_scaled_twin(acc: np.ndarray, update: np.ndarray, factor: float) -> None:
     acc += factor * update.astype(np.float64)
 
 
-def _checked_accumulate_twin(
-    base: np.ndarray, update: np.ndarray, consensus: np.ndarray, weighted: np.ndarray, weight: float
-) -> tuple[float, int]:
-    squares, nonfinite = _checked_sum_squares_twin(base, update)
+def _accumulate_twin(update: np.ndarray, consensus: np.ndarray, weighted: np.ndarray, weight: float) -> float:
     if consensus.size:
         consensus += update
     if weighted.size:
         weighted += weight * update.astype(np.float64)
-    return squares, nonfinite
+    return _sum_squares_twin(update)
+
+
+def _checked_accumulate_twin(
+    base: np.ndarray, update: np.ndarray, consensus: np.ndarray, weighted: np.ndarray, weight: float
+) -> tuple[float, int]:
+    nonfinite = _nonfinite_sums(base, update)
+    return _accumulate_twin(update, consensus, weighted, weight), nonfinite
 
 
 def _dot_terms_twin(update: np.ndarray, consensus: np.ndarray) -> tuple[float, float]:
@@ -153,17 +161,14 @@ def _block_accumulate(base, update, consensus, weighted, weight, lo, hi, check):
         ws = weighted[lo:hi]
         for j in range(us.size):
             ws[j] += weight * np.float64(us[j])
-    if check:
-        bs = base[lo:hi]
-        for j in range(us.size):
-            u = us[j]
-            nonfinite += not abs(bs[j] + u) <= _F32_MAX
-            v = np.float64(u)
-            acc += v * v
-    else:
-        for j in range(us.size):
-            v = np.float64(us[j])
-            acc += v * v
+    if not check:
+        return _block_squares(update, lo, hi), 0
+    bs = base[lo:hi]
+    for j in range(us.size):
+        u = us[j]
+        nonfinite += not abs(bs[j] + u) <= _F32_MAX
+        v = np.float64(u)
+        acc += v * v
     return acc, nonfinite
 
 
@@ -184,10 +189,6 @@ def checked_accumulate(base, update, consensus, weighted, weight):
             base, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK), True
         )
     return partial.sum(), bad.sum()
-
-
-def _accumulate_twin(update, consensus, weighted, weight) -> float:
-    return _checked_accumulate_twin(update, update, consensus, weighted, weight)[0]
 
 
 @parallel_kernel(twin=_accumulate_twin)
