@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx
 
 import fedquant.codecs as codecs_module
 from fedquant.clients import quantize_mod
-from fedquant.codecs import get_codec
+from fedquant.codecs import buffers, get_codec
 from fedquant.codecs.quantizers.base import Quantized, SideField
 from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.metrics import HistoryRecorder, dense_float32_bytes, result_rows
@@ -45,6 +45,7 @@ from fedquant.strategies import (
 )
 from fedquant.strategies import decode_plan as decode_plan_module
 from fedquant.strategies.reply_decoder import RejectedReply, decode_reply
+from fedquant.strategies.stages.decoding import Decoding
 from fedquant.wire.payload import write_payload
 from tests.flower_fakes import (
     MIN_NUMEL,
@@ -194,6 +195,36 @@ def test_compressing_codecs_train_the_model(spec):
     if spec.startswith("ef+"):  # each client kept its residual for the encoded tensor
         keys = [list(c.state[STATE_TRANSFORMS_KEY].keys()) for c in grid.contexts.values()]
         assert keys == [["ef/fc.weight"]] * len(grid.contexts)
+
+
+def test_rounds_decode_into_the_memory_of_the_round_before(monkeypatch):
+    """From its second round on, the decoding stage lends the memory of the updates of the round
+    before (the model's one encoded tensor is small here, so the pool takes every size), and
+    every round's aggregate is, bit for bit, that of a strategy that allocates anew."""
+    monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 0)
+    grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
+    pooled, fresh = _wrap(codec="eden:bits=2"), _wrap(codec="eden:bits=2")
+    (pool,) = [stage.buffers for stage in pooled.stages if isinstance(stage, Decoding)]
+    (unused,) = [stage.buffers for stage in fresh.stages if isinstance(stage, Decoding)]
+    monkeypatch.setattr(unused, "take", lambda numel, dtype=np.float32: np.empty(numel, dtype))
+    taken = []  # the addresses lent (an array kept here would stay out of the pool)
+
+    def take(*args, take=pool.take):
+        array = take(*args)
+        taken.append(array.__array_interface__["data"][0])
+        return array
+
+    monkeypatch.setattr(pool, "take", take)
+    for server_round in (1, 2, 3):
+        messages = list(pooled.configure_train(server_round, initial_arrays(), ConfigRecord(), grid))
+        asked = fresh.configure_train(server_round, initial_arrays(), ConfigRecord(), grid)
+        twins = {m.metadata.dst_node_id: m for m in asked}
+        replies = grid.send_and_receive(messages)
+        copies = [Message(RecordDict(dict(r.content.items())), reply_to=twins[r.metadata.src_node_id]) for r in replies]
+        ours, theirs = pooled.aggregate_train(server_round, replies)[0], fresh.aggregate_train(server_round, copies)[0]
+        assert _arrays_close(ours, theirs, atol=0), server_round
+    assert len(taken) == 3 * NUM_NODES and len(set(taken[:NUM_NODES])) == NUM_NODES
+    assert set(taken[NUM_NODES : 2 * NUM_NODES]) == set(taken[2 * NUM_NODES :]) == set(taken[:NUM_NODES])
 
 
 def test_simulated_upload_seconds_is_the_slowest_client():

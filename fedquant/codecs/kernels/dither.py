@@ -36,6 +36,7 @@ import torch
 from numba import njit, prange
 
 from fedquant.codecs.buckets import torch_bucket_stat
+from fedquant.codecs.buffers import output_array
 from fedquant.codecs.kernels.common import (
     _ABS_MASK,
     _GAMMA,
@@ -854,11 +855,11 @@ def _decode_output(n: int, d: int, steps: np.ndarray, nested: bool, side_info, r
     before it)."""
     if rotation is None:
         _require_buckets(n, d, steps, nested, side_info)
-        return np.empty(n, np.float32)
+        return output_array(n)
     _require_buckets(n, d, steps, False, None)
     if nested:
         require_items(_side(side_info), rotation.numel, "side information")
-    return np.empty(rotation.numel, np.float32)
+    return output_array(rotation.numel)
 
 
 def _decoded(out: np.ndarray, top: int, bad_out: int, bad_side: int, rotation) -> tuple[np.ndarray, int, bool, bool]:

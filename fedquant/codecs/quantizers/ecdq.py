@@ -71,6 +71,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fedquant.codecs.buffers import output_array
 from fedquant.codecs.coders.layout import max_entropy_bytes
 from fedquant.codecs.coders.symbols import omega_bits
 from fedquant.codecs.kernels import e8
@@ -591,7 +592,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
 
     def _z_read_kernel(self, body: BodyReader, n: int, seed: int, step: float, h: int, log2k: int) -> torch.Tensor:
         key = kernel_key(seed)
-        out = np.empty(n, np.float32)
+        out = output_array(n)
         if self.coding == "fixed":
             width = bit_width(2 * h + 1)
             bad = kernels.values_from_packed(read_packed(body, n, width, "indices"), width, out, key, step, h)
@@ -621,7 +622,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
     def _e8_read_kernel(self, body: BodyReader, n: int, seed: int, step: float, h: int, log2k: int) -> torch.Tensor:
         key = kernel_key(seed)
         blocks = n // 8
-        out = np.empty(n, np.float32)
+        out = output_array(n)
         if self.coding == "fixed":
             coset = unpack_bits(read_packed(body, blocks, 1, "cosets"), 1, blocks).astype(np.uint8)
             width = bit_width(2 * h + 1)

@@ -60,6 +60,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fedquant.codecs.buffers import output_array
 from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import count_table, uniform_stream
 from fedquant.codecs.kernels.hadamard import rotation_args
@@ -396,7 +397,7 @@ class EdenQuantizer(BitsLadder, Quantizer):
             require_items(lo_data, packed_size(numel - k, self._lo), f"{self._lo}-bit indices")
         lo_cents = lloyd_max(1 << self._lo)[0].astype(np.float32) if self._lo else np.zeros(1, np.float32)
         hi_cents = lloyd_max(1 << self._hi)[0].astype(np.float32)
-        out = np.empty(numel if self.rotation is None else self.rotation.numel, np.float32)
+        out = output_array(numel if self.rotation is None else self.rotation.numel)
         bad, nonfinite = kernels.split_dequantize(
             lo_data, numel, self.bucket_size, self._lo, self._hi, lo_cents, hi_cents, scales,
             key, threshold, r, hi_before, ties_before, hi_data, out, *rotation_args(self.rotation),
@@ -415,7 +416,7 @@ class EdenQuantizer(BitsLadder, Quantizer):
         else:
             require_items(data, numel, "eden symbols")
         centroids = lloyd_max(1 << self._lo)[0].astype(np.float32)
-        out = np.empty(numel if self.rotation is None else self.rotation.numel, np.float32)
+        out = output_array(numel if self.rotation is None else self.rotation.numel)
         layout, rot_scales, key = rotation_args(self.rotation)
         bad, nonfinite = kernels.dequantize(
             data, numel, self.bucket_size, scales, centroids, self._lo, packed, out, layout, rot_scales, key

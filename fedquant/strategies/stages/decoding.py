@@ -6,6 +6,7 @@ import time
 
 from flwr.app import Message
 
+from fedquant.codecs.buffers import BufferPool
 from fedquant.strategies.admission import REASON_PAYLOAD, REASON_PLAN
 from fedquant.strategies.decode_plan import ClientAssignment, DecodePlan
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply, decode_threads
@@ -28,13 +29,15 @@ class Decoding(RoundStage):
         self.decode_plan = decode_plan
         self.min_numel = min_numel
         self.admitting = admitting
+        self.buffers = BufferPool()  # the decoded updates' memory, lent again round after round
 
     def receive(self, state: TrainRound, replies: list[Message]) -> None:
         """Decode and admit ``state.screened``; the accepted replies end in ``state.accepted``."""
         start = time.perf_counter()
         self.admitting.start(state)
         order = self.decode_plan.decode_order(list(state.screened), state.assignments)
-        with decode_threads(len(state.sent)):  # one kernel thread per reply when a round has many
+        # one kernel thread per reply when a round has many
+        with decode_threads(len(state.sent)), self.buffers.lending():
             self._decode_groups(state, order)
         self.admitting.finish(state)
         state.traffic.decode_seconds = time.perf_counter() - start
