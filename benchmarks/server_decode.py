@@ -5,8 +5,9 @@ Replies are built with the real client path (``quantize_mod`` on the train messa
 wrapped strategy's ``aggregate_train`` (check, decode, admission, rebuild, FedAvg) is timed
 against plain ``FedAvg.aggregate_train`` of the same dense arrays, in one process, best of
 ``--repeats``, one wrapped strategy for every round (as a ServerApp keeps it: the first,
-untimed round warms its caches and the memory it lends again). Each setting runs twice in a fresh subprocess: per core (``NUMBA_NUM_THREADS=1``,
-one torch thread) and on every core. Honest clients only: every reply is admitted.
+untimed round warms its caches and the memory it lends again). Each setting runs twice in a
+fresh subprocess: per core (``NUMBA_NUM_THREADS=1``, one torch thread) and on every core.
+Honest clients only: every reply is admitted.
 
 Targets (issue 23): at most 1.5x FedAvg's time for 100 replies x 1M parameters and 2x for
 10 x 25M, for ``qsgd:levels=16`` and ``eden:bits=2``; ``rht+dqsg:levels=6,coding=entropy`` is
