@@ -50,10 +50,12 @@ from fedquant.codecs.kernels.common import (
 from fedquant.codecs.kernels.hadamard import (
     chunk_in_cache,
     forward_span,
+    inverse_after_first4,
     inverse_scaled,
     inverse_span,
     keep_head,
     kept_blocks,
+    lookup_first4x16,
 )
 
 #: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
@@ -219,6 +221,51 @@ def _rotated_values(codes, start, stop, d, scales, centroids, layout, rot_scales
     return bad
 
 
+@njit(cache=True)
+def _packed_word(data, q, width):
+    """The ``2 width`` bytes (``width`` 1 or 2) that hold the packed indices of positions ``q .. q + 15``
+    (``q`` a multiple of 8), as a uint32, LSB first."""
+    o = q * width // 8
+    word = np.uint32(data[o]) | (np.uint32(data[o + 1]) << np.uint32(8))
+    if width == 2:
+        word |= (np.uint32(data[o + 2]) << np.uint32(16)) | (np.uint32(data[o + 3]) << np.uint32(24))
+    return word
+
+
+@njit(cache=True)
+def _rotated_packed(data, width, start, stop, d, scales, centroids, layout, rot_scales, key, out):
+    """:func:`_rotated_values` of the chunk ``start .. stop`` from its indices packed at ``width`` bits
+    (1 or 2; as many centroids as codes), read straight into the first sweep of each block's
+    inverse (:func:`~fedquant.codecs.kernels.hadamard.lookup_first4x16`): no unpacking pass and no
+    pass that writes the values. The same values, bit for bit. Returns -1, having written
+    nothing, when the chunk holds a block of fewer than 32 or one ``out`` keeps only in part
+    (the caller takes the general path)."""
+    blocks = kept_blocks(layout, start, stop, out.size - start)
+    for j in range(blocks.shape[0]):
+        if blocks[j, 1] < 32 or blocks[j, 0] + blocks[j, 1] > out.size:
+            return -1
+    c0, c1 = centroids[0], centroids[1]
+    c2, c3 = (centroids[2], centroids[3]) if centroids.size == 4 else (c0, c1)  # (1 bit: never selected)
+    bad = 0
+    for j in range(blocks.shape[0]):
+        p = blocks[j, 0]
+        seg = out[p : p + blocks[j, 1]]
+        c = rot_scales[blocks[j, 2]]
+        b = p // d
+        edge = p  # a bucket (a multiple of 64) holds whole groups of 16: its table is set at its first
+        t0 = t1 = t2 = t3 = c0
+        for g in range(seg.size // 16):
+            q = p + 16 * g
+            if q == edge:
+                s = scales[b]
+                t0, t1, t2, t3 = c0 * s, c1 * s, c2 * s, c3 * s
+                edge = (b + 1) * d
+                b += 1
+            lookup_first4x16(_packed_word(data, q, width), width, seg, 16 * g, t0, t1, t2, t3, c)
+        bad |= inverse_after_first4(seg, key, p)
+    return bad
+
+
 @parallel_kernel(count_arg=1)
 def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key):
     """``centroids[index] * scales[bucket]`` (float32) of ``numel`` indices into ``out``.
@@ -236,9 +283,15 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, ro
     rotate = layout.shape[0] > 0
     over = np.zeros(chunks, np.int64)
     bad = np.zeros(chunks, np.int64)
+    lookup = rotate and packed and width <= 2 and (1 << width) == top + 1
     for c in prange(chunks):
         start = c * CHUNK
         stop = min(start + CHUNK, numel)
+        if lookup:
+            done = _rotated_packed(data, width, start, stop, d, scales, centroids, layout, rot_scales, key, out)
+            if done >= 0:
+                bad[c] = done
+                continue
         if packed:
             codes = np.empty(stop - start, np.uint8)
             unpack_from(data, start // 8 * width, stop - start, width, codes)

@@ -287,6 +287,48 @@ def _scaled_first4x16(typingctx, src, seg, i, c):
     return types.void(src, seg, types.intp, types.float32), codegen
 
 
+@intrinsic
+def lookup_first4x16(typingctx, word, width, seg, i, t0, t1, t2, t3, c):
+    """``seg[i : i + 16]`` = :func:`_first4x16` of ``t[k_j] * c``: ``k_j`` the ``j``-th ``width``-bit field
+    of ``word`` (LSB first, ``width`` 1 or 2; ``t1`` / ``t0`` by its low bit, ``t3`` / ``t2`` by the
+    high one), the product rounded to float32 as a pass of its own rounds it.
+
+    The first sweep of an inverse transform whose values come from a table of four by packed
+    codes (EDEN's centroids times the bucket's scale), with no pass that unpacks the codes and
+    none that writes the values: a shift, a mask and three selects per sixteen values.
+    """
+    if not (_float32_c(seg) and all(t == types.float32 for t in (t0, t1, t2, t3, c))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        word, width, seg_arg, i, *table, c = args
+        words = ir.VectorType(ir.IntType(32), 16)
+        vector = ir.VectorType(ir.FloatType(), 16)
+        zeros16 = ir.Constant(words, [0] * 16)
+
+        def broadcast(value, kind):
+            first = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(first, first, zeros16)
+
+        w = builder.trunc(width, ir.IntType(32)) if width.type.width > 32 else width
+        shifts = builder.mul(ir.Constant(words, list(range(16))), broadcast(w, words))
+        word = builder.trunc(word, ir.IntType(32)) if word.type.width > 32 else word
+        mask = builder.sub(builder.shl(ir.Constant(ir.IntType(32), 1), w), ir.Constant(ir.IntType(32), 1))
+        fields = builder.and_(builder.lshr(broadcast(word, words), shifts), broadcast(mask, words))
+        low = builder.icmp_unsigned("!=", builder.and_(fields, ir.Constant(words, [1] * 16)), zeros16)
+        high = builder.icmp_unsigned("!=", builder.and_(fields, ir.Constant(words, [2] * 16)), zeros16)
+        t = [broadcast(value, vector) for value in table]
+        v = builder.select(high, builder.select(low, t[3], t[2]), builder.select(low, t[1], t[0]))
+        v = builder.fmul(v, broadcast(c, vector))
+        target = context.make_array(sig.args[2])(context, builder, seg_arg)
+        ptr = builder.bitcast(builder.gep(target.data, [i]), vector.as_pointer())
+        builder.store(_first4_stages(builder, v), ptr, align=4)
+        return context.get_dummy_value()
+
+    f32 = types.float32
+    return types.void(word, width, seg, types.intp, f32, f32, f32, f32, f32), codegen
+
+
 @njit(cache=True)
 def _first4(seg, length):
     """Stages ``h = 1, 2, 4, 8`` (``length`` a multiple of 16), sixteen elements per register."""
@@ -667,6 +709,16 @@ def _scaled_stages(src, seg, c, check):
 def scaled_butterflies(seg, c):
     """:func:`butterflies` of ``seg * c`` in place (see :func:`_scaled_stages`)."""
     _scaled_stages(seg, seg, c, False)
+
+
+@njit(cache=True)
+def inverse_after_first4(seg, key, o):
+    """The rest of the inverse transform, in place, of the block ``seg`` (32 or more) at laid-out
+    position ``o`` whose first sweep (stages ``h = 1, 2, 4, 8`` of the scaled values, e.g. by
+    :func:`lookup_first4x16`) is done; 1 if a result is not finite, else 0."""
+    bad = _wide_stages16_checked(seg, seg.size, 16)
+    _flip_signs(seg, key, o)
+    return bad
 
 
 @njit(cache=True)

@@ -293,6 +293,13 @@ SIZES = [0, 1, 7, 300, 1000, PARALLEL_MIN - 3, PARALLEL_MIN + 777]
     "spec",
     [
         "eden:bits=1",
+        # packed 1- and 2-bit indices read straight into the inverse's first sweep, beside blocks
+        # of fewer than 32 and a last block kept in part (the general path), buckets smaller than
+        # a block and blocks smaller than a bucket
+        "eden:bits=2",
+        "rht:min_log2=3+eden:bits=2",
+        "rht:max_log2=9,min_log2=5+eden:bits=1,bucket_size=64",
+        "rht:max_log2=6,min_log2=2+eden:bits=2,bucket_size=128",
         "eden:bits=3,bucket_size=64",
         "eden:bits=8",
         "eden:bits=2,coding=entropy,bucket_size=128",
