@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"HARNESS PROBLEM: {line}")
     if report.failures or problems:
         return 1
-    print("\nno crash, hang, memory blow-up, non-finite output or exception other than PayloadError")
+    print(
+        "\nno crash, hang, memory blow-up, non-finite output, exception other than PayloadError, or deferred pass"
+        " that disagrees with decode"
+    )
     return 0
 
 

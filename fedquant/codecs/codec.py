@@ -438,7 +438,9 @@ class Codec:
 
         A :class:`~fedquant.codecs.deferred.DeferredValues` for the pipelines whose decoder is
         cheap enough to run in every pass over the values (no transforms, a quantizer that defers
-        its fixed-width symbols: QSGD, TernGrad, on the CPU kernels); None for the others, before
+        its fixed-width symbols: QSGD, TernGrad, on the CPU kernels), or that writes its values out
+        in the first pass (EDEN at integer rates behind its rotation, which adds them to a
+        server's sums while they are in cache); None for the others, before
         anything is read (call :meth:`decode` then). The payload must declare ``shape`` and
         float32, and is checked as :meth:`decode` checks it, except for the values: out-of-range
         symbols raise from the first pass over them, and their finiteness is the caller's to
@@ -449,12 +451,20 @@ class Codec:
         PayloadError
             As :meth:`decode`.
         """
-        if self.wire_transforms or not defers_body(self.quantizer):
+        if not defers_body(self.quantizer) or not (not self.wire_transforms or self._rotates_deferred()):
             return None
-        _, quantizer, sizes, body, _, _ = self._open(payload, seed, None, shape, torch.float32, None)
+        _, quantizer, sizes, body, wire, _ = self._open(payload, seed, None, shape, torch.float32, None)
+        if wire:  # (a rotation the quantizer defers through is fused whenever its kernels run)
+            raise RuntimeError(f"{self.name}: the rotation was not fused into the deferring quantizer")
         values = defer_body(quantizer, body, sizes[-1], seed)
         body.expect_end()
         return values
+
+    def _rotates_deferred(self) -> bool:
+        """Whether the one wire transform is a rotation the quantizer undoes in its own deferred pass
+        (:meth:`Quantizer.defers_rotated`)."""
+        wire = self.wire_transforms
+        return len(wire) == 1 and wire[0].name == "rht" and self.quantizer.defers_rotated()
 
     def _open(
         self,

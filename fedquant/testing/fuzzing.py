@@ -13,7 +13,10 @@ small constant.
 
 Outcomes: ``ok-finite`` (a finite tensor of the expected shape and dtype), ``payload-error``
 (:class:`fedquant.PayloadError`), and the failures ``other-exception``, ``crash``, ``hang``,
-``memory``, ``nonfinite`` and ``bad-output`` (a tensor of the wrong shape or dtype).
+``memory``, ``nonfinite``, ``bad-output`` (a tensor of the wrong shape or dtype) and
+``deferred-mismatch``: where the case decodes as the server does (shape and float32 given) and the
+pipeline defers its values (:meth:`fedquant.codecs.Codec.decode_deferred`), the server's first pass
+over them (the running sums') must refuse what decode refuses and give decode's values otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +39,17 @@ import numpy as np
 
 from fedquant.testing.fuzz_mutations import Base, bases, families, mutate
 
-OUTCOMES = ("ok-finite", "payload-error", "other-exception", "crash", "hang", "memory", "nonfinite", "bad-output")
+OUTCOMES = (
+    "ok-finite",
+    "payload-error",
+    "other-exception",
+    "crash",
+    "hang",
+    "memory",
+    "nonfinite",
+    "bad-output",
+    "deferred-mismatch",
+)
 FAILURES = OUTCOMES[2:]
 MEMORY_FACTOR = 4
 TRACED_SLACK = 1 << 20  # bytes of Python/NumPy bookkeeping any decode may allocate
@@ -126,6 +139,10 @@ def run_case(fam: Family, seed: int, family_index: int, i: int, inject: dict | N
     grown = (proc.kib(b"VmHWM:") - rss_before) * 1024 if proc is not None else 0
     if traced > bound + TRACED_SLACK or grown > bound + RSS_SLACK:
         return "memory", f"{kind}: allocated {traced} B (traced), {grown} B resident; bound {bound} B"
+    if shape is not None and dtype == torch.float32:
+        mismatch = _deferred_disagrees(fam.codec, payload, base.seed, shape, out)
+        if mismatch is not None:
+            return "deferred-mismatch", f"{kind}: {mismatch}"[:300]
     if error is not None:
         return "payload-error", ""
     if injected == "nonfinite":
@@ -139,6 +156,35 @@ def run_case(fam: Family, seed: int, family_index: int, i: int, inject: dict | N
     if not bool(torch.isfinite(out).all()):
         return "nonfinite", f"{kind}: decoded tensor holds NaN or Inf"
     return "ok-finite", ""
+
+
+def _deferred_disagrees(codec, payload: bytes, seed: int, shape, decoded) -> str | None:
+    """Where the server's deferred decode of ``payload`` disagrees with ``decoded`` (decode's tensor,
+    None when decode refused it), in a sentence; None when they agree or nothing is deferred.
+
+    The first pass is the running sums' (:meth:`~fedquant.codecs.deferred.DeferredValues.accumulate`
+    onto a zero model): it must raise :class:`fedquant.PayloadError` or count a non-finite sum
+    exactly when decode refused, and the values it wrote must be decode's.
+    """
+    from fedquant import PayloadError
+
+    try:
+        values = codec.decode_deferred(payload, seed, shape=shape)
+        if values is None:
+            return None
+        zeros = np.zeros(values.numel, np.float32)
+        _, nonfinite = values.accumulate(zeros, np.zeros(values.numel, np.float32), np.zeros(0), 1.0, 0.0)
+    except PayloadError:
+        return None if decoded is None else "the deferred pass refused a payload decode accepts"
+    except Exception as err:  # noqa: BLE001 - any other escape is the finding
+        return f"the deferred pass raised {type(err).__name__}: {err}"
+    if decoded is None:
+        return None if nonfinite else "the deferred pass accepted a payload decode refuses"
+    if nonfinite:
+        return "the deferred pass found non-finite values where decode found none"
+    if not np.array_equal(values.materialize().numpy(), decoded.reshape(-1).numpy()):
+        return "the deferred values differ from decode's"
+    return None
 
 
 def canonical_specs(specs: list[str]) -> list[str]:
@@ -203,14 +249,14 @@ class Report:
     def table(self) -> str:
         """Counts per family x outcome, with a total row."""
         width = max([len(s) for s in self.counts] + [12])
-        head = f"{'family':<{width}}" + "".join(f"{o:>17}" for o in OUTCOMES)
+        head = f"{'family':<{width}}" + "".join(f"{o:>19}" for o in OUTCOMES)
         lines = [head, "-" * len(head)]
         total: Counter = Counter()
         for spec, c in self.counts.items():
             total.update(c)
-            lines.append(f"{spec:<{width}}" + "".join(f"{c[o]:>17,}" for o in OUTCOMES))
+            lines.append(f"{spec:<{width}}" + "".join(f"{c[o]:>19,}" for o in OUTCOMES))
         lines.append("-" * len(head))
-        lines.append(f"{'total':<{width}}" + "".join(f"{total[o]:>17,}" for o in OUTCOMES))
+        lines.append(f"{'total':<{width}}" + "".join(f"{total[o]:>19,}" for o in OUTCOMES))
         return "\n".join(lines)
 
 

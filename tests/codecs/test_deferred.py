@@ -19,7 +19,18 @@ from fedquant.codecs.kernels.common import PARALLEL_MIN
 from fedquant.codecs.kernels.norms import checked_accumulate, dot_terms
 
 DEFERRED = ["qsgd", "qsgd:levels=1,bucket_size=128", "qsgd:levels=300,bucket_size=1000", "terngrad"]
-NOT_DEFERRED = ["eden:bits=2", "rht+qsgd", "qsgd:coding=entropy", "qsgd:coding=elias", "dqsg", "fp32", "signsgd"]
+#: EDEN writes its values out in its first pass (behind the rotation it undoes), bit for bit.
+WRITTEN_ONCE = ["eden:bits=2", "eden:bits=1", "eden:bits=4,bucket_size=64", "rht:min_log2=3+eden:bits=2"]
+NOT_DEFERRED = [
+    "eden:bits=1.5",
+    "eden:bits=2,coding=entropy",
+    "rht+qsgd",
+    "qsgd:coding=entropy",
+    "qsgd:coding=elias",
+    "dqsg",
+    "fp32",
+    "signsgd",
+]
 
 
 def _update(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -52,6 +63,53 @@ def test_every_pass_over_deferred_values_is_the_pass_over_the_decoded_tensor(spe
     # a sum left out (empty) is not kept; a bound on |base| skips the elementwise check, same result
     for bound in (None, float(np.abs(base).max()), float("nan")):
         assert values.accumulate(base, np.zeros(0, np.float32), np.zeros(0), 1.0, bound) == pytest.approx(got)
+
+
+@pytest.mark.parametrize("spec", WRITTEN_ONCE)
+@pytest.mark.parametrize("shape", [(3, 1000), (PARALLEL_MIN + 4097,)])
+def test_values_written_in_the_first_pass_are_the_decoded_tensor_bit_for_bit(spec, shape):
+    """The first pass (sums) writes the values decode returns; the sums are those of the decoded
+    tensor (squares to float64 rounding: summed by chunks), the inner products the same, and a
+    second pass reads what the first wrote."""
+    codec = get_codec(spec)
+    payload = codec.encode(_update(shape, 1), seed=7)
+    decoded = codec.decode(payload, seed=7, shape=shape, dtype=torch.float32).reshape(-1).numpy()
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(decoded.size).astype(np.float32)
+    start_c, start_w = rng.standard_normal(decoded.size).astype(np.float32), rng.standard_normal(decoded.size)
+    want_c, want_w = start_c.copy(), start_w.copy()
+    want = checked_accumulate(base, decoded, want_c, want_w, 3.0)
+    for bound in (None, float(np.abs(base).max())):
+        values = codec.decode_deferred(payload, 7, shape=shape)
+        assert isinstance(values, DeferredValues) and values.numel == decoded.size
+        consensus, weighted = start_c.copy(), start_w.copy()
+        got = values.accumulate(base, consensus, weighted, 3.0, bound)
+        assert got[1] == want[1] == 0 and got[0] == pytest.approx(want[0], rel=1e-12)
+        np.testing.assert_array_equal(consensus, want_c)
+        np.testing.assert_array_equal(weighted, want_w)
+        assert values.dot_terms(consensus) == dot_terms(decoded, consensus)
+        np.testing.assert_array_equal(values.materialize().numpy(), decoded)
+        again = values.accumulate(base, np.zeros(0, np.float32), np.zeros(0), 1.0, bound)
+        assert again[1] == 0 and again[0] == pytest.approx(want[0], rel=1e-12)
+    values = codec.decode_deferred(payload, 7, shape=shape)  # a lookup before any pass writes them too
+    np.testing.assert_array_equal(values.materialize().numpy(), decoded)
+    assert values.dot_terms(want_c) == dot_terms(decoded, want_c)
+
+
+def test_eden_values_beyond_float32_are_counted_as_decode_refuses_them():
+    """A forged bfloat16 scale of Inf, or one large enough that base + update overflows: the
+    first pass counts every non-finite sum (the server refuses the update), whatever bound it is given."""
+    codec = get_codec("eden:bits=2")
+    shape = (4, 512)
+    payload = codec.encode(_update(shape, 8), seed=5)
+    empty = (np.zeros(0, np.float32), np.zeros(0))
+    for forged in (0x7F80, 0x7F7F):  # bfloat16 Inf, the largest finite bfloat16 (~3.4e38)
+        values = codec.decode_deferred(payload, 5, shape=shape)
+        values.scales = values.scales.copy()
+        values.scales[1] = np.array([forged << 16], np.uint32).view(np.float32)[0]
+        base = np.full(values.numel, np.finfo(np.float32).max / 2, np.float32)
+        squares, nonfinite = values.accumulate(base, *empty, 1.0, float(base.max()))
+        assert nonfinite > 0 and not squares < np.finfo(np.float32).max
 
 
 def test_a_base_bound_that_cannot_rule_out_overflow_keeps_the_elementwise_check():

@@ -138,3 +138,30 @@ def test_the_twin_rans_decoder_keeps_a_forged_streams_tables_within_the_memory_b
     monkeypatch.setenv(cache.MODE_ENV, "twin")
     monkeypatch.setattr(cache, "READY", False)  # once the kernels ran in this process, they would stay chosen
     assert replay("dqsg:coding=entropy", 1556) == ("payload-error", "")
+
+
+@pytest.mark.parametrize("spec", ["eden:bits=2", "qsgd"])
+def test_a_deferred_pass_that_disagrees_with_decode_is_a_failure(spec, monkeypatch):
+    """The oracle of the server's deferred pass: it agrees on a valid payload, and each way of
+    disagreeing (accepting what decode refused, refusing what it accepted, other values) is named."""
+    from fedquant.codecs import get_codec
+    from fedquant.testing import fuzzing
+
+    assert "deferred-mismatch" in FAILURES
+    codec = get_codec(spec)
+    payload = codec.encode(torch.randn(3, 700, generator=torch.Generator().manual_seed(1)) * 0.01, seed=4)
+    decoded = codec.decode(payload, seed=4, shape=(3, 700), dtype=torch.float32)
+    assert fuzzing._deferred_disagrees(codec, payload, 4, (3, 700), decoded) is None
+    assert "accepted" in fuzzing._deferred_disagrees(codec, payload, 4, (3, 700), None)
+    wrong = decoded.clone()
+    wrong[0, 0] += 1
+    assert "differ" in fuzzing._deferred_disagrees(codec, payload, 4, (3, 700), wrong)
+    kind = type(codec.decode_deferred(payload, 4, shape=(3, 700)))
+
+    def refuse(*args):
+        raise PayloadError("forged")
+
+    monkeypatch.setattr(kind, "accumulate", refuse)
+    assert "refused" in fuzzing._deferred_disagrees(codec, payload, 4, (3, 700), decoded)
+    monkeypatch.setattr(kind, "accumulate", lambda *args: 1 // 0)
+    assert "ZeroDivisionError" in fuzzing._deferred_disagrees(codec, payload, 4, (3, 700), decoded)

@@ -57,6 +57,7 @@ from fedquant.codecs.kernels.hadamard import (
     kept_blocks,
     lookup_first4x16,
 )
+from fedquant.codecs.kernels.norms import block_accumulate
 
 #: Half-width of the threshold window of :func:`split_plan`, in standard deviations of the count.
 WINDOW_SIGMAS = 12.0
@@ -266,6 +267,35 @@ def _rotated_packed(data, width, start, stop, d, scales, centroids, layout, rot_
     return bad
 
 
+@njit(cache=True)
+def _dequantize_chunk(c, data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key):
+    """Chunk ``c`` of :func:`dequantize`: ``(indices beyond the table, 1 if a value is not finite)``."""
+    top = centroids.size - 1
+    start = c * CHUNK
+    stop = min(start + CHUNK, numel)
+    rotate = layout.shape[0] > 0
+    if rotate and packed and width <= 2 and (1 << width) == top + 1:
+        done = _rotated_packed(data, width, start, stop, d, scales, centroids, layout, rot_scales, key, out)
+        if done >= 0:
+            return 0, done
+    if packed:
+        codes = np.empty(stop - start, np.uint8)
+        unpack_from(data, start // 8 * width, stop - start, width, codes)
+    else:
+        codes = data[start:stop]
+    over = 0
+    if not packed or (1 << width) > top + 1:  # packed at width bits: beyond the table only if wider
+        for i in range(stop - start):
+            over += codes[i] > top
+    if rotate:
+        return over, _rotated_values(codes, start, stop, d, scales, centroids, layout, rot_scales, key, out)
+    values = out[start:stop]
+    for lo in range(0, stop - start, d):
+        m = min(d, stop - start - lo)
+        _values(codes[lo : lo + m], m, centroids, scales[(start + lo) // d], _ONE32, values[lo : lo + m])
+    return over, 0
+
+
 @parallel_kernel(count_arg=1)
 def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key):
     """``centroids[index] * scales[bucket]`` (float32) of ``numel`` indices into ``out``.
@@ -278,38 +308,37 @@ def dequantize(data, numel, d, scales, centroids, width, packed, out, layout, ro
     meaningful: the caller refuses the payload), ``blocks of out`` holding NaN or Inf; 0 without a
     rotation).
     """
-    top = centroids.size - 1
     chunks = (numel + CHUNK - 1) // CHUNK
-    rotate = layout.shape[0] > 0
     over = np.zeros(chunks, np.int64)
     bad = np.zeros(chunks, np.int64)
-    lookup = rotate and packed and width <= 2 and (1 << width) == top + 1
     for c in prange(chunks):
-        start = c * CHUNK
-        stop = min(start + CHUNK, numel)
-        if lookup:
-            done = _rotated_packed(data, width, start, stop, d, scales, centroids, layout, rot_scales, key, out)
-            if done >= 0:
-                bad[c] = done
-                continue
-        if packed:
-            codes = np.empty(stop - start, np.uint8)
-            unpack_from(data, start // 8 * width, stop - start, width, codes)
-        else:
-            codes = data[start:stop]
-        if not packed or (1 << width) > top + 1:  # packed at width bits: beyond the table only if wider
-            count = 0
-            for i in range(stop - start):
-                count += codes[i] > top
-            over[c] = count
-        if rotate:
-            bad[c] = _rotated_values(codes, start, stop, d, scales, centroids, layout, rot_scales, key, out)
-            continue
-        values = out[start:stop]
-        for lo in range(0, stop - start, d):
-            m = min(d, stop - start - lo)
-            _values(codes[lo : lo + m], m, centroids, scales[(start + lo) // d], _ONE32, values[lo : lo + m])
+        over[c], bad[c] = _dequantize_chunk(
+            c, data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key
+        )
     return over.sum(), bad.sum()
+
+
+@parallel_kernel(count_arg=1)
+def dequantize_summed(
+    data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key, consensus, weighted, weight
+):
+    """:func:`dequantize`, each chunk's values then added to a server's running sums while they are in
+    cache, as :func:`~fedquant.codecs.kernels.norms.checked_accumulate` adds them without its check:
+    ``consensus += values`` (float32), ``weighted += weight x values`` (float64; either may be
+    empty). Returns :func:`dequantize`'s two counts and ``sum(values**2)`` (float64 by chunks)."""
+    chunks = (numel + CHUNK - 1) // CHUNK
+    over = np.zeros(chunks, np.int64)
+    bad = np.zeros(chunks, np.int64)
+    squares = np.zeros(chunks, np.float64)
+    for c in prange(chunks):
+        over[c], bad[c] = _dequantize_chunk(
+            c, data, numel, d, scales, centroids, width, packed, out, layout, rot_scales, key
+        )
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, out.size)  # the chunk's values (a rotation's padding is not kept)
+        if lo < hi:
+            squares[c] = block_accumulate(out, out, consensus, weighted, weight, lo, hi, False)[0]
+    return over.sum(), bad.sum(), squares.sum()
 
 
 # ---------------------------------------------------------------- fractional bits: the split

@@ -147,7 +147,7 @@ def checked_sum_squares(base, update):
 
 
 @njit(cache=True, fastmath=REASSOCIATE)
-def _block_accumulate(base, update, consensus, weighted, weight, lo, hi, check):
+def block_accumulate(base, update, consensus, weighted, weight, lo, hi, check):
     """:func:`_block_checked` of ``lo .. hi`` that also adds the update to the running sums; without
     ``check`` only the squares (``base`` unread, the count 0)."""
     acc = 0.0
@@ -185,7 +185,7 @@ def checked_accumulate(base, update, consensus, weighted, weight):
     partial = np.zeros(blocks, np.float64)
     bad = np.zeros(blocks, np.int64)
     for b in prange(blocks):
-        partial[b], bad[b] = _block_accumulate(
+        partial[b], bad[b] = block_accumulate(
             base, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK), True
         )
     return partial.sum(), bad.sum()
@@ -198,7 +198,7 @@ def _accumulate(update, consensus, weighted, weight):
     blocks = (n + BLOCK - 1) // BLOCK
     partial = np.zeros(blocks, np.float64)
     for b in prange(blocks):
-        partial[b] = _block_accumulate(
+        partial[b] = block_accumulate(
             update, update, consensus, weighted, weight, b * BLOCK, min(n, (b + 1) * BLOCK), False
         )[0]
     return partial.sum()
@@ -223,9 +223,16 @@ def accumulate_bounded(
     The count is then exact as :func:`checked_accumulate`'s; the squares agree to float64 rounding.
     """
     squares = float(_accumulate(update, consensus, weighted, weight))
+    return squares, nonfinite_beyond(squares, base, update, base_bound)
+
+
+def nonfinite_beyond(squares: float, base: np.ndarray, update: np.ndarray, base_bound: float) -> int:
+    """How many float32 ``base + update`` are not finite, given ``squares = sum(update**2)`` and
+    ``base_bound >= max |base|`` (NaN: none known): 0, reading neither, where ``||update|| +
+    base_bound`` stays below ``FLOAT32_MAX`` (see :func:`accumulate_bounded`), else counted."""
     if math.sqrt(squares) + base_bound <= float(_F32_MAX) * _BOUND_MARGIN:
-        return squares, 0
-    return squares, int(checked_sum_squares(base, update)[1])
+        return 0
+    return int(checked_sum_squares(base, update)[1])
 
 
 @parallel_kernel(count_arg=1, twin=_add_scaled_twin)

@@ -296,6 +296,11 @@ class Quantizer(Configurable, KernelDispatch):
         """Whether :meth:`defer_packed` gives deferred values (default: no)."""
         return False
 
+    def defers_rotated(self) -> bool:
+        """Whether :meth:`defer_packed` also defers behind ``rht`` (the quantizer then always fuses the
+        rotation, :meth:`fuses`, and its deferred values come back through it). Default: no."""
+        return False
+
     def defer_packed(
         self, side: list[np.ndarray], packed: np.ndarray, width: int, numel: int, seed: int
     ) -> DeferredValues:

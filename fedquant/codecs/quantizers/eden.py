@@ -61,9 +61,11 @@ import numpy as np
 import torch
 
 from fedquant.codecs.buffers import output_array
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.codecs.kernels import eden as kernels
 from fedquant.codecs.kernels.common import count_table, uniform_stream
 from fedquant.codecs.kernels.hadamard import rotation_args
+from fedquant.codecs.kernels.norms import accumulate_bounded, dot_terms, nonfinite_beyond
 from fedquant.codecs.params import Param
 from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField, check_alphabet
 from fedquant.errors import PayloadError
@@ -409,23 +411,21 @@ class EdenQuantizer(BitsLadder, Quantizer):
         return torch.from_numpy(out)
 
     def _dequantize_kernel(self, side, data: np.ndarray, numel: int, packed: bool) -> torch.Tensor:
-        scales = _from_bfloat16(side[0])
-        require_items(scales, self.num_buckets(numel), "eden scales")
-        if packed:
-            require_items(data, packed_size(numel, self._lo), "packed symbols")
-        else:
-            require_items(data, numel, "eden symbols")
-        centroids = lloyd_max(1 << self._lo)[0].astype(np.float32)
-        out = output_array(numel if self.rotation is None else self.rotation.numel)
-        layout, rot_scales, key = rotation_args(self.rotation)
-        bad, nonfinite = kernels.dequantize(
-            data, numel, self.bucket_size, scales, centroids, self._lo, packed, out, layout, rot_scales, key
-        )
-        if bad:
-            raise PayloadError(f"eden payload holds {bad} symbols beyond the {centroids.size} centroids")
-        if self.rotation is not None:
-            self.rotation.finite = nonfinite == 0
-        return torch.from_numpy(out)
+        return EdenValues(self, side, data, numel, packed).materialize()
+
+    def defers_packed(self) -> bool:
+        """Integer rates on the kernels defer their values (:class:`EdenValues`): written out in the
+        pass that adds them to a server's sums."""
+        return self._kernel_path() and not self.split
+
+    def defers_rotated(self) -> bool:
+        """Behind ``rht`` too: the kernels fuse the rotation whenever they run (:meth:`fuses`)."""
+        return self.defers_packed()
+
+    def defer_packed(self, side, packed, width, numel, seed) -> EdenValues:
+        if width != self._lo:
+            raise PayloadError(f"eden payload packs its indices at {width} bits, expected {self._lo}")
+        return EdenValues(self, side, np.ascontiguousarray(packed, dtype=np.uint8), numel, True)
 
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
         if self._kernel_path(flat):
@@ -481,6 +481,72 @@ class EdenQuantizer(BitsLadder, Quantizer):
         if not self._kernel_path() or width != self._lo:
             return super().dequantize_packed(side, packed, width, numel, seed)
         return self._dequantize_kernel(side, np.ascontiguousarray(packed, dtype=np.uint8), numel, True)
+
+
+class EdenValues(DeferredValues):
+    """EDEN's decoded values (behind its rotation, when bound to one), written out once: by
+    :meth:`accumulate` in the pass that also adds them to a server's running sums while each chunk
+    is in cache (:func:`kernels.dequantize_summed`), else by :meth:`materialize`. The payload's
+    side data and lengths are checked on construction, its indices by the pass that writes.
+
+    Parameters
+    ----------
+    quantizer : EdenQuantizer
+        The decoding quantizer (bound to the rotation it undoes, or not).
+    side : list of numpy.ndarray
+        The payload's side data (the bfloat16 scales).
+    data : numpy.ndarray
+        The indices, packed at the quantizer's width (``packed``) or one uint8 each.
+    numel : int
+        Indices sent (the laid-out size behind a rotation).
+    """
+
+    def __init__(self, quantizer: EdenQuantizer, side, data: np.ndarray, numel: int, packed: bool) -> None:
+        scales = _from_bfloat16(side[0])
+        require_items(scales, quantizer.num_buckets(numel), "eden scales")
+        require_items(
+            data, packed_size(numel, quantizer._lo) if packed else numel, "packed symbols" if packed else "eden symbols"
+        )
+        self.quantizer, self.scales, self.data, self.packed = quantizer, scales, data, packed
+        self.coded = numel
+        self.numel = numel if quantizer.rotation is None else quantizer.rotation.numel
+        self.centroids = lloyd_max(1 << quantizer._lo)[0].astype(np.float32)
+        self._values: np.ndarray | None = None
+
+    def _args(self, out: np.ndarray) -> tuple:
+        q = self.quantizer
+        return (self.data, self.coded, q.bucket_size, self.scales, self.centroids, q._lo, self.packed, out,
+                *rotation_args(q.rotation))  # fmt: skip
+
+    def _written(self, over: int, nonfinite: int, out: np.ndarray) -> np.ndarray:
+        if over:
+            raise PayloadError(f"eden payload holds {over} symbols beyond the {self.centroids.size} centroids")
+        if self.quantizer.rotation is not None:
+            self.quantizer.rotation.finite = nonfinite == 0
+        self._values = out
+        return out
+
+    def accumulate(self, base, consensus, weighted, weight, base_bound=None) -> tuple[float, int]:
+        if self._values is None:
+            out = output_array(self.numel)
+            over, nonfinite, squares = kernels.dequantize_summed(*self._args(out), consensus, weighted, float(weight))
+            values = self._written(int(over), int(nonfinite), out)
+            squares = float(squares)
+        else:  # written out already: the sums' own pass
+            values = self._values
+            squares, _ = accumulate_bounded(base, values, consensus, weighted, weight, math.inf)
+        bound = math.nan if base_bound is None else float(base_bound)
+        return squares, nonfinite_beyond(squares, base, values, bound)
+
+    def dot_terms(self, consensus) -> tuple[float, float]:
+        return dot_terms(self.materialize().numpy(), consensus)
+
+    def materialize(self) -> torch.Tensor:
+        if self._values is None:
+            out = output_array(self.numel)
+            over, nonfinite = kernels.dequantize(*self._args(out))
+            self._written(int(over), int(nonfinite), out)
+        return torch.from_numpy(self._values)
 
 
 def _bucket_sum(v: torch.Tensor, ids: torch.Tensor | None, buckets: int) -> torch.Tensor:
