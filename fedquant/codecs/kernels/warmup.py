@@ -48,7 +48,9 @@ def _accepted(get_codec, spec: str) -> bool:
 
 
 def exercise(spec: str, sizes: tuple[int, ...]) -> None:
-    """Encode and decode a seeded Gaussian tensor of each size with ``spec`` (compiled kernels)."""
+    """Encode and decode a seeded Gaussian tensor of each size with ``spec`` (compiled kernels), and
+    take the server's first pass over its deferred values where it has them."""
+    import numpy as np
     import torch
 
     from fedquant.codecs import get_codec
@@ -57,7 +59,11 @@ def exercise(spec: str, sizes: tuple[int, ...]) -> None:
     for n in sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(n))
         estimate = x if codec.needs_side_info else None  # NDQSG decodes against an estimate: the tensor itself
-        codec.decode(codec.encode(x, seed=n), n, estimate)
+        payload = codec.encode(x, seed=n)
+        codec.decode(payload, n, estimate)
+        deferred = codec.decode_deferred(payload, n, shape=(n,)) if estimate is None else None
+        if deferred is not None:
+            deferred.accumulate(np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(0), 1.0, 1.0)
 
 
 def exercise_wire(sizes: tuple[int, ...]) -> None:
