@@ -11,7 +11,10 @@ rounds through all jobs (copy included), each round timing at least ``--repeats`
 for short calls, up to ``--budget`` seconds): on a shared machine the minimum is the least
 disturbed run, and rounds keep a burst of load from spoiling a whole row. Columns: ``us/call``
 and ``x copy`` (the codec's time as a multiple of the copy's best time) per core and all cores;
-``peak MiB``: extra resident memory at the peak of encode or decode.
+``dec x lent``: the decode per core into memory a :class:`~fedquant.codecs.buffers.BufferPool`
+lends again each call, as the server's decoding stage decodes (a new tensor's first touch, page
+by page, is left out; the copy writes into memory it touched before too); ``peak MiB``: extra
+resident memory at the peak of encode or decode.
 
 Targets (per core, at ``--target-size`` elements, default 25M; :data:`TARGETS`): fixed-width
 codecs (``specs.FIXED_WIDTH_PATHS``) encode and decode each within 3x of the copy; the ``rht+``
@@ -35,6 +38,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -43,6 +47,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.specs import FIXED_WIDTH_PATHS, RHT_PATHS, all_specs, build, parse_codec_list, side_info_for
+from fedquant.codecs.buffers import BufferPool
 
 #: Per-core time targets (times an in-place copy, encode and decode each) at the target size.
 TARGETS: dict[str, float] = {
@@ -166,6 +171,12 @@ def naive_qsgd(x: torch.Tensor, levels: int = 16, d: int = 512, seed: int = 0):
     return encode, decode
 
 
+def _lent_decode(codec, payload: bytes, side, pool: BufferPool) -> torch.Tensor:
+    """``codec.decode`` into memory ``pool`` lends (what the last call returned, once dropped)."""
+    with pool.lending():
+        return codec.decode(payload, seed=1, side_info=side)
+
+
 def row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
@@ -231,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         headers += [f"enc us {mode}", f"enc x {mode}", f"dec us {mode}", f"dec x {mode}"]
         widths += [11, 10, 11, 10]
+    if "core" in modes:
+        headers.append("dec x lent")
+        widths.append(10)
     headers += ["peak MiB", "target"]
     widths += [9, 11]
     failures: list[str] = []
@@ -243,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs: dict[str, tuple] = {"copy": (lambda x=x, y=y: y.copy_(x), None)}
         jobs["reference"] = (enc, dec)
         rows: dict[str, dict] = {}
+        lent_jobs: dict[str, tuple] = {"copy": jobs["copy"]}
         for st in settings:
             if st.codec is None:
                 continue
@@ -253,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda c=codec, x=x: c.encode(x, seed=1),
                 lambda c=codec, p=payload, s=side: c.decode(p, seed=1, side_info=s),
             )
+            lent_jobs[st.spec] = (partial(_lent_decode, codec, payload, side, BufferPool()), None)
             rows[st.spec] = {
                 "bits": len(payload) * 8 / n,
                 "peak": max(
@@ -264,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             with Threads(MODES[mode]):
                 best[mode] = measure(jobs, rounds, repeats, budget)
+        lent = {}
+        if "core" in modes:
+            with Threads(MODES["core"]):
+                lent = measure(lent_jobs, rounds, repeats, budget)
         copies = ", ".join(
             f"{mode} {best[mode]['copy'][0] * 1e3:.2f} ms = {mb / best[mode]['copy'][0]:,.0f} MB/s" for mode in modes
         )
@@ -276,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     "reference: naive torch qsgd s=16",
                     "8.06",
                     *cells(best, "reference"),
+                    *([""] if lent else []),
                     f"{peak_memory_mib(enc):.0f}",
                     "",
                 ],
@@ -304,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 st.spec,
                 f"{rows[st.spec]['bits']:.3f}",
                 *cells(best, st.spec),
+                *([f"{lent[st.spec][0] / lent['copy'][0]:.2f}"] if lent else []),
                 f"{rows[st.spec]['peak']:.0f}",
                 verdict,
             ]
