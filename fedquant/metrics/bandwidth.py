@@ -97,8 +97,11 @@ def clipped_reason_key(reason: str) -> str:
 
 
 def content_bytes(content: RecordDict) -> int:
-    """Bytes held by all ArrayRecords of a message's content (``count_bytes`` summed)."""
-    return sum(record.count_bytes() for record in content.array_records.values())
+    """Bytes held by all ArrayRecords of a message's content (``count_bytes`` summed).
+
+    Read from the content's items: Flower's ``content.array_records`` builds a view that writes
+    every record back into the content (for each reply of every round)."""
+    return sum(record.count_bytes() for record in content.values() if isinstance(record, ArrayRecord))
 
 
 @lru_cache(maxsize=4096)
