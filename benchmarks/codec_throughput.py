@@ -177,20 +177,30 @@ def _lent_decode(codec, payload: bytes, side, pool: BufferPool) -> torch.Tensor:
         return codec.decode(payload, seed=1, side_info=side)
 
 
+def _lent_cell(times: dict[str, list[float]], key: str, pool: BufferPool) -> str:
+    """The lent decode's copy multiple, or "-" for a decoder that writes into memory of its own
+    (the pool lent nothing: the column would time the plain decode again)."""
+    return f"{times[key][2] / times['copy'][0]:.2f}" if pool.held_bytes else "-"
+
+
 def row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
-def measure(jobs: dict[str, tuple], rounds: int, repeats: int, budget: float) -> dict[str, list[float]]:
-    """Best ``[encode, decode]`` seconds of every job over ``rounds`` rounds through all of them."""
+def measure(
+    jobs: dict[str, tuple], rounds: int, repeats: int, budget: float, lent: bool = False
+) -> dict[str, list[float]]:
+    """Best ``[encode, decode, lent decode]`` seconds of every job (``(encode, decode[, lent decode])``,
+    either decode None) over ``rounds`` rounds through all of them; the lent decodes only with ``lent``."""
     # Several rounds over all jobs, keeping each job's best time: a burst of load from other
-    # processes then spoils one round of a row, not the row.
-    best: dict[str, list[float]] = {k: [float("inf"), float("inf")] for k in jobs}
+    # processes then spoils one round of a row, not the row. A job's calls run back to back.
+    best: dict[str, list[float]] = {k: [float("inf")] * 3 for k in jobs}
     for _ in range(rounds):
-        for key, (fe, fd) in jobs.items():
+        for key, (fe, *decoders) in jobs.items():
             best[key][0] = min(best[key][0], best_time(fe, repeats, budget))
-            if fd is not None:
-                best[key][1] = min(best[key][1], best_time(fd, repeats, budget))
+            for slot, fd in enumerate(decoders[: 2 if lent else 1], start=1):
+                if fd is not None:
+                    best[key][slot] = min(best[key][slot], best_time(fd, repeats, budget))
     return best
 
 
@@ -203,7 +213,7 @@ def cells(best: dict[str, dict[str, list[float]]], key: str) -> list[str]:
     out = []
     for times in best.values():
         t_copy = times["copy"][0]
-        te, td = times[key]
+        te, td = times[key][:2]
         out += _time_cells(te, t_copy) + _time_cells(td, t_copy)
     return out
 
@@ -257,18 +267,19 @@ def main(argv: list[str] | None = None) -> int:
         jobs: dict[str, tuple] = {"copy": (lambda x=x, y=y: y.copy_(x), None)}
         jobs["reference"] = (enc, dec)
         rows: dict[str, dict] = {}
-        lent_jobs: dict[str, tuple] = {"copy": jobs["copy"]}
+        pools: dict[str, BufferPool] = {}
         for st in settings:
             if st.codec is None:
                 continue
             codec = st.codec
             side = side_info_for(codec, x)
             payload = codec.encode(x, seed=1)
+            pools[st.spec] = BufferPool()
             jobs[st.spec] = (
                 lambda c=codec, x=x: c.encode(x, seed=1),
                 lambda c=codec, p=payload, s=side: c.decode(p, seed=1, side_info=s),
+                partial(_lent_decode, codec, payload, side, pools[st.spec]),
             )
-            lent_jobs[st.spec] = (partial(_lent_decode, codec, payload, side, BufferPool()), None)
             rows[st.spec] = {
                 "bits": len(payload) * 8 / n,
                 "peak": max(
@@ -279,11 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         best = {}
         for mode in modes:
             with Threads(MODES[mode]):
-                best[mode] = measure(jobs, rounds, repeats, budget)
-        lent = {}
-        if "core" in modes:
-            with Threads(MODES["core"]):
-                lent = measure(lent_jobs, rounds, repeats, budget)
+                best[mode] = measure(jobs, rounds, repeats, budget, lent=mode == "core")
+        lent = "core" in modes
         copies = ", ".join(
             f"{mode} {best[mode]['copy'][0] * 1e3:.2f} ms = {mb / best[mode]['copy'][0]:,.0f} MB/s" for mode in modes
         )
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = ""
             if factor is not None and n == target_size and "core" in modes:
                 t_copy = best["core"]["copy"][0]
-                te, td = best["core"][st.spec]
+                te, td = best["core"][st.spec][:2]
                 ok = te <= factor * t_copy and td <= factor * t_copy
                 verdict = f"<={factor:g} " + ("ok" if ok else "MISS")
                 if not ok:
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 st.spec,
                 f"{rows[st.spec]['bits']:.3f}",
                 *cells(best, st.spec),
-                *([f"{lent[st.spec][0] / lent['copy'][0]:.2f}"] if lent else []),
+                *([_lent_cell(best["core"], st.spec, pools[st.spec])] if lent else []),
                 f"{rows[st.spec]['peak']:.0f}",
                 verdict,
             ]
