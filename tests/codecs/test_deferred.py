@@ -104,12 +104,15 @@ def test_eden_values_beyond_float32_are_counted_as_decode_refuses_them():
     payload = codec.encode(_update(shape, 8), seed=5)
     empty = (np.zeros(0, np.float32), np.zeros(0))
     for forged in (0x7F80, 0x7F7F):  # bfloat16 Inf, the largest finite bfloat16 (~3.4e38)
-        values = codec.decode_deferred(payload, 5, shape=shape)
-        values.scales = values.scales.copy()
-        values.scales[1] = np.array([forged << 16], np.uint32).view(np.float32)[0]
-        base = np.full(values.numel, np.finfo(np.float32).max / 2, np.float32)
-        squares, nonfinite = values.accumulate(base, *empty, 1.0, float(base.max()))
-        assert nonfinite > 0 and not squares < np.finfo(np.float32).max
+        for written_first in (False, True):  # the sums' own pass, or one after a lookup wrote them
+            values = codec.decode_deferred(payload, 5, shape=shape)
+            values.scales = values.scales.copy()
+            values.scales[1] = np.array([forged << 16], np.uint32).view(np.float32)[0]
+            if written_first:
+                values.materialize()
+            base = np.full(values.numel, np.finfo(np.float32).max / 2, np.float32)
+            squares, nonfinite = values.accumulate(base, *empty, 1.0, float(base.max()))
+            assert nonfinite > 0 and not squares < np.finfo(np.float32).max
 
 
 def test_a_base_bound_that_cannot_rule_out_overflow_keeps_the_elementwise_check():

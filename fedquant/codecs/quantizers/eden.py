@@ -504,9 +504,10 @@ class EdenValues(DeferredValues):
     def __init__(self, quantizer: EdenQuantizer, side, data: np.ndarray, numel: int, packed: bool) -> None:
         scales = _from_bfloat16(side[0])
         require_items(scales, quantizer.num_buckets(numel), "eden scales")
-        require_items(
-            data, packed_size(numel, quantizer._lo) if packed else numel, "packed symbols" if packed else "eden symbols"
-        )
+        if packed:
+            require_items(data, packed_size(numel, quantizer._lo), "packed symbols")
+        else:
+            require_items(data, numel, "eden symbols")
         self.quantizer, self.scales, self.data, self.packed = quantizer, scales, data, packed
         self.coded = numel
         self.numel = numel if quantizer.rotation is None else quantizer.rotation.numel
@@ -527,16 +528,13 @@ class EdenValues(DeferredValues):
         return out
 
     def accumulate(self, base, consensus, weighted, weight, base_bound=None) -> tuple[float, int]:
-        if self._values is None:
-            out = output_array(self.numel)
-            over, nonfinite, squares = kernels.dequantize_summed(*self._args(out), consensus, weighted, float(weight))
-            values = self._written(int(over), int(nonfinite), out)
-            squares = float(squares)
-        else:  # written out already: the sums' own pass
-            values = self._values
-            squares, _ = accumulate_bounded(base, values, consensus, weighted, weight, math.inf)
         bound = math.nan if base_bound is None else float(base_bound)
-        return squares, nonfinite_beyond(squares, base, values, bound)
+        if self._values is not None:  # written out already: the sums' own pass
+            return accumulate_bounded(base, self._values, consensus, weighted, weight, bound)
+        out = output_array(self.numel)
+        over, nonfinite, squares = kernels.dequantize_summed(*self._args(out), consensus, weighted, float(weight))
+        values = self._written(int(over), int(nonfinite), out)
+        return float(squares), nonfinite_beyond(float(squares), base, values, bound)
 
     def dot_terms(self, consensus) -> tuple[float, float]:
         return dot_terms(self.materialize().numpy(), consensus)
