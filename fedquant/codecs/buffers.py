@@ -92,6 +92,12 @@ class BufferPool:
                 if count <= _UNSHARED:
                     self._free.setdefault(memory.size, []).append(memory)
 
+    def release(self) -> None:
+        """Let go of every array the pool holds, free or lent (a lent one stays its holder's); the
+        next lending allocates afresh."""
+        with self._lock:
+            self._free, self._lent = {}, []
+
     @property
     def held_bytes(self) -> int:
         """Bytes the pool holds, free or lent."""

@@ -7,7 +7,7 @@ from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedquant.codecs import Codec
@@ -20,6 +20,7 @@ from fedquant.strategies.decode_plan import DecodePlan
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES
 from fedquant.strategies.inner_guard import guarded_train
 from fedquant.strategies.stages import RoundLedger, RoundStage, Settings, TrainRound, build_stages, write_messages
+from fedquant.strategies.stages.decoding import Decoding
 from fedquant.strategies.stages.secure import SecureAggregation
 from fedquant.strategies.stages.state import LOG_PREFIX
 
@@ -163,6 +164,22 @@ class QuantizedStrategy(Strategy):
     def client_seed(self, server_round: int, node_id: int) -> int:
         """The codec seed of ``node_id`` in ``server_round``; override to key clients by something stabler."""
         return derive_seed(self.seed, server_round, node_id)
+
+    def start(self, *args, **kwargs) -> Result:
+        """Flower's :meth:`Strategy.start` (every round), then :meth:`release_buffers`: a finished run
+        keeps no decoded update's memory."""
+        try:
+            return super().start(*args, **kwargs)
+        finally:
+            self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Let go of the memory the decoding stage keeps from one round to the next (the arrays of
+        the last round's decoded updates, lent again to the next round's decoders,
+        :class:`~fedquant.codecs.buffers.BufferPool`); the next round allocates afresh."""
+        for stage in self.stages:
+            if isinstance(stage, Decoding):
+                stage.buffers.release()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -103,3 +103,16 @@ def test_decoders_write_into_lent_memory_and_give_the_same_values():
     with pool.lending():
         second = codec.decode(payload, seed=4)
     assert _address(second) == address and torch.equal(second, fresh)
+
+
+def test_a_released_pool_holds_nothing_and_lends_new_memory():
+    pool = BufferPool()
+    with pool.lending():
+        first = output_array(N)
+    assert pool.held_bytes == N * 4
+    del first
+    pool.release()
+    assert pool.held_bytes == 0
+    with pool.lending():
+        again = output_array(N)
+    assert pool.held_bytes == N * 4 and again.shape == (N,)

@@ -227,6 +227,25 @@ def test_rounds_decode_into_the_memory_of_the_round_before(monkeypatch):
     assert set(taken[NUM_NODES : 2 * NUM_NODES]) == set(taken[2 * NUM_NODES :]) == set(taken[:NUM_NODES])
 
 
+def test_a_finished_run_keeps_no_decoded_update_memory(monkeypatch):
+    """Between rounds the decoding stage holds the last round's update memory; when ``start``
+    returns (every round done) it holds none, and ``release_buffers`` lets it go at any time."""
+    monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 0)
+    grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
+    strategy = _wrap(codec="eden:bits=2")
+    (pool,) = [stage.buffers for stage in strategy.stages if isinstance(stage, Decoding)]
+    held = []
+    monkeypatch.setattr(pool, "reclaim", lambda reclaim=pool.reclaim: (reclaim(), held.append(pool.held_bytes)))
+    result = strategy.start(grid, initial_arrays(), num_rounds=3)
+    assert result.train_metrics_clientapp[3]["rejected-replies"] == 0
+    assert held[1:] == [NUM_NODES * 16 * 64 * 4] * 2  # rounds 2 and 3 find the 4 KiB fc.weight updates of the last
+    assert pool.held_bytes == 0
+    _round(strategy)
+    assert pool.held_bytes > 0
+    strategy.release_buffers()
+    assert pool.held_bytes == 0
+
+
 def test_simulated_upload_seconds_is_the_slowest_client():
     bandwidth = {101: 1000.0, 102: 4000.0, 103: 500.0, 104: 2000.0}
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
