@@ -451,7 +451,7 @@ class Codec:
         PayloadError
             As :meth:`decode`.
         """
-        if not defers_body(self.quantizer) or not (not self.wire_transforms or self._rotates_deferred()):
+        if not defers_body(self.quantizer) or (self.wire_transforms and not self._rotates_deferred()):
             return None
         _, quantizer, sizes, body, wire, _ = self._open(payload, seed, None, shape, torch.float32, None)
         if wire:  # (a rotation the quantizer defers through is fused whenever its kernels run)

@@ -166,7 +166,7 @@ def _deferred_disagrees(codec, payload: bytes, seed: int, shape, decoded) -> str
     onto a zero model): it must raise :class:`fedquant.PayloadError` or count a non-finite sum
     exactly when decode refused, and the values it wrote must be decode's.
     """
-    from fedquant import PayloadError
+    from fedquant.errors import PayloadError
 
     try:
         values = codec.decode_deferred(payload, seed, shape=shape)

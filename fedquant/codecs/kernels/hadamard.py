@@ -264,6 +264,22 @@ def _first4x16(typingctx, seg, i):
     return types.void(seg, types.intp), codegen
 
 
+def _splat16(builder, value):
+    """The IR value ``value`` (an int or a float) in all 16 lanes of a vector."""
+    kind = ir.VectorType(value.type, 16)
+    first = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(first, first, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+
+def _store_scaled_first4(context, builder, seg_type, seg, i, v, c):
+    """Store at ``seg[i : i + 16]`` the stages of :func:`_first4x16` of the 16 floats ``v`` times the
+    float32 ``c`` (the product rounded as a pass of its own rounds it)."""
+    vector = ir.VectorType(ir.FloatType(), 16)
+    target = context.make_array(seg_type)(context, builder, seg)
+    ptr = builder.bitcast(builder.gep(target.data, [i]), vector.as_pointer())
+    builder.store(_first4_stages(builder, builder.fmul(v, _splat16(builder, c))), ptr, align=4)
+
+
 @intrinsic
 def _scaled_first4x16(typingctx, src, seg, i, c):
     """``seg[i : i + 16]`` = :func:`_first4x16` of ``src[i : i + 16] * c`` (float32 ``c``): the product
@@ -275,13 +291,8 @@ def _scaled_first4x16(typingctx, src, seg, i, c):
     def codegen(context, builder, sig, args):
         vector = ir.VectorType(ir.FloatType(), 16)
         source = context.make_array(sig.args[0])(context, builder, args[0])
-        target = context.make_array(sig.args[1])(context, builder, args[1])
         load = builder.bitcast(builder.gep(source.data, [args[2]]), vector.as_pointer())
-        ptr = builder.bitcast(builder.gep(target.data, [args[2]]), vector.as_pointer())
-        scale = builder.insert_element(ir.Constant(vector, ir.Undefined), args[3], ir.Constant(ir.IntType(32), 0))
-        scale = builder.shuffle_vector(scale, scale, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
-        v = builder.fmul(builder.load(load, align=4), scale)
-        builder.store(_first4_stages(builder, v), ptr, align=4)
+        _store_scaled_first4(context, builder, sig.args[1], args[1], args[2], builder.load(load, align=4), args[3])
         return context.get_dummy_value()
 
     return types.void(src, seg, types.intp, types.float32), codegen
@@ -303,26 +314,17 @@ def lookup_first4x16(typingctx, word, width, seg, i, t0, t1, t2, t3, c):
     def codegen(context, builder, sig, args):
         word, width, seg_arg, i, *table, c = args
         words = ir.VectorType(ir.IntType(32), 16)
-        vector = ir.VectorType(ir.FloatType(), 16)
         zeros16 = ir.Constant(words, [0] * 16)
-
-        def broadcast(value, kind):
-            first = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(first, first, zeros16)
-
         w = builder.trunc(width, ir.IntType(32)) if width.type.width > 32 else width
-        shifts = builder.mul(ir.Constant(words, list(range(16))), broadcast(w, words))
+        shifts = builder.mul(ir.Constant(words, list(range(16))), _splat16(builder, w))
         word = builder.trunc(word, ir.IntType(32)) if word.type.width > 32 else word
         mask = builder.sub(builder.shl(ir.Constant(ir.IntType(32), 1), w), ir.Constant(ir.IntType(32), 1))
-        fields = builder.and_(builder.lshr(broadcast(word, words), shifts), broadcast(mask, words))
+        fields = builder.and_(builder.lshr(_splat16(builder, word), shifts), _splat16(builder, mask))
         low = builder.icmp_unsigned("!=", builder.and_(fields, ir.Constant(words, [1] * 16)), zeros16)
         high = builder.icmp_unsigned("!=", builder.and_(fields, ir.Constant(words, [2] * 16)), zeros16)
-        t = [broadcast(value, vector) for value in table]
+        t = [_splat16(builder, value) for value in table]
         v = builder.select(high, builder.select(low, t[3], t[2]), builder.select(low, t[1], t[0]))
-        v = builder.fmul(v, broadcast(c, vector))
-        target = context.make_array(sig.args[2])(context, builder, seg_arg)
-        ptr = builder.bitcast(builder.gep(target.data, [i]), vector.as_pointer())
-        builder.store(_first4_stages(builder, v), ptr, align=4)
+        _store_scaled_first4(context, builder, sig.args[2], seg_arg, i, v, c)
         return context.get_dummy_value()
 
     f32 = types.float32
