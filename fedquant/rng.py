@@ -105,9 +105,27 @@ def random_bits(seed: int, n: int, *, offset: int = 0, device: torch.device | st
     return z
 
 
-def top_bits_negative(seed: int, n: int, *, offset: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Whether the top bit of each :func:`random_bits` hash is set (bool): ``uniform(...) >= 0.5``."""
-    return _premixed(seed, n, offset, device) < 0
+def rotation_negative(seed: int, n: int, *, offset: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The random signs of a rotation: whether position ``offset + i`` is flipped (bool), ``i < n``.
+
+    Position ``p`` is flipped where bit ``p mod 64`` (LSB first) of the 64-bit hash
+    ``random_bits(seed, 1, offset=p // 64)`` is set: one hash per 64 signs, whose bits go straight
+    into the floats' sign bits (a hash per sign cost two 64-bit multiplies per element).
+    """
+    first = offset // 64
+    words = random_bits(seed, (offset + n + 63) // 64 - first, offset=first, device=device)
+    bits = (words.unsqueeze(1) >> torch.arange(64, device=device)).bitwise_and_(1)
+    start = offset - 64 * first
+    return bits.view(-1)[start : start + n].bool()
+
+
+def rotation_negative_reference(seed: int, n: int, offset: int = 0) -> list[bool]:
+    """Pure-Python version of :func:`rotation_negative`, for tests and for porting to other kernels."""
+    key = stream_key(seed)
+    return [
+        bool(splitmix64((key + (p // 64 + 1) * GOLDEN_GAMMA) & MASK64) >> (p % 64) & 1)
+        for p in range(offset, offset + n)
+    ]
 
 
 def uniform(seed: int, n: int, *, offset: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from fedquant.rng import derive_seed, uniform, uniform_reference
+from fedquant.rng import derive_seed, rotation_negative, rotation_negative_reference, uniform, uniform_reference
 
 
 def test_uniform_matches_pure_python_reference():
@@ -26,6 +26,25 @@ def test_uniform_moments_and_range():
     # lag-1 correlation of independent draws has sd 1/sqrt(n) = 1e-3
     c = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
     assert abs(c) < 6e-3
+
+
+@pytest.mark.parametrize("offset, n", [(0, 64), (0, 200), (3, 61), (63, 2), (100, 1000), (5, 0), (2**33 + 17, 130)])
+def test_rotation_signs_match_pure_python_reference(offset, n):
+    """Bit ``p mod 64`` of the hash of word ``p // 64``, any start and length (the spans of a kernel)."""
+    negative = rotation_negative(2**62 + 7, n, offset=offset)
+    assert negative.dtype == torch.bool and negative.tolist() == rotation_negative_reference(2**62 + 7, n, offset)
+    assert torch.equal(negative, rotation_negative(2**62 + 7, offset + n)[offset:]) if offset < 10_000 else True
+
+
+def test_rotation_signs_are_fair_and_uncorrelated():
+    s = rotation_negative(42, 1 << 20).double()
+    n = s.numel()
+    # a fair coin's mean has sd 1/(2 sqrt(n)) ~ 4.9e-4: 6 sd
+    assert abs(s.mean().item() - 0.5) < 6 * 0.5 / n**0.5
+    # neighbours within a word, and bit j of consecutive words: correlation sd 1/sqrt(n) ~ 1e-3
+    for lag in (1, 63, 64):
+        c = torch.corrcoef(torch.stack([s[:-lag], s[lag:]]))[0, 1].item()
+        assert abs(c) < 6 / n**0.5, lag
 
 
 def test_different_seeds_give_different_streams():
@@ -60,3 +79,6 @@ def test_derive_seed_rejects_bad_keys():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_stream_is_bit_identical():
     assert torch.equal(uniform(11, 10_000, device="cuda").cpu(), uniform(11, 10_000))
+    assert torch.equal(
+        rotation_negative(11, 10_000, offset=5, device="cuda").cpu(), rotation_negative(11, 10_000, offset=5)
+    )

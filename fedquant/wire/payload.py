@@ -40,11 +40,14 @@ MAGIC = b"FQ"
 #: prefix the spec). 3: ``coding=entropy`` sections are the interleaved rANS of
 #: :mod:`fedquant.wire.entropy` (a header byte, lanes, blocks). 4: entropy-coded sections name
 #: their coder (32-bit states with 16-bit words in 32 lanes, or 64-bit states with 32-bit words) in
-#: two header bytes. Older payloads are rejected with a message naming both versions.
-FORMAT_VERSION = 4
+#: two header bytes. 5: the random signs of ``rht`` (and EDEN's rotation) come 64 to a hash
+#: (:func:`fedquant.rng.rotation_negative`), so a rotated payload of version 4 would decode to other
+#: values. Older payloads are rejected with a message naming both versions.
+FORMAT_VERSION = 5
 _CHANGED_IN = {
     3: "version 3 changed the entropy-coded sections (interleaved rANS)",
     4: "version 4 changed the entropy-coded sections (a 32-lane rANS coder with 16-bit words)",
+    5: "version 5 changed the rotation's random signs (64 to a hash)",
 }
 MAX_NDIM = 8
 MAX_SPEC_LEN = 512

@@ -592,10 +592,11 @@ def test_payloads_of_the_previous_format_version_are_rejected_with_the_reason():
 
     codec = get_codec("qsgd:coding=entropy")
     data = codec.encode(torch.randn(1000, generator=torch.Generator().manual_seed(3)), seed=1)
-    assert data[2] == FORMAT_VERSION == 4
-    for version in (2, 3):
+    assert data[2] == FORMAT_VERSION == 5
+    changed = {2: "entropy", 3: "entropy", 4: "rotation's random signs"}
+    for version, what in changed.items():
         old = reseal(data[:2] + bytes([version]) + data[3:])
-        why = rf"version {version} is not supported \(this fedquant reads 4\): version {version + 1} changed .*entropy"
+        why = rf"version {version} is not supported \(this fedquant reads 5\): version {version + 1} changed .*{what}"
         with pytest.raises(PayloadError, match=why):
             codec.decode(old, seed=1)
 

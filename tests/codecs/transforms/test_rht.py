@@ -12,7 +12,7 @@ from fedquant.codecs.kernels import hadamard
 from fedquant.codecs.quantizers.base import Quantized, Quantizer
 from fedquant.codecs.side_info import SideInfoQuantizer
 from fedquant.codecs.transforms.rht import MAX_BLOCK_LOG2, RandomizedHadamard, block_layout, block_runs
-from fedquant.rng import derive_seed, stream_key, uniform
+from fedquant.rng import derive_seed, rotation_negative_reference, stream_key
 from fedquant.wire import read_payload, write_payload
 from tests.helpers import cuda, decode_kwargs, reseal, sample_tensor
 
@@ -73,7 +73,8 @@ def test_matches_dense_hadamard_with_the_seeded_signs():
         y = rht.forward(x, seed).double()
         total = rht.output_numel(n)
         assert total == 1024
-        signs = torch.where(uniform(derive_seed(seed, "rht"), total) >= 0.5, -1.0, 1.0).double()
+        negative = torch.tensor(rotation_negative_reference(derive_seed(seed, "rht"), total))
+        signs = torch.where(negative, -1.0, 1.0).double()
         v = signs * torch.cat([x.double(), torch.zeros(total - n, dtype=torch.float64)])
         o = 0
         for k in rht.blocks(n):
@@ -112,8 +113,23 @@ def test_signs_are_independent_of_the_quantizer_stream():
     assert stream_key(RandomizedHadamard.sign_seed(seed)) != stream_key(seed)
     one = torch.ones(1)
     flips = [float(RandomizedHadamard().forward(one, s)) for s in range(64)]
-    expected = [-1.0 if float(uniform(derive_seed(s, "rht"), 1)) >= 0.5 else 1.0 for s in range(64)]
+    expected = [-1.0 if rotation_negative_reference(derive_seed(s, "rht"), 1)[0] else 1.0 for s in range(64)]
     assert flips == expected and 16 < flips.count(-1.0) < 48
+
+
+@pytest.mark.parametrize("offset, n", [(0, 512), (0, 8), (3, 61), (40, 24), (63, 130), (64, 64), (100, 1000), (5, 0)])
+def test_kernel_signs_match_the_reference_at_any_span(offset, n):
+    """The numba flips (64 per hash, one at a time before the first multiple of 64 and after the
+    last) give the reference's signs for spans starting and ending anywhere, as small blocks and
+    the high pass's rows do."""
+    seed = 2**61 + 3
+    expected = np.array(rotation_negative_reference(seed, n, offset))
+    x = np.full(n, 1.5, np.float32)
+    hadamard._flip_signs(x, np.uint64(stream_key(seed)), offset)
+    assert np.array_equal(x < 0, expected) and np.all(np.abs(x) == 1.5)
+    masks = np.full(n, 7, np.uint32)
+    hadamard.sign_masks(masks, np.uint64(stream_key(seed)), offset)
+    assert np.array_equal(masks, np.where(expected, 0x80000000, 0).astype(np.uint32))
 
 
 @pytest.mark.parametrize("max_log2", [None, 16, 62])
@@ -129,8 +145,22 @@ def test_torch_path_is_byte_identical_to_numba(n, max_log2):
 
 
 def test_overflowing_rotation_is_refused_at_encode():
-    with pytest.raises(ValueError, match="overflows"):
-        get_codec("rht+fp32").encode(torch.full((4,), 3e38), seed=1)
+    """Four values of 3e38 overflow float32 exactly where the signs line up with a row of H (then
+    one output is 2 x 3e38): refused at encode then, and only then."""
+    x = torch.full((4,), 3e38)
+    (k,) = RandomizedHadamard().blocks(4)
+    refused = 0
+    for seed in range(1, 17):
+        negative = torch.tensor(rotation_negative_reference(RandomizedHadamard.sign_seed(seed), 1 << k))
+        v = torch.where(negative, -1.0, 1.0).double() * torch.cat([x.double(), torch.zeros((1 << k) - 4).double()])
+        overflows = bool((_sylvester(k) @ v / math.sqrt(1 << k)).abs().max() > torch.finfo(torch.float32).max)
+        if overflows:
+            refused += 1
+            with pytest.raises(ValueError, match="overflows"):
+                get_codec("rht+fp32").encode(x, seed=seed)
+        else:
+            get_codec("rht+fp32").encode(x, seed=seed)  # no output past float32's range: accepted
+    assert 0 < refused < 16
 
 
 FUSED_SPECS = [
