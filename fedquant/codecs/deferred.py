@@ -47,6 +47,12 @@ class DeferredValues(ABC):
     def dot_terms(self, consensus: np.ndarray) -> tuple[float, float]:
         """``(<u, consensus>, <u, u>)``, as :func:`fedquant.codecs.kernels.norms.dot_terms` of the values."""
 
+    def written(self) -> np.ndarray | None:
+        """The values as a flat float32 array when a pass has written them out already, else None (a
+        caller with many updates may then read them in a pass of its own, such as
+        :func:`fedquant.codecs.kernels.norms.dot_terms_many`)."""
+        return None
+
     @abstractmethod
     def materialize(self) -> torch.Tensor:
         """The values as a new 1-D float32 CPU tensor (what ``Codec.decode`` returns, flat)."""

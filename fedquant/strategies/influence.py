@@ -33,6 +33,7 @@ from fedquant.strategies.update_bounds import (
     clip_update,
     consensus_cosine,
     consensus_terms,
+    consensus_terms_many,
     float_update,
     integer_change,
     non_float_names,
@@ -202,8 +203,25 @@ class InfluenceBounds:
         consensus, self.consensus = self.consensus, {}
         return consensus
 
+    def vote_terms(
+        self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, tuple[float, float]]] | None:
+        """The inner products :meth:`opposition` takes of each of the first vote's updates with the
+        consensus, for all of them in one pass over the consensus (:func:`consensus_terms_many`);
+        None when no direction rule will look at them."""
+        observes = self.directions is not None and self.voters - 1 >= 2  # as opposition decides, in the vote
+        if not self.consensus or not decoded or not (observes or self.rules.reject_opposing):
+            return None
+        updates = [float_update(d, r, deferred=True) for d, r in zip(decoded, received, strict=True)]
+        return consensus_terms_many(updates, self.consensus)
+
     def opposition(
-        self, node: int, decoded: DecodedReply, received: Mapping[str, np.ndarray], in_vote: bool
+        self,
+        node: int,
+        decoded: DecodedReply,
+        received: Mapping[str, np.ndarray],
+        in_vote: bool,
+        terms: Mapping[str, tuple[float, float]] | None = None,
     ) -> str | None:
         """A sentence when the update points against the round's consensus (cosine below
         ``-opposing_margin``) or the node's updates have opposed the others persistently
@@ -214,15 +232,16 @@ class InfluenceBounds:
         added), so an update is rejected only when the others pull the other way more than it pulls its
         own: an honest update of noise alone (nearly orthogonal to the others) passes, a sign-flipped
         honest one is rejected once the honest updates agree (cosine above ``1 / (n - 1)`` between them,
-        plus the margin).
+        plus the margin). ``terms``, the update's inner products with the consensus when the caller
+        has them (:meth:`vote_terms`), saves the pass that takes them.
         """
         if not self.consensus:
             return None
-        update = float_update(decoded, received, deferred=True)
-        terms = None  # the update's inner products, one pass for both cosines
+        update = float_update(decoded, received, deferred=True) if terms is None else {}
         # with one other update, who opposes whom is undecidable: both would be flagged
         if self.directions is not None and self.voters - in_vote >= 2:
-            terms = consensus_terms(update, self.consensus)
+            if terms is None:  # the update's inner products, one pass for both cosines
+                terms = consensus_terms(update, self.consensus)
             others = consensus_cosine(update, self.consensus, -1 if in_vote else 0, self.consensus_squares, terms)
             if others is not None:
                 self.directions.observe(node, others)
@@ -230,6 +249,8 @@ class InfluenceBounds:
             return f"its updates point against the others' persistently (CUSUM {self.directions.sum_of(node):.3g})"
         if not self.rules.reject_opposing:
             return None
+        if terms is None:
+            terms = consensus_terms(update, self.consensus)
         cosine = consensus_cosine(update, self.consensus, 0 if in_vote else 1, self.consensus_squares, terms)
         if cosine is None or cosine >= -self.rules.opposing_margin:
             return None

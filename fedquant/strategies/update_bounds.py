@@ -25,13 +25,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedquant.codecs.deferred import DeferredValues
-from fedquant.codecs.kernels.norms import cosine_with, dot_terms, sum_squares
+from fedquant.codecs.kernels.norms import cosine_with, dot_terms, dot_terms_many, sum_squares
 from fedquant.records import RecordError, check_plain_entry, numpy_array
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, Updates, single_array_record
 
@@ -182,6 +182,33 @@ def consensus_terms(
         else:
             terms[k] = dot_terms(np.ascontiguousarray(update[k], dtype=np.float32).ravel(), c)
     return terms
+
+
+def consensus_terms_many(
+    updates: Sequence[Mapping[str, np.ndarray | DeferredValues]], consensus: Mapping[str, np.ndarray]
+) -> list[dict[str, tuple[float, float]]]:
+    """:func:`consensus_terms` of each of ``updates``, reading each entry of the consensus once for all
+    of them where their values are in memory (:func:`~fedquant.codecs.kernels.norms.dot_terms_many`);
+    a deferred entry not written out yet computes its values in a pass of its own, as there."""
+    found: list[dict[str, tuple[float, float]]] = [{} for _ in updates]
+    for name, entry in consensus.items():
+        c = np.ascontiguousarray(entry).ravel()
+        batch, arrays = [], []
+        for i, update in enumerate(updates):
+            value = update.get(name)
+            if value is None or not _same_layout(value, entry):
+                continue
+            if isinstance(value, DeferredValues):
+                stored = value.written()
+                if stored is None:
+                    found[i][name] = value.dot_terms(c)
+                    continue
+                value = stored
+            batch.append(i)
+            arrays.append(np.ascontiguousarray(value, dtype=np.float32).ravel())
+        for i, terms in zip(batch, dot_terms_many(arrays, c), strict=True):
+            found[i][name] = terms
+    return [{k: terms[k] for k in update if k in terms} for update, terms in zip(updates, found, strict=True)]
 
 
 def consensus_cosine(

@@ -203,6 +203,42 @@ def test_both_cosines_of_an_update_come_from_one_pass_over_it(monkeypatch):
     assert sorted(passes) == sorted(v.size for v in update.values())  # once per entry, not twice
 
 
+def test_a_votes_inner_products_come_from_one_pass_over_the_consensus(monkeypatch):
+    """consensus_terms_many gives each update what consensus_terms gives it alone (to float64
+    rounding), for plain arrays, an EDEN update its sums' pass wrote out (read with the others, in
+    one pass over the consensus) and a QSGD one that is never written (its own pass, from its
+    packed symbols); entries the consensus lacks, or of another size, are left out as there."""
+    import fedquant.strategies.update_bounds as bounds
+
+    n = 50_000
+    rng = np.random.default_rng(8)
+    consensus = {"w": rng.standard_normal(n).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
+    updates = []
+    for i, spec in enumerate(["eden:bits=2", "qsgd:levels=16", None]):
+        x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        if spec is None:
+            w = x.numpy()
+        else:
+            codec = get_codec(spec)
+            w = codec.decode_deferred(codec.encode(x, seed=i), seed=i, shape=(n,))
+            w.accumulate(np.zeros(n, np.float32), np.zeros(0, np.float32), np.zeros(0), 1.0, 0.0)
+        updates.append({"b": rng.standard_normal(7).astype(np.float32), "w": w, "extra": np.ones(3, np.float32)})
+    assert updates[0]["w"].written() is not None and updates[1]["w"].written() is None
+    updates.append({"w": np.ones(n - 1, np.float32)})  # another size: no terms
+    batched = []
+    real = bounds.dot_terms_many
+    monkeypatch.setattr(bounds, "dot_terms_many", lambda us, c: batched.append(len(us)) or real(us, c))
+    many = bounds.consensus_terms_many(updates, consensus)
+    assert sorted(batched) == [2, 3]  # "w": the EDEN values and the plain array; "b": all three
+    for update, terms in zip(updates, many, strict=True):
+        alone = bounds.consensus_terms(update, consensus)
+        assert list(terms) == list(alone)  # the same entries, in the update's order
+        for k, (dot, own) in terms.items():
+            assert dot == pytest.approx(alone[k][0], rel=1e-12, abs=1e-9) and own == pytest.approx(
+                alone[k][1], rel=1e-12
+            )
+
+
 # ---------------------------------------------------------------------------------------------- body sizes
 @pytest.mark.parametrize(
     "spec",

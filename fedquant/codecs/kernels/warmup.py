@@ -112,6 +112,7 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         checked_accumulate,
         checked_sum_squares,
         dot_terms,
+        dot_terms_many,
         sum_squares,
     )
 
@@ -124,6 +125,8 @@ def exercise_norms(sizes: tuple[int, ...]) -> None:
         add_scaled_float32(np.zeros(n), x, 0.5, np.empty_like(x))
         dot_terms(x, x.astype(np.float64))
         dot_terms(x, x.copy())
+        dot_terms_many([x, x], x.astype(np.float64))
+        dot_terms_many([x, x], x.copy())
         checked_accumulate(x, x, np.zeros(n, np.float32), np.zeros(n), 0.5)
         checked_accumulate(x, x, np.zeros(0, np.float32), np.zeros(0), 0.5)
         accumulate_bounded(x, x, np.zeros(n, np.float32), np.zeros(n), 0.5, 1.0)

@@ -539,6 +539,9 @@ class EdenValues(DeferredValues):
     def dot_terms(self, consensus) -> tuple[float, float]:
         return dot_terms(self.materialize().numpy(), consensus)
 
+    def written(self) -> np.ndarray | None:
+        return self._values
+
     def materialize(self) -> torch.Tensor:
         if self._values is None:
             out = output_array(self.numel)

@@ -77,9 +77,11 @@ class Admitting:
         judged = [
             (n, d) for n, d in ((n, self._judge(state, n, d, group_reference)) for n, d in pending) if d is not None
         ]
-        self.bounds.set_consensus([d for _, d in judged], [state.received(n) for n, _ in judged], state.vote_sums)
-        for node_id, decoded in judged:
-            self._accept(state, node_id, decoded, in_vote=True)
+        decoded, received = [d for _, d in judged], [state.received(n) for n, _ in judged]
+        self.bounds.set_consensus(decoded, received, state.vote_sums)
+        terms = self.bounds.vote_terms(decoded, received)  # one pass over the consensus for the vote
+        for i, (node_id, update) in enumerate(judged):
+            self._accept(state, node_id, update, in_vote=True, terms=None if terms is None else terms[i])
 
     def _judge(
         self, state: TrainRound, node_id: int, decoded: DecodedReply, reference: float | None
@@ -92,9 +94,11 @@ class Admitting:
         state.traffic.clipped_reasons += clipped
         return decoded
 
-    def _accept(self, state: TrainRound, node_id: int, decoded: DecodedReply, in_vote: bool) -> None:
+    def _accept(
+        self, state: TrainRound, node_id: int, decoded: DecodedReply, in_vote: bool, terms: dict | None = None
+    ) -> None:
         server_round, traffic = state.server_round, state.traffic
-        problem = self.bounds.opposition(node_id, decoded, state.received(node_id), in_vote)
+        problem = self.bounds.opposition(node_id, decoded, state.received(node_id), in_vote, terms)
         if problem is not None:
             state.reject(node_id, (REASON_DIRECTION, problem))
             return

@@ -6,7 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from numba.typed import List
 
+from fedquant.codecs.kernels import norms as kernels_norms
 from fedquant.codecs.kernels.common import PARALLEL_MIN, TWIN_MAX
 from fedquant.codecs.kernels.norms import (
     add_scaled,
@@ -16,6 +18,7 @@ from fedquant.codecs.kernels.norms import (
     checked_sum_squares,
     cosine_with,
     dot_terms,
+    dot_terms_many,
     sum_squares,
 )
 
@@ -200,3 +203,34 @@ def test_accumulate_bounded_counts_as_checked_accumulate_without_reading_base_wh
         u[-1] = bad
         assert both(base, u, bound) == (1, 1)
     assert both(base, update, float("nan")) == (0, 0)  # no bound known: counted, none
+
+
+@pytest.mark.parametrize("n", [0, 1, 4097, 32 * 4096 + 5, PARALLEL_MIN + 11])
+def test_dot_terms_many_gives_each_updates_dot_terms(n):
+    """Each update's terms as dot_terms gives them alone (the same block sums, added in block order:
+    equal to float64 rounding), serial and parallel bit for bit alike, whatever the group of blocks
+    the consensus is read in; float32 and float64 consensus."""
+    rng = np.random.default_rng(n + 3)
+    updates = [(rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32) for _ in range(5)]
+    for consensus in (rng.standard_normal(n) * 1e3, (rng.standard_normal(n) * 1e3).astype(np.float32)):
+        got = dot_terms_many(updates, consensus)
+        assert len(got) == len(updates)
+        for (dot, own), update in zip(got, updates, strict=True):
+            alone = dot_terms(update, consensus)
+            scale = math.sqrt(alone[1] * float(np.dot(consensus, consensus)))
+            assert abs(dot - alone[0]) <= 1e-13 * scale + 1e-300
+            assert own == pytest.approx(alone[1], rel=1e-13, abs=1e-300)
+        runs = []
+        for version in (kernels_norms._dot_terms_many.serial, kernels_norms._dot_terms_many.parallel):
+            terms = np.zeros((len(updates), 2))
+            version(List(updates), consensus, terms)
+            runs.append(terms)
+        assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], np.array(got).reshape(-1, 2))
+
+
+def test_dot_terms_many_refuses_updates_it_cannot_read():
+    c = np.zeros(8, np.float32)
+    assert dot_terms_many([], c) == []
+    for bad in (np.zeros(8), np.zeros(7, np.float32), np.zeros((2, 4), np.float32)):
+        with pytest.raises(ValueError, match="1-D float32"):
+            dot_terms_many([np.zeros(8, np.float32), bad], c)
