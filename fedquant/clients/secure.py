@@ -27,6 +27,7 @@ from fedquant.secagg.wiring import (
     KEY_DITHER_SEED,
     KEY_MAX_EXAMPLES,
     STATE_KEY,
+    UPDATE_SEGMENT,
     flat_update,
     float_layout,
 )
@@ -72,7 +73,13 @@ def _train_and_encode(
         raise ProtocolError(f"collect: '{KEY_DITHER_SEED}' must be an int")
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 0:
         raise ProtocolError(f"collect: '{KEY_MAX_EXAMPLES}' must be an int >= 0")
-    if spec != {"update": (grid.padded_numel, grid.bits), "weight": (1, WEIGHT_BITS)}:
+    theirs = [name for name in spec if name == "update" or name.startswith("update-v")]
+    if theirs and theirs != [UPDATE_SEGMENT]:
+        raise ProtocolError(
+            f"collect: the server sums segment '{theirs[0]}', this client '{UPDATE_SEGMENT}': they rotate "
+            "the update with the random signs of different payload formats (upgrade both to one fedquant)"
+        )
+    if spec != {UPDATE_SEGMENT: (grid.padded_numel, grid.bits), "weight": (1, WEIGHT_BITS)}:
         raise ProtocolError(f"collect: segments {spec} do not match the round's grid")
     if len(content.array_records) != 1:
         raise ProtocolError(f"collect: expects exactly one ArrayRecord (the model), found {len(content.array_records)}")
@@ -104,7 +111,7 @@ def _train_and_encode(
         examples = _num_examples(reply)
         weight = min(examples, float(max_examples)) / max_examples
     encoded = encode_update(torch.from_numpy(update), grid, dither_seed, weight=weight)
-    return {"update": encoded.values, "weight": np.array([encoded.weight_units], dtype=np.uint32)}
+    return {UPDATE_SEGMENT: encoded.values, "weight": np.array([encoded.weight_units], dtype=np.uint32)}
 
 
 def _num_examples(reply: Message) -> float:

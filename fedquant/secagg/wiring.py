@@ -16,10 +16,17 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
+from fedquant.wire.payload import FORMAT_VERSION
+
 GRID_RECORD = "fedquant.secagg.grid"
 GRID_PREFIX = "fedquant.secagg.grid."
 KEY_DITHER_SEED = "fedquant.secagg.dither-seed"
 KEY_MAX_EXAMPLES = "fedquant.secagg.max-examples"  # 0: every client weighs 1
+#: The summed segment of the update. Its name carries the payload format version, whose rotation
+#: signs (``rht``) the grid's encoding uses: a client and a server of different formats would sum
+#: differently rotated updates into a wrong model without a word, and with the version in the name
+#: each refuses the other's segment list instead.
+UPDATE_SEGMENT = f"update-v{FORMAT_VERSION}"
 #: ConfigRecord in ``Context.state`` holding the client's protocol state between stages.
 STATE_KEY = "fedquant.secagg.client"
 

@@ -16,7 +16,7 @@ from fedquant.metrics.bandwidth import dense_float32_bytes
 from fedquant.secagg.driver import sort_replies, stage_messages
 from fedquant.secagg.messages import STAGES
 from fedquant.secagg.server import SecAggServer
-from fedquant.secagg.wiring import wire_bytes
+from fedquant.secagg.wiring import UPDATE_SEGMENT, wire_bytes
 from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
 #: How many standard deviations of the decoded mean's error the aggregate-norm check allows.
@@ -140,7 +140,7 @@ def checked_mean(sec: SecureRound, result) -> tuple[np.ndarray | None, str | Non
         )  # fmt: skip
     grid = sec.grid
     seeds = [sec.dither_seeds[n] for n in result.survivors]
-    mean = decode_sum(result.sums["update"], grid, seeds, units).numpy()
+    mean = decode_sum(result.sums[UPDATE_SEGMENT], grid, seeds, units).numpy()
     sec.weight_total = units / WEIGHT_SCALE
     sec.aggregate_norm = float(np.linalg.norm(mean.astype(np.float64)))
     limit = grid.clip + ERROR_BOUND_SIGMAS * error_scale(grid, len(result.survivors), sec.weight_total)

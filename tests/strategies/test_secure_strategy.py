@@ -24,7 +24,7 @@ from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
 from fedquant.metrics import HistoryRecorder
 from fedquant.secagg import SecAggConfig
 from fedquant.secagg.messages import MASKED_RECORD, RECORD, STAGES
-from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, KEY_DITHER_SEED, add_flat, float_layout
+from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, KEY_DITHER_SEED, UPDATE_SEGMENT, add_flat, float_layout
 from fedquant.strategies import QuantizedStrategy
 from fedquant.testing.secagg_fuzz import mutate
 from tests.flower_fakes import InProcessGrid, global_loss, initial_arrays, make_client_app
@@ -153,6 +153,23 @@ def test_below_the_threshold_the_round_fails_cleanly_and_keeps_the_model():
             np.testing.assert_array_equal(message.content.array_records["arrays"][name].numpy(), array.numpy())
 
 
+def test_a_server_of_another_payload_format_is_refused_by_every_client(monkeypatch):
+    """The update segment's name carries the payload format, whose rotation signs the grid's
+    encoding uses: clients of another format refuse it at collect (a round that fails loudly and
+    keeps the model), instead of summing differently rotated updates into a wrong one."""
+    import fedquant.strategies.stages.secure as secure_stage
+
+    monkeypatch.setattr(secure_stage, "UPDATE_SEGMENT", "update-v4")  # a server of format 4
+    grid = SecureGrid()
+    strategy = _strategy()
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-failed"] == 1
+    errors = [r.error.reason for stage, r in grid.received if stage == "collect" and r.has_error()]
+    assert len(errors) == NUM_NODES
+    assert all("'update-v4'" in e and f"'{UPDATE_SEGMENT}'" in e and "payload formats" in e for e in errors)
+    assert len(result.arrays) == 0  # Flower kept the initial model
+
+
 def test_a_failed_round_before_collect_sends_no_train_message():
     grid = SecureGrid(drop_after={n: "advertise" for n in (101, 102, 103)})
     strategy = _strategy()
@@ -241,7 +258,7 @@ def test_the_server_receives_only_masked_inputs_at_collect():
     assert len(collect) == NUM_NODES
     for reply in collect:
         assert set(reply.content.keys()) == {RECORD, MASKED_RECORD}  # no metrics, no arrays, no client info
-        assert set(reply.content.array_records[MASKED_RECORD].keys()) == {"update", "weight"}
+        assert set(reply.content.array_records[MASKED_RECORD].keys()) == {UPDATE_SEGMENT, "weight"}
     assert all(not r.content.metric_records for _, r in grid.received if not r.has_error())
 
 
@@ -332,10 +349,10 @@ def test_wrong_length_masked_input_is_a_dropout():
     def forge(stage, request, reply):
         if stage == "collect" and request.metadata.dst_node_id == 101:
             content = reply.content
-            arr = content.array_records[MASKED_RECORD]["update"]
+            arr = content.array_records[MASKED_RECORD][UPDATE_SEGMENT]
             from flwr.app import Array
 
-            content.array_records[MASKED_RECORD]["update"] = Array(
+            content.array_records[MASKED_RECORD][UPDATE_SEGMENT] = Array(
                 dtype="uint8", shape=(len(arr.data) - 1,), stype=arr.stype, data=arr.data[:-1]
             )
         return reply

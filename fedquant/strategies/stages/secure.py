@@ -24,7 +24,15 @@ from fedquant.secagg.accounting import PrivacyLedger
 from fedquant.secagg.config import SecAggConfig
 from fedquant.secagg.driver import sort_replies, stage_messages
 from fedquant.secagg.server import SecAggServer, Segment
-from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, add_flat, float_layout, grid_record, wire_bytes
+from fedquant.secagg.wiring import (
+    GRID_PREFIX,
+    GRID_RECORD,
+    UPDATE_SEGMENT,
+    add_flat,
+    float_layout,
+    grid_record,
+    wire_bytes,
+)
 from fedquant.strategies.inner_guard import guarded_train
 from fedquant.strategies.secure_round import SecureRound, checked_mean, count_up, round_metrics, round_trip
 from fedquant.strategies.stages.base import RoundStage
@@ -62,7 +70,10 @@ class SecureAggregation(RoundStage):
             sec.grid = self.config.scale_rule().grid(
                 numel, len(nodes), derive_seed(self.seed, state.server_round, "secagg-rotation"), self.previous_mean
             )
-            segments = [Segment("update", sec.grid.padded_numel, sec.grid.bits), Segment("weight", 1, WEIGHT_BITS)]
+            segments = [
+                Segment(UPDATE_SEGMENT, sec.grid.padded_numel, sec.grid.bits),
+                Segment("weight", 1, WEIGHT_BITS),
+            ]
             sec.server = SecAggServer(self.config, nodes, segments, state.server_round)
         except ValueError as err:
             return self._fail(state, f"cannot set up the secure round for {len(nodes)} nodes: {err}")
