@@ -204,13 +204,19 @@ def kernel_key(seed: int) -> np.uint64:
 
 
 @njit(cache=True, inline="always")
+def mix64(w: np.uint64) -> np.uint64:
+    """SplitMix64's finalizer of counter term ``w`` (see :func:`counter`): the stream's 64-bit hash,
+    ``fedquant.rng.random_bits``."""
+    u = np.uint64(w)  # an int64 would mix with the uint64 constants into float64
+    z = (u ^ (u >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    return z ^ (z >> _S31)
+
+
+@njit(cache=True, inline="always")
 def hash24(key: np.uint64, i: np.int64) -> np.uint64:
     """The 24 random bits of element ``i`` of the stream with key ``key`` (``uniform24`` times ``2**24``)."""
-    z = key + np.uint64(i + 1) * _GAMMA
-    z = (z ^ (z >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    z = z ^ (z >> _S31)
-    return z >> _SHIFT_U
+    return mix64(counter(key, i)) >> _SHIFT_U
 
 
 @njit(cache=True, inline="always")
@@ -227,11 +233,7 @@ def counter(key: np.uint64, i: np.int64) -> np.uint64:
 @njit(cache=True, inline="always")
 def hash24_at(w: np.uint64) -> np.uint64:
     """The 24 random bits of counter term ``w`` (see :func:`counter`): ``hash24(key, i)``."""
-    u = np.uint64(w)  # an int64 would mix with the uint64 constants into float64
-    z = (u ^ (u >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    z = z ^ (z >> _S31)
-    return z >> _SHIFT_U
+    return mix64(w) >> _SHIFT_U
 
 
 @intrinsic
@@ -309,9 +311,7 @@ def hash24_run(key: np.uint64, start: np.int64, count: np.int64, out: np.ndarray
     z = key + np.uint64(start + 1) * _GAMMA
     dst = out[:count]
     for k in range(count):
-        h = (z ^ (z >> _S30)) * _MIX1
-        h = (h ^ (h >> _S27)) * _MIX2
-        dst[k] = (h ^ (h >> _S31)) >> _SHIFT_U
+        dst[k] = mix64(z) >> _SHIFT_U
         z += _GAMMA
 
 

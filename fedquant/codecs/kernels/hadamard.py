@@ -59,7 +59,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels.common import _GAMMA, _MIX1, _MIX2, _S27, _S30, CHUNK, parallel_kernel
+from fedquant.codecs.kernels.common import CHUNK, counter, mix64, parallel_kernel
 from fedquant.rng import rotation_negative
 
 #: A tile: 32 KiB of float32, the L1 data cache.
@@ -71,7 +71,6 @@ MIN_STRIP = 16
 
 _ZERO32 = np.float32(0.0)
 _S32 = np.uint64(32)
-_S31 = np.uint64(31)
 _S31_32 = np.uint32(31)
 _ONE64 = np.uint64(1)
 _SIGN = np.uint32(0x80000000)
@@ -463,10 +462,7 @@ def butterflies(seg, length):
 def _sign_word(key, q):
     """The 64-bit hash whose bits are the signs of laid-out positions ``64 q .. 64 q + 63`` (bit ``j``,
     LSB first, that of ``64 q + j``): SplitMix64 of the counter term ``key + (q + 1) GAMMA``."""
-    z = key + np.uint64(q + 1) * _GAMMA
-    z = (z ^ (z >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    return z ^ (z >> _S31)
+    return mix64(counter(key, q))
 
 
 @njit(cache=True, inline="always")
