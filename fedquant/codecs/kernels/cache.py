@@ -67,15 +67,15 @@ def cache_dir() -> Path | None:
 
 def warm_key() -> str:
     """Hash of what numba's cached machine code depends on: versions, CPU, kernel sources."""
-    import llvmlite.binding as llvm
     import numba
+
+    from fedquant.codecs.kernels import target
 
     stamps = sorted(
         (str(p), p.stat().st_mtime_ns, p.stat().st_size) for folder in KERNEL_SOURCES for p in folder.glob("*.py")
     )
-    cpu = numba.config.CPU_NAME or llvm.get_host_cpu_name()
-    features = numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
-    text = json.dumps([numba.__version__, sys.version_info[:2], cpu, features, stamps])
+    features = sorted(target.cpu_features())
+    text = json.dumps([numba.__version__, sys.version_info[:2], target.cpu_name(), features, stamps])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -75,7 +75,7 @@ from numba import types as nbtypes
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels import cache
+from fedquant.codecs.kernels import cache, target
 from fedquant.rng import GOLDEN_GAMMA, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SCALE, stream_key
 
 CHUNK = 1 << 14
@@ -576,42 +576,142 @@ def _unpack_groups_at(src, groups, width, codes):
             codes[8 * g + k] = (v >> np.uint64(8 * k)) & np.uint64(255)
 
 
+def _u8_c(t) -> bool:
+    return isinstance(t, nbtypes.Array) and t.layout == "C" and t.dtype == nbtypes.uint8
+
+
+def _bit_groups(instruction: str, packing: bool):
+    """An intrinsic ``(src, groups, width, dst) -> groups done`` moving groups of 8 symbols of ``width``
+    bits (3 to 7) between a byte each and ``width`` packed bytes, one BMI2 ``instruction`` per group.
+
+    ``pdep`` (unpacking) spreads a group's ``8 * width`` bits to the low ``width`` bits of eight
+    bytes, ``pext`` (packing) gathers them back, each through a 64-bit mask of ``width`` low bits
+    per byte. Every group is one unaligned 64-bit load and one 64-bit store, so the caller passes
+    only groups whose 8 bytes lie within both arrays (:func:`_word_groups`); a packed store's bytes
+    past its group are zeros that the next group overwrites. It does all ``groups`` where the target
+    has fast BMI2 (:func:`~fedquant.codecs.kernels.target.has_fast_bmi2`) and both arrays are
+    contiguous uint8, and none otherwise, leaving them to the shifts of :func:`_pack_groups_at` /
+    :func:`_unpack_groups_at` (the same bytes).
+    """
+
+    def typer(typingctx, src, groups, width, dst):
+        sig = nbtypes.intp(src, nbtypes.intp, nbtypes.intp, dst)
+        usable = _u8_c(src) and _u8_c(dst)
+
+        def codegen(context, builder, signature, args):
+            if not (usable and target.has_fast_bmi2()):
+                return context.get_constant(nbtypes.intp, 0)
+            i64 = ir.IntType(64)
+            src_arr, dst_arr = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 3))
+            bits = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]), instruction)
+            width = args[2]
+            low = builder.sub(builder.shl(ir.Constant(i64, 1), width), ir.Constant(i64, 1))
+            mask = builder.mul(low, ir.Constant(i64, 0x0101010101010101))
+            eight = ir.Constant(i64, 8)
+            with cgutils.for_range(builder, args[1]) as loop:
+                packed_at = builder.mul(loop.index, width)
+                bytes_at = builder.mul(loop.index, eight)
+                read, write = (bytes_at, packed_at) if packing else (packed_at, bytes_at)
+                word = builder.load(builder.bitcast(builder.gep(src_arr.data, [read]), i64.as_pointer()), align=1)
+                moved = builder.call(bits, [word, mask])
+                builder.store(moved, builder.bitcast(builder.gep(dst_arr.data, [write]), i64.as_pointer()), align=1)
+            return args[1]
+
+        return sig, codegen
+
+    typer.__name__ = f"_bmi_{'pext' if packing else 'pdep'}_groups"
+    return intrinsic(typer)
+
+
+_extract_groups = _bit_groups("llvm.x86.bmi.pext.64", packing=True)
+_deposit_groups = _bit_groups("llvm.x86.bmi.pdep.64", packing=False)
+
+
+@njit(cache=True, inline="always")
+def _word_groups(groups, width, nbytes):
+    """How many of the first ``groups`` groups of ``width`` packed bytes can be moved as whole 64-bit
+    words within ``nbytes`` bytes (group ``g`` reads or writes bytes ``g * width .. g * width + 7``)."""
+    return min(groups, max(nbytes - 8, -1) // width + 1)
+
+
+@njit(cache=True, inline="always")
+def _pack_bytes(codes, nbytes, width, dst):
+    """``nbytes`` bytes of ``8 // width`` whole symbols each, for ``width`` 1, 2 or 4 (a constant where
+    inlined): LLVM vectorizes this form (an interleaved load) where it cannot the general groups."""
+    per = 8 // width
+    mask = (1 << width) - 1
+    for j in range(nbytes):
+        b = 0
+        for t in range(per):
+            b |= (codes[per * j + t] & mask) << (width * t)
+        dst[j] = b
+
+
+@njit(cache=True, inline="always")
+def _unpack_bytes(src, nbytes, width, codes):
+    """Inverse of :func:`_pack_bytes`."""
+    per = 8 // width
+    mask = (1 << width) - 1
+    for j in range(nbytes):
+        b = src[j]
+        for t in range(per):
+            codes[per * j + t] = (b >> (width * t)) & mask
+
+
+@njit(cache=True, inline="always")
+def _pack_wide_groups(codes, groups, width, dst):
+    """Groups of ``width`` 3, 5, 6 or 7 (a constant where inlined): BMI2 where it can, shifts for the rest."""
+    done = _extract_groups(codes, _word_groups(groups, width, dst.size), width, dst)
+    _pack_groups_at(codes[done * 8 :], groups - done, width, dst[done * width :])
+
+
+@njit(cache=True, inline="always")
+def _unpack_wide_groups(src, groups, width, codes):
+    """Inverse of :func:`_pack_wide_groups`."""
+    done = _deposit_groups(src, _word_groups(groups, width, src.size), width, codes)
+    _unpack_groups_at(src[done * width :], groups - done, width, codes[done * 8 :])
+
+
 @njit(cache=True)
 def _pack_groups(codes, groups, width, dst):
-    """:func:`_pack_groups_at` with ``width`` (1 to 7) a constant in each branch, so loops unroll."""
+    """``groups`` groups of 8 symbols at ``width`` bits (1 to 7, a constant in each branch) into
+    ``dst[: groups * width]``: whole bytes of symbols (:func:`_pack_bytes`) for 1, 2 and 4, BMI2 or
+    shifts for the others (:func:`_pack_wide_groups`). At 25M symbols, one core, in cache, every
+    width measured 0.7-1.0 ms, against 1.1-4.0 ms by shifts alone."""
     if width == 1:
-        _pack_groups_at(codes, groups, 1, dst)
+        _pack_bytes(codes, groups, 1, dst)
     elif width == 2:
-        _pack_groups_at(codes, groups, 2, dst)
+        _pack_bytes(codes, 2 * groups, 2, dst)
     elif width == 3:
-        _pack_groups_at(codes, groups, 3, dst)
+        _pack_wide_groups(codes, groups, 3, dst)
     elif width == 4:
-        _pack_groups_at(codes, groups, 4, dst)
+        _pack_bytes(codes, 4 * groups, 4, dst)
     elif width == 5:
-        _pack_groups_at(codes, groups, 5, dst)
+        _pack_wide_groups(codes, groups, 5, dst)
     elif width == 6:
-        _pack_groups_at(codes, groups, 6, dst)
+        _pack_wide_groups(codes, groups, 6, dst)
     else:
-        _pack_groups_at(codes, groups, 7, dst)
+        _pack_wide_groups(codes, groups, 7, dst)
 
 
 @njit(cache=True)
 def _unpack_groups(src, groups, width, codes):
-    """:func:`_unpack_groups_at` with ``width`` (1 to 7) a constant in each branch."""
+    """Inverse of :func:`_pack_groups`, the same way per width (at 25M symbols, one core, in cache:
+    0.8-0.9 ms at every width, against 3.7-5.6 ms by shifts alone)."""
     if width == 1:
-        _unpack_groups_at(src, groups, 1, codes)
+        _unpack_bytes(src, groups, 1, codes)
     elif width == 2:
-        _unpack_groups_at(src, groups, 2, codes)
+        _unpack_bytes(src, 2 * groups, 2, codes)
     elif width == 3:
-        _unpack_groups_at(src, groups, 3, codes)
+        _unpack_wide_groups(src, groups, 3, codes)
     elif width == 4:
-        _unpack_groups_at(src, groups, 4, codes)
+        _unpack_bytes(src, 4 * groups, 4, codes)
     elif width == 5:
-        _unpack_groups_at(src, groups, 5, codes)
+        _unpack_wide_groups(src, groups, 5, codes)
     elif width == 6:
-        _unpack_groups_at(src, groups, 6, codes)
+        _unpack_wide_groups(src, groups, 6, codes)
     else:
-        _unpack_groups_at(src, groups, 7, codes)
+        _unpack_wide_groups(src, groups, 7, codes)
 
 
 @njit(cache=True)
@@ -775,10 +875,6 @@ def unpack_at(data, bitpos, count, width, codes):
 
 
 # ---------------------------------------------------------------- splitting a stream by flags
-def _u8_c(t) -> bool:
-    return isinstance(t, nbtypes.Array) and t.layout == "C" and t.dtype == nbtypes.uint8
-
-
 def _flag_mask(context, builder, flags, i):
     """``<32 x i1>``: whether each of ``flags[i : i + 32]`` (uint8) is nonzero."""
     v = ir.VectorType(ir.IntType(8), SPLIT_LANES)

@@ -40,6 +40,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fedquant.codecs.kernels import target
 from fedquant.codecs.kernels.common import (
     CHUNK,
     add_counts,
@@ -636,16 +637,6 @@ def _array_c(t, dtype) -> bool:
     return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == dtype
 
 
-def _target_has_avx512f() -> bool:
-    """Whether numba compiles for a CPU with AVX-512F (its target features: ``NUMBA_CPU_FEATURES``,
-    else the host's; numba's cache keys compiled code by them too)."""
-    from numba.core import config
-    from numba.core.codegen import get_host_cpu_features
-
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return "+avx512f" in features.split(",")
-
-
 def _permute_ir(builder, floats, words, native: bool):
     """A function ``(table, index) -> table[index]`` lane by lane on 16-lane IR vectors.
 
@@ -712,7 +703,7 @@ def _round16(typingctx, xs, us, cs, row, s, groups):
                 vector, vector, ir.Constant(words, [min(j + k, lanes - 1) for j in range(lanes)])
             )
 
-        permute = _permute_ir(builder, floats, words, _target_has_avx512f())
+        permute = _permute_ir(builder, floats, words, target.has_avx512f())
         levels = builder.load(builder.bitcast(r_arr.data, floats.as_pointer()), align=4)
         s32 = builder.trunc(args[4], i32)
         lane = ir.Constant(words, [ir.Constant(i32, j) for j in range(lanes)])

@@ -5,6 +5,7 @@ import pytest
 from numba import njit
 
 from fedquant.codecs.kernels import levels as kernels
+from fedquant.codecs.kernels import target
 from fedquant.codecs.kernels.common import hash24_run
 
 VECTOR = kernels.VECTOR_LEVELS
@@ -92,7 +93,7 @@ def test_round_pack_indices_match_the_ladder_per_bucket(version, s, d):
 
 def test_without_avx512_the_lookups_go_lane_by_lane_to_the_same_indices(monkeypatch):
     # CPUs without AVX-512F (ARM, older x86) compile the portable lookups instead of vpermps
-    monkeypatch.setattr(kernels, "_target_has_avx512f", lambda: False)
+    monkeypatch.setattr(target, "has_avx512f", lambda: False)
 
     @njit  # a new caller: lowered now, under the patched target
     def portable(xs, row16, us, s):
