@@ -59,7 +59,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels.common import CHUNK, counter, mix64, parallel_kernel
+from fedquant.codecs.kernels.common import CHUNK, c_array_of, counter, mix64, parallel_kernel
 from fedquant.rng import rotation_negative
 
 #: A tile: 32 KiB of float32, the L1 data cache.
@@ -86,7 +86,7 @@ def block_scale(k: int) -> np.float32:
 # ---------------------------------------------------------------- numba: the butterflies
 def _float32_c(seg) -> bool:
     """Whether a numba type is a contiguous float32 array (all the vector intrinsics accept)."""
-    return isinstance(seg, types.Array) and seg.dtype == types.float32 and seg.layout == "C"
+    return c_array_of(seg, types.float32)
 
 
 def _vector_ptrs(context, builder, sig, args, count, lanes=8):

@@ -44,6 +44,7 @@ from fedquant.codecs.kernels import target
 from fedquant.codecs.kernels.common import (
     CHUNK,
     add_counts,
+    c_array_of,
     count_table,
     group_chunks,
     hash24_run,
@@ -634,7 +635,7 @@ VECTOR_LEVELS = 16
 
 
 def _array_c(t, dtype) -> bool:
-    return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == dtype
+    return c_array_of(t, dtype) and t.ndim == 1
 
 
 def _permute_ir(builder, floats, words, native: bool):
