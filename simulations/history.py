@@ -4,8 +4,9 @@ A run gets its own folder (:func:`reserve_run_dir`: never an existing run's, unl
 the three files are rewritten after every round, each atomically (a temporary file, then
 ``os.replace``), so a run that is stopped, killed or crashes keeps the rounds it finished and a
 reader never sees half a file. ``history.json``'s ``status`` says how the run ended:
-``running`` (still, or the process died without a word: ``flwr stop``, a kill), ``finished``,
-``failed`` (with ``error``) or ``stopped`` (Ctrl-C of ``python -m simulations.run``).
+``running`` (still, or the process died without a word: a kill), ``finished``, ``failed`` (with
+``error``: it raised, was refused before round 1, or applied no update), ``interrupted`` (Ctrl-C)
+or ``stopped`` (``flwr stop``, SIGTERM); ``last-round`` is the last round it completed.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ from simulations.settings import SimSettings
 # Leading columns of history.csv; every other metric follows in alphabetical order.
 LEAD_COLUMNS = ("round", "accuracy", "loss", "elapsed-seconds")
 FILES = ("history.json", "history.csv", "history.png")
-STATUSES = ("running", "finished", "failed", "stopped")
+STATUSES = ("running", "finished", "failed", "interrupted", "stopped")
 # Settings always in a run folder's name (in this order); any other key appears when it differs
 # from its default. Keys that say where the run goes are never part of the name.
 NAME_KEYS = ("codec", "dataset", "partitioning", "seed", "secagg")
 UNNAMED_KEYS = ("out-dir", "run-name", "overwrite")
 NAME_LIMIT = 150
+MODEL_FILE = "model.pt"
+# Runs of this process that have not ended yet: a signal handler records how they ended.
+_ACTIVE: dict[int, RunHistory] = {}
+_ACTIVE_LOCK = threading.Lock()
 
 
 def run_dir_name(settings: SimSettings, num_nodes: int | None = None) -> str:
@@ -125,11 +130,17 @@ class RunHistory:
         """The last round's row (empty before any round)."""
         return self.rounds[-1] if self.rounds else {}
 
+    @property
+    def last_round(self) -> int:
+        """The last round completed (0: none, only the initial model scored)."""
+        return max((int(r["round"]) for r in self.rounds), default=0)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "settings": self.settings.as_config(),
             "status": self.status,
             "error": self.error,
+            "last-round": self.last_round,
             "num-nodes": self.num_nodes,
             "warnings": self.warnings,
             "wall-seconds": self.wall_seconds,
@@ -149,7 +160,15 @@ class RunHistory:
         with self._lock:
             if self.status == "running":
                 self.status, self.error = status, error
+        with _ACTIVE_LOCK:
+            _ACTIVE.pop(id(self), None)
         return self.save()
+
+    def track(self) -> RunHistory:
+        """Register this run as going on, so that :func:`end_active_runs` records its end."""
+        with _ACTIVE_LOCK:
+            _ACTIVE[id(self)] = self
+        return self
 
     def write(self, folder: str | Path) -> dict[str, Path]:
         """Write ``history.json``, ``history.csv`` and ``history.png`` into ``folder``, each atomically."""
@@ -167,6 +186,34 @@ class RunHistory:
                 title = f"{s.codec} | {s.dataset} {s.partitioning} | {s.model}"
                 write_atomically(paths["history.png"], lambda p: plot_run(trained, p, title))
         return paths
+
+
+def end_active_runs(status: str, reason: str) -> list[RunHistory]:
+    """Record ``status`` (``interrupted``, ``stopped``) for every run of this process still going on.
+
+    Called from a signal or exit handler: the finished rounds are on disk already, only the
+    status is left to write. Returns the runs it ended.
+    """
+    with _ACTIVE_LOCK:
+        runs = list(_ACTIVE.values())
+    for history in runs:
+        history.finish(status, reason)
+    return runs
+
+
+def settings_difference(folder: str | Path, settings: SimSettings) -> dict[str, tuple[Any, Any]]:
+    """Run-config keys whose value in ``folder``'s ``history.json`` differs from ``settings``.
+
+    ``{key: (stored, new)}``; empty when the folder holds no history or the same settings (keys
+    that only say where a run goes are not compared).
+    """
+    try:
+        stored = load_history(folder).get("settings") or {}
+    except (OSError, ValueError):
+        return {}
+    new = settings.as_config()
+    return {k: (stored.get(k), new.get(k)) for k in sorted({*stored, *new})
+            if k not in UNNAMED_KEYS and stored.get(k) != new.get(k)}  # fmt: skip
 
 
 def load_history(folder: str | Path) -> dict[str, Any]:

@@ -8,8 +8,11 @@ says what happened:
 
 * 0: the run finished (its folder is printed; a diverged run also finishes, with a warning);
 * 1: the run failed (the reason on one line; the rounds it finished are in its folder);
-* 2: invalid run config or arguments, one line per problem, in a second and before Ray starts;
-* 130: stopped with Ctrl-C (the rounds it finished are in its folder, ``status`` "stopped").
+* 1 also when the run applied no update in any round (``status`` "failed", with the reason);
+* 2: invalid run config or arguments, or a run that cannot train on this federation or with this
+  data (a secure round's threshold above the clients sampled, a dataset that cannot be loaded),
+  one line per problem, in seconds and before Ray starts;
+* 130: interrupted with Ctrl-C (the rounds it finished are in its folder, ``status`` "interrupted").
 
 ``--flwr`` submits the run with ``flwr run .`` instead (to the SuperLink connection of your Flower
 configuration), streams its log with ``flwr log`` and then reads its status with ``flwr ls``: 0
@@ -36,7 +39,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from simulations.history import RunHistory, run_dir_name
+from simulations.history import RunHistory, end_active_runs, run_dir_name
 from simulations.settings import RunConfigError, check_run_config
 
 # Flower's default federation (what `flwr run .` gets without federation settings).
@@ -106,7 +109,7 @@ def run_app(
         )
     except KeyboardInterrupt:
         if started:
-            started[-1].finish("stopped", "KeyboardInterrupt")
+            started[-1].finish("interrupted", "KeyboardInterrupt")
         raise
     except Exception as err:
         cause = err.__cause__ if isinstance(err, RuntimeError) and err.__cause__ else err
@@ -178,8 +181,8 @@ def _problem(text: str) -> int:
     return 2
 
 
-def _stop_at_ctrl_c(started: list[RunHistory]) -> None:
-    """Ctrl-C records the run as stopped and exits 130 at once.
+def stop_at_ctrl_c(what: str = "run") -> None:
+    """Ctrl-C records every run of this process going on as ``interrupted`` and exits 130 at once.
 
     A KeyboardInterrupt raised into Flower's simulation loop shuts Ray down while the ServerApp
     thread still calls it, and Ray's core worker then ends the process with status 1 (seen under
@@ -188,9 +191,9 @@ def _stop_at_ctrl_c(started: list[RunHistory]) -> None:
     """
 
     def stop(signum: int, frame: Any) -> None:
-        if started:
-            started[-1].finish("stopped", "KeyboardInterrupt")
-        print("simulations.run: stopped (Ctrl-C); the rounds it finished are saved", file=sys.stderr, flush=True)
+        ended = end_active_runs("interrupted", "KeyboardInterrupt")
+        where = "".join(f"; {h.folder} says interrupted after round {h.last_round}" for h in ended if h.folder)
+        print(f"{what}: interrupted (Ctrl-C); the rounds it finished are saved{where}", file=sys.stderr, flush=True)
         os._exit(130)
 
     signal.signal(signal.SIGINT, stop)
@@ -199,6 +202,7 @@ def _stop_at_ctrl_c(started: list[RunHistory]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from flwr.common.config import parse_config_args
 
+    from simulations.feasibility import feasibility_problems
     from simulations.federation_check import data_warnings
 
     args = _parse_args(argv)
@@ -216,6 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.flwr is not None and not args.check:
         return run_with_flwr(args.run_config + (["overwrite=true"] if args.overwrite else []), args.flwr or None)
+    # Before Ray starts: refuse a run that cannot train on this federation (--num-supernodes; with
+    # --flwr the federation is Flower's, and the ServerApp refuses it before round 1).
+    problems = feasibility_problems(settings, args.num_supernodes)
+    for problem in problems:
+        _problem(f"this run cannot train: {problem}")
+    if problems:
+        return 2
     if args.check:
         changed = " ".join(f"{k}={v!r}" for k, v in settings.changed().items()) or "(all defaults)"
         print(f"run config OK: {changed}")
@@ -223,11 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for warning in data_warnings(settings, args.num_supernodes):
             print(f"warning: {warning}")
         return 0
-    started: list[RunHistory] = []
-    _stop_at_ctrl_c(started)
+    stop_at_ctrl_c("simulations.run")
     try:
         history = run_app(run_config, num_supernodes=args.num_supernodes, num_cpus=args.num_cpus,
-                          num_gpus=args.num_gpus, on_start=started.append)  # fmt: skip
+                          num_gpus=args.num_gpus)  # fmt: skip
     except RunConfigError as err:
         for problem in err.problems:
             _problem(problem)
@@ -242,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["RunFailed", "main", "run_app"]
+__all__ = ["RunFailed", "main", "run_app", "stop_at_ctrl_c"]
 
 if __name__ == "__main__":
     sys.exit(main())

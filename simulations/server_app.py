@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from logging import ERROR, INFO, WARNING
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -21,17 +22,27 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from fedquant.metrics import messages_bytes
 from fedquant.rng import derive_seed
 from fedquant.strategies import QuantizedStrategy
 from simulations.data import load_test_set
 from simulations.divergence import DIVERGED_COLUMN, DivergenceMonitor
+from simulations.feasibility import feasibility_problems
 from simulations.federation_check import data_warnings
-from simulations.history import RunHistory, reserve_run_dir, run_dir_name
+from simulations.history import (
+    MODEL_FILE,
+    RunHistory,
+    end_active_runs,
+    reserve_run_dir,
+    run_dir_name,
+    settings_difference,
+    write_atomically,
+)
 from simulations.link_times import LinkTimes
 from simulations.links import UplinkProfile, parse_uplink
 from simulations.models import build_model
 from simulations.node_directory import PartitionDirectory
-from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY, RunConfigError, SimSettings
+from simulations.settings import CLIENT_INFO_KEY, EVALUATE_KEYS, FEDERATION_KEY, RunConfigError, SimSettings
 from simulations.task import evaluate, limit_threads
 
 
@@ -86,6 +97,16 @@ class RecordingStrategy(QuantizedStrategy):
         self.history = history
         self.directory = directory
         self.last_train_metrics: dict[int, dict[str, Any]] = {}
+        self.sent: dict[int, tuple[int, int]] = {}  # round -> (train messages, their bytes)
+        self.applied_rounds: list[int] = []  # rounds whose aggregate replaced the model
+        self.round_failures: dict[int, str] = {}  # round -> why it applied no update
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.sent[server_round] = (len(messages), messages_bytes(messages))
+        return messages
 
     def client_seed(self, server_round: int, node_id: int) -> int:
         """Seed from the node's partition id when known (stable across runs), else from its node id."""
@@ -109,9 +130,30 @@ class RecordingStrategy(QuantizedStrategy):
             if pid is not None:
                 self.directory.confirm(int(info["node-id"]), pid)
         self.history.add_clients(server_round, infos)
+        sent, sent_bytes = self.sent.pop(server_round, (0, 0))
+        failed = sum(msg.has_error() for msg in replies)
+        wire = {
+            "message-bytes-down": sent_bytes,  # measured before the wrapper decodes the replies in place
+            "message-bytes-up": messages_bytes(replies),
+            "train-messages": sent,
+            "node-failures": failed + max(0, sent - len(replies)),  # error replies and missing ones
+        }
         arrays, metrics = super().aggregate_train(server_round, replies)
-        self.last_train_metrics[server_round] = dict(metrics) if metrics is not None else {}
+        self.last_train_metrics[server_round] = {**(dict(metrics) if metrics is not None else {}), **wire}
+        if arrays is not None:
+            self.applied_rounds.append(server_round)
+        else:
+            self.round_failures[server_round] = self._why_not_applied(server_round, sent, len(replies), failed)
         return arrays, metrics
+
+    def _why_not_applied(self, server_round: int, sent: int, replies: int, failed: int) -> str:
+        secure = self.secure_failures.get(server_round)
+        if secure:
+            return f"secure aggregation failed: {secure}"
+        metrics = self.last_train_metrics.get(server_round, {})
+        rejected = int(metrics.get("rejected-replies", 0) or 0)
+        return (f"{sent} clients asked, {replies} replied, {failed} with an error, {rejected} rejected"
+                + (", the inner aggregation failed" if metrics.get("aggregation-failed") else ""))  # fmt: skip
 
 
 def _reported_partition(info: Any) -> int | None:
@@ -155,17 +197,37 @@ def run_server(
         for problem in err.problems:
             log(ERROR, "fedquant: invalid run config: %s", problem)
         raise
-    test = load_test_set(settings.dataset)
-    model = build_model(settings.model, test.input_shape, test.num_classes, seed=settings.seed)
-    uplink = parse_uplink(settings.uplink, settings.seed)
-    downlink = parse_uplink(settings.downlink, derive_seed(settings.seed, "downlink"))
     directory = directory if directory is not None else PartitionDirectory()
     num_nodes = directory.wait_for_registration(grid)
-    folder = reserve_run_dir(settings.out_dir, run_dir_name(settings, num_nodes), settings.overwrite)
-    history = RunHistory(settings, folder=folder, num_nodes=num_nodes)
+    name = run_dir_name(settings, num_nodes)
+    changed = settings_difference(Path(settings.out_dir).expanduser() / name, settings) if settings.overwrite else {}
+    if changed:  # overwrite=true reuses a folder only for the same settings
+        problem = (f"overwrite=true would replace {Path(settings.out_dir) / name}, whose run had other settings ("
+                   + ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+                   + "); set run-name or out-dir to keep both")  # fmt: skip
+        log(ERROR, "fedquant: %s", problem)
+        raise RunConfigError([problem])
+    folder = reserve_run_dir(settings.out_dir, name, settings.overwrite)
+    history = RunHistory(settings, folder=folder, num_nodes=num_nodes).track()
     log(INFO, "fedquant: results of this run go to %s (rewritten after every round)", folder)
+    _record_stops_on_exit()
     if on_start is not None:
         on_start(history)
+    history.save()  # the folder says "running" from the start
+    t0 = time.perf_counter()
+    try:
+        problems = feasibility_problems(settings, num_nodes)
+        if problems:
+            for problem in problems:
+                log(ERROR, "fedquant: this run cannot train: %s", problem)
+            raise RunRefused(problems)
+        test = load_test_set(settings.dataset)
+        model = build_model(settings.model, test.input_shape, test.num_classes, seed=settings.seed)
+        uplink = parse_uplink(settings.uplink, settings.seed)
+        downlink = parse_uplink(settings.downlink, derive_seed(settings.seed, "downlink"))
+    except BaseException as err:
+        _record_end(history, err, t0)
+        raise
     for warning in data_warnings(settings, num_nodes):
         log(WARNING, "fedquant: %s", warning)
         history.warnings.append(warning)
@@ -177,6 +239,7 @@ def run_server(
             fraction_train=settings.fraction_train,
             fraction_evaluate=0.0,
             min_train_nodes=1,
+            min_available_nodes=1,
             seed=settings.seed,
             directory=directory,
         ),
@@ -193,8 +256,6 @@ def run_server(
         secure_aggregation=settings.secagg_config(),
     )
     monitor = DivergenceMonitor(test.num_classes)
-    history.save()  # the folder says "running" from the start
-    t0 = time.perf_counter()
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -217,19 +278,24 @@ def run_server(
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
     try:
-        strategy.start(
+        result = strategy.start(
             grid=grid,
             initial_arrays=ArrayRecord(model.state_dict()),
             num_rounds=settings.rounds,
-            train_config=ConfigRecord({**settings.as_config(), FEDERATION_KEY: uuid.uuid4().hex}),
-            evaluate_config=ConfigRecord(settings.as_config()),
+            train_config=ConfigRecord({**settings.client_config(), FEDERATION_KEY: uuid.uuid4().hex}),
+            evaluate_config=ConfigRecord(settings.client_config(EVALUATE_KEYS)),
             evaluate_fn=evaluate_fn,
         )
+        if not strategy.applied_rounds:
+            raise NoUpdateApplied(
+                f"no round applied an update in {settings.rounds} rounds, the model is the initial one ("
+                + "; ".join(f"round {r}: {why}" for r, why in sorted(strategy.round_failures.items())[:3])
+                + ("; ..." if len(strategy.round_failures) > 3 else "")
+                + ")"
+            )
+        save_model(result.arrays, folder / MODEL_FILE)
     except BaseException as err:
-        history.wall_seconds = time.perf_counter() - t0
-        history.finish("stopped" if isinstance(err, KeyboardInterrupt) else "failed", f"{type(err).__name__}: {err}")
-        log(ERROR, "fedquant: the run %s after %d rounds (%s); the finished rounds are in %s",
-            history.status, max(0, len(history.rounds) - 1), history.error, folder)  # fmt: skip
+        _record_end(history, err, t0)
         raise
     history.wall_seconds = time.perf_counter() - t0
     history.finish("finished")
@@ -257,6 +323,51 @@ def run_server(
 
 
 DIVERGENCE_ADVICE = "Lower learning-rate, or set clip-norm (run config) if it is 0."
+
+
+class RunRefused(RunConfigError):
+    """The run config is valid but cannot train on this federation or with this data (before round 1)."""
+
+
+class NoUpdateApplied(RuntimeError):
+    """Every round ended without an aggregate: the run trained nothing."""
+
+
+def _record_end(history: RunHistory, err: BaseException, t0: float) -> None:
+    """Save how the run ended on ``err``: ``interrupted`` (Ctrl-C), else ``failed`` with the reason."""
+    history.wall_seconds = time.perf_counter() - t0
+    reason = f"{type(err).__name__}: {err}" if not isinstance(err, RunConfigError) else "; ".join(err.problems)
+    if isinstance(err, KeyboardInterrupt):
+        status = "interrupted"
+    elif type(err).__name__ == "RunNotRunningException":  # flwr stop: the SuperLink refuses the run's next call
+        status, reason = "stopped", "stopped (flwr stop): the SuperLink no longer runs it"
+    else:
+        status = "failed"
+    history.finish(status, reason)
+    log(ERROR, "fedquant: the run %s after %d rounds (%s); the finished rounds are in %s",
+        history.status, history.last_round, history.error, history.folder)  # fmt: skip
+
+
+_EXIT_HANDLER_ADDED = False
+
+
+def _record_stops_on_exit() -> None:
+    """Once per process: when Flower ends it on a signal (``flwr stop``), the runs going on say ``stopped``."""
+    global _EXIT_HANDLER_ADDED
+    if _EXIT_HANDLER_ADDED:
+        return
+    from flwr.supercore.exit import add_exit_handler
+
+    add_exit_handler(lambda: end_active_runs("stopped", "stopped by a signal (flwr stop)"), run_before_force_exit=True)
+    _EXIT_HANDLER_ADDED = True
+
+
+def save_model(arrays: ArrayRecord, path: Path) -> Path:
+    """The model as a PyTorch state dict (``torch.load(path)``, then ``model.load_state_dict``), atomically."""
+    import torch
+
+    state = arrays.to_torch_state_dict()
+    return write_atomically(path, lambda p: torch.save(state, p))
 
 
 def _round_line(row: dict[str, Any], rounds: int) -> str:
@@ -293,4 +404,4 @@ def make_server_app(on_start: Callable[[RunHistory], Any] | None = None, **overr
 
 app = make_server_app()
 
-__all__ = ["RecordingStrategy", "app", "make_server_app", "run_server"]
+__all__ = ["NoUpdateApplied", "RecordingStrategy", "RunRefused", "app", "make_server_app", "run_server", "save_model"]

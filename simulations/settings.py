@@ -33,9 +33,16 @@ class RunConfigError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
 # Train-config key naming one federation (one run_server call): a node that sees a new one drops the
 # transform state (error-feedback residuals) it kept from another, even when first sampled after round 1.
 FEDERATION_KEY = "federation-id"
+# The run-config keys a client reads (simulations.client_app); the server sends only these, not the
+# whole run config (each key travels in every train message).
+CLIENT_KEYS = ("dataset", "partitioning", "dirichlet-alpha", "seed", "model", "local-epochs", "batch-size",
+               "learning-rate", "clip-norm", "min-local-steps", "codec")  # fmt: skip
+EVALUATE_KEYS = ("dataset", "partitioning", "dirichlet-alpha", "seed", "model")
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,14 @@ class SimSettings:
         """Kebab-case dict (for the history file and the clients' round config)."""
         return {k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items()}
 
+    def client_config(self, keys: tuple[str, ...] = CLIENT_KEYS) -> dict[str, Any]:
+        """The keys a client reads (``CLIENT_KEYS``), plus ``secagg-dropouts`` when fault injection is on."""
+        config = self.as_config()
+        sent = {k: config[k] for k in keys}
+        if self.secagg_dropouts:
+            sent["secagg-dropouts"] = self.secagg_dropouts
+        return sent
+
     def replace(self, **changes: Any) -> SimSettings:
         return dataclasses.replace(self, **changes)
 
@@ -286,4 +301,4 @@ def _build_strategy(**options: Any) -> None:
     QuantizedStrategy(FedAvg(), codec="fp32", **options)
 
 
-__all__ = ["CLIENT_INFO_KEY", "RunConfigError", "SimSettings", "check_run_config"]
+__all__ = ["CLIENT_INFO_KEY", "CLIENT_KEYS", "EVALUATE_KEYS", "RunConfigError", "SimSettings", "check_run_config"]

@@ -14,7 +14,11 @@ digits partitions (Synthetic's population has its own seed, ``synthetic:seed=S``
 
 Resumable: every finished run is stored in ``--out``/``records/`` (atomically); running the same
 command again (after a crash or Ctrl-C) reuses the runs stored with the same settings and runs
-the others (``--restart`` discards them). Progress lines give codec, seed, round and an ETA.
+the others, replacing the folder of a run that was interrupted (``--restart`` discards them all).
+A sweep whose settings differ from the runs its ``--out`` holds is refused before anything runs,
+naming the differences (use another ``--out``, or ``--restart``): stored results are never
+replaced silently. One Ctrl-C ends the sweep at once (exit 130); the run it interrupted says
+``interrupted`` in its folder. Progress lines give codec, seed, round and an ETA.
 
 Writes into ``--out``: ``sweep.md`` (the table: mean ± 95 % interval over the seeds),
 ``sweep.csv`` (one line per run), ``sweep.png``/``.pdf`` (accuracy against uplink bytes and
@@ -43,6 +47,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedquant.codecs import available_codecs
+from simulations.history import settings_difference
 from simulations.node_directory import PartitionDirectory
 from simulations.plots import plot_sweep, plot_uplink_bars
 from simulations.server_app import run_server
@@ -205,6 +210,28 @@ class RunStore:
             return None
         same = record.get("settings") == _comparable(settings.as_config()) and record.get("federation") == federation
         return record if same and record.get("rounds") else None
+
+    def conflict(self, codec: str, seed: int, settings: SimSettings, federation: dict[str, Any]) -> str | None:
+        """What differs between the stored run (or its unfinished folder under ``runs/``) and these settings."""
+        path = self.path(codec, seed)
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = None
+        changes: dict[str, tuple[Any, Any]] = {}
+        if record is not None:
+            stored, new = record.get("settings") or {}, _comparable(settings.as_config())
+            changes = {k: (stored.get(k), new.get(k)) for k in sorted({*stored, *new}) if stored.get(k) != new.get(k)}
+            if record.get("federation") != federation:
+                changes["federation"] = (record.get("federation"), federation)
+            where = path
+        else:
+            where = self.folder.parent / "runs" / run_slug(codec, seed)
+            changes = settings_difference(where, settings)
+        if not changes:
+            return None
+        listed = ", ".join(f"{k}: {old!r} stored, {new!r} now" for k, (old, new) in changes.items())
+        return f"{where} holds {codec} seed {seed} with other settings ({listed})"
 
     def save(
         self,
@@ -469,6 +496,9 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
         record = stored[(seed, codec)]
         if record is None:
             log(INFO, "[sweep %d/%d] %s seed %d ...", i, len(order), codec, seed)
+            unfinished = plan.out / "runs" / run_slug(codec, seed)
+            if (unfinished / "history.json").exists():
+                log(INFO, "[sweep %d/%d] replacing the unfinished run in %s", i, len(order), unfinished)
             t0 = time.perf_counter()
             try:
                 history = run_server(
@@ -478,6 +508,7 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
                     seed=seed,
                     **arm_overrides(codec),
                     run_name=run_slug(codec, seed),
+                    overwrite=True,  # a run not stored is unfinished (interrupted, failed): replaced, not beside
                     on_round=progress.hook(i, codec, seed),
                 )
             except Exception as err:  # noqa: BLE001 - one failing run must not end the sweep
@@ -594,11 +625,20 @@ def run_sweep(
         {"num-supernodes": num_supernodes, "num-cpus": num_cpus, "num-gpus": num_gpus},
         dict(overrides),
     )
-    plan.checked_settings()  # fail on a bad setting or codec before Ray starts
+    base = plan.checked_settings()  # fail on a bad setting or codec before Ray starts
     if last_k < 1:
         raise ValueError(f"last-k must be >= 1 (a run shorter than k averages all its rounds), got {last_k}")
+    store = RunStore(plan.out)
     if restart:
-        RunStore(plan.out).clear()
+        store.clear()
+        shutil.rmtree(plan.out / "runs", ignore_errors=True)  # and the folders of the runs it discards
+    else:
+        conflicts = [store.conflict(c, s, arm_settings(base, c, seed=s), plan.federation) for s, c in plan.runs()]
+        if any(conflicts):
+            raise RunConfigError(
+                [c for c in conflicts if c]
+                + [f"{plan.out} holds runs with other settings: use another --out, or --restart to replace them"]
+            )
     run_simulation(
         server_app=make_sweep_app(plan),
         client_app=client_app,
@@ -669,6 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import shlex
     import sys
 
+    from simulations.run import stop_at_ctrl_c
+
     args = _parse_args(argv)
     preset = PRESETS[args.preset]
     overrides: dict[str, Any] = dict(preset.overrides)
@@ -684,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         raise SystemExit(str(err)) from None
     codecs = split_codecs(args.codecs)
+    stop_at_ctrl_c("sweep")  # one Ctrl-C ends the sweep at once; the run it interrupted says so
     command = ("python -m simulations.sweep " + shlex.join(sys.argv[1:] if argv is None else list(argv))).strip()
     try:
         result = run_sweep(

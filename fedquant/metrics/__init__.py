@@ -17,6 +17,7 @@ from fedquant.metrics.bandwidth import (
     dense_float32_bytes,
 )
 from fedquant.metrics.history import HistoryRecorder, result_rows
+from fedquant.metrics.message_bytes import message_bytes, messages_bytes
 
 __all__ = [
     "BITS_PER_PARAM",
@@ -34,5 +35,7 @@ __all__ = [
     "HistoryRecorder",
     "content_bytes",
     "dense_float32_bytes",
+    "message_bytes",
+    "messages_bytes",
     "result_rows",
 ]

@@ -153,7 +153,7 @@ def test_a_recorded_end_is_not_overwritten():
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_python_m_simulations_run_and_keeps_its_rounds(tmp_path):
+def test_ctrl_c_interrupts_python_m_simulations_run_and_keeps_its_rounds(tmp_path):
     from tests.timeouts import scaled
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -176,5 +176,6 @@ def test_ctrl_c_stops_python_m_simulations_run_and_keeps_its_rounds(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-2000:]
     saved = load_history(tmp_path / "ctrl-c")
-    assert saved["status"] == "stopped" and len(saved["rounds"]) >= 3
-    assert "stopped (Ctrl-C)" in err
+    assert saved["status"] == "interrupted" and len(saved["rounds"]) >= 3
+    assert saved["last-round"] == len(saved["rounds"]) - 1
+    assert "interrupted (Ctrl-C)" in err and "says interrupted after round" in err
