@@ -354,6 +354,7 @@ def write_results(
 ) -> SweepResult:
     """Write ``sweep.md``, ``sweep.csv`` and the figures into ``out`` (and the table to ``table``)."""
     out.mkdir(parents=True, exist_ok=True)
+    last_k = min(last_k, max((r.rounds for r in runs), default=last_k))  # a 3-round run's mean is a last-3
     rows = codec_rows(runs, errors)
     paths = {"md": out / "sweep.md", "csv": out / "sweep.csv"}
     with paths["csv"].open("w", newline="") as fh:
@@ -403,8 +404,11 @@ def _copy(source: Path, target: Path) -> Path:
 def _legend(last_k: int, target: float | None) -> str:
     goal = f"{target:.2f}" if target is not None else "the target"
     return (
-        f"\nMean ± half-width of the 95 % Student-t interval over the seeds. `bits/param`: uplink bytes of the "
-        f"replies (envelopes and every tensor included) x 8 / parameters sent. `last-{last_k} accuracy`: mean test "
+        f"\nMean ± half-width of the 95 % Student-t interval over the seeds. `bits/param` and `uplink MB` count "
+        f"the payload: the bytes of the replies' ArrayRecords (envelopes and every tensor included; bits/param: x 8 "
+        f"/ parameters sent). `uplink message MB`: the replies as Flower serialises them for the wire (metadata, "
+        f"metrics and client records included, the transport's RPC framing not; – for runs stored before it was "
+        f"counted). `last-{last_k} accuracy`: mean test "
         f"accuracy of the last {last_k} rounds. `Δ vs fp32`: the difference to fp32's last-{last_k} accuracy, paired "
         f"by seed (same clients, same initial model). `verdict`: whether the codec's mean lies inside fp32's "
         f"interval. `rounds/MB/sim. s to {goal}`: first round at or above {goal} test accuracy, over the seeds "
@@ -539,7 +543,7 @@ def run_plan(grid: Grid, run_config: dict[str, Any], plan: SweepPlan) -> SweepRe
             codec,
             seed,
             r.final_accuracy,
-            plan.last_k,
+            min(plan.last_k, r.rounds),
             r.last_k_accuracy,
             r.uplink_bytes / 1e6,
             r.bits_per_param,

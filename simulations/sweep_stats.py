@@ -76,6 +76,7 @@ class RunSummary:
     diverged: bool  # still diverged at its last round (the server's check, simulations/divergence.py)
     collapsed_rounds: int  # rounds flagged diverged, recovered from or not
     wall_seconds: float
+    message_bytes: float = math.nan  # the replies as Flower serialises them (nan: stored before it was counted)
 
 
 def summarize_run(
@@ -113,6 +114,9 @@ def summarize_run(
         diverged=bool(trained[-1].get("diverged")),
         collapsed_rounds=sum(bool(r.get("diverged")) for r in trained),
         wall_seconds=wall,
+        message_bytes=sum(float(r["message-bytes-up"]) for r in trained)
+        if all(r.get("message-bytes-up") is not None for r in trained)
+        else math.nan,
     )
 
 
@@ -136,6 +140,7 @@ class CodecRow:
     diverged: int = 0  # seeds that ended diverged
     recovered: int = 0  # seeds flagged diverged in some round that recovered by the last
     errors: list[str] = field(default_factory=list)
+    message_mb: Interval = field(default_factory=lambda: Interval(math.nan, math.nan, 0))
 
 
 def codec_rows(runs: Sequence[RunSummary], errors: Mapping[str, list[str]] | None = None) -> list[CodecRow]:
@@ -163,6 +168,7 @@ def codec_rows(runs: Sequence[RunSummary], errors: Mapping[str, list[str]] | Non
                 diverged=sum(r.diverged for r in rs),
                 recovered=sum(bool(r.collapsed_rounds) and not r.diverged for r in rs),
                 errors=list(errors.get(codec, [])),
+                message_mb=Interval.of([r.message_bytes / 1e6 for r in rs]),
             )
         )
     ref = next((row for row in rows if row.codec == REFERENCE and row.last_k.n), None)
@@ -200,6 +206,7 @@ def markdown_table(rows: Sequence[CodecRow], *, last_k: int, target: float | Non
         "codec",
         "bits/param",
         "uplink MB",
+        "uplink message MB",
         "final accuracy",
         f"last-{last_k} accuracy",
         f"Δ last-{last_k} vs fp32",
@@ -210,7 +217,7 @@ def markdown_table(rows: Sequence[CodecRow], *, last_k: int, target: float | Non
         "nested tensors",
         "seeds",
     ]
-    align = ["---"] + ["---:"] * 5 + ["---"] + ["---:"] * 4 + ["---"]
+    align = ["---"] + ["---:"] * 6 + ["---"] + ["---:"] * 4 + ["---"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for r in rows:
         if not r.last_k.n:
@@ -230,6 +237,7 @@ def markdown_table(rows: Sequence[CodecRow], *, last_k: int, target: float | Non
             r.codec,
             r.bits_per_param.text(2),
             r.uplink_mb.text(3),
+            r.message_mb.text(3),
             r.final.text(4),
             r.last_k.text(4),
             "–" if r.delta is None else r.delta.text(4),

@@ -239,3 +239,17 @@ def test_python_m_simulations_run_exits_1_for_a_run_that_applied_no_update(tmp_p
                            "-c", config], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 1 and "no round applied an update" in done.stderr, done.stderr[-2000:]
     assert load_history(tmp_path / "none")["status"] == "failed"
+
+
+def test_the_sweep_table_gives_message_bytes_beside_payload_and_an_honest_last_k(tmp_path):
+    from simulations.sweep import write_results
+    from simulations.sweep_stats import summarize_run
+
+    rows = [{"round": 0, "accuracy": 0.1}]
+    rows += [{"round": r, "accuracy": 0.5, "uplink-bytes": 1000, "message-bytes-up": 4000, "bits-per-param": 2.0}
+             for r in (1, 2, 3)]  # fmt: skip
+    run = summarize_run("fp32", 0, rows, last_k=5, target=None)
+    assert run.message_bytes == 12000 and run.uplink_bytes == 3000
+    text = write_results([run], {}, None, {}, tmp_path, title="t", last_k=5).paths["md"].read_text()
+    assert "| uplink MB | uplink message MB |" in text and "| 0.003 | 0.012 |" in text
+    assert "last-3 accuracy" in text and "last-5" not in text  # three rounds: a last-3 mean

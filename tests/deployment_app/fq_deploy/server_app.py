@@ -17,9 +17,8 @@ from pathlib import Path
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedquant.metrics import HistoryRecorder
+from fedquant.metrics import HistoryRecorder, message_bytes
 from fedquant.secagg import SecAggConfig
 from fedquant.strategies import QuantizedStrategy
 from fq_deploy.task import global_loss, initial_arrays
@@ -29,8 +28,8 @@ app = ServerApp()
 
 
 def framed_bytes(message: Message) -> int:
-    """Bytes of Flower's serialisation of ``message``: every nested object's deflated content."""
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+    """Bytes of Flower's serialisation of ``message`` (fedquant's own count, reconciled with ``flwr ls``)."""
+    return message_bytes(message)
 
 
 class FramedBytesStrategy(QuantizedStrategy):
