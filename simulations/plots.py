@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 MB = 1e6
 # Paul Tol, "muted" (https://personal.sron.nl/~pault/), colour-blind safe; black first for the reference.
@@ -148,6 +148,20 @@ def plot_sweep(
     return _save(sweep_figure(curves, title, target=target), Path(stem), formats)
 
 
+def readable_log_axis(axis: Any) -> None:
+    """Label a log axis with plain numbers at 1-2-5 steps (1 per decade past 3 decades), no minor labels.
+
+    Matplotlib's default labels the minor ticks of a log axis that spans less than a decade, in
+    ``2x10^-2`` form, where they collide; call after plotting (the ticks follow the data's range).
+    """
+    low, high = axis.get_view_interval()
+    decades = math.log10(high / low) if low > 0 and high > low else 1.0
+    subs = (1.0, 2.0, 5.0) if decades < 3 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def sweep_figure(
     curves: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], title: str = "", *, target: float | None = None
 ) -> Figure:
@@ -180,10 +194,12 @@ def sweep_figure(
         (front,) = left.step(xs, ys, where="post", color="black", ls=(0, (4, 2)), lw=1.0, label="Pareto frontier")
         handles.append(front)
     left.set_xscale("log")
+    readable_log_axis(left.xaxis)
     left.set_xlabel("cumulative uplink traffic (MB, log scale)")
     left.set_title("Accuracy against uplink traffic")
     if timed:
         right.set_xscale("log")
+        readable_log_axis(right.xaxis)
         right.set_xlabel("simulated time (s, cumulative round times, log scale)")
         right.set_title("Accuracy against simulated time")
     else:

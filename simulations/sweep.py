@@ -563,8 +563,7 @@ def make_sweep_app(plan: SweepPlan) -> ServerApp:
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         limit_threads()
-        result = run_plan(grid, dict(context.run_config), plan)
-        print("\n" + result.paths["md"].read_text(), flush=True)
+        run_plan(grid, dict(context.run_config), plan)
 
     return server_app
 
@@ -632,6 +631,12 @@ def run_sweep(
     base = plan.checked_settings()  # fail on a bad setting or codec before Ray starts
     if last_k < 1:
         raise ValueError(f"last-k must be >= 1 (a run shorter than k averages all its rounds), got {last_k}")
+    from simulations.feasibility import dataset_problem, federation_problems
+
+    cannot = [p for c in dict.fromkeys(codecs) for p in federation_problems(arm_settings(base, c), num_supernodes)]
+    cannot += [p for p in [dataset_problem(base.dataset)] if p]
+    if cannot:  # every arm on this federation, and the data, before Ray starts
+        raise RunConfigError(cannot)
     store = RunStore(plan.out)
     if restart:
         store.clear()
@@ -751,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in err.problems:
             print(f"sweep: invalid: {problem}", file=sys.stderr)
         return 2
+    print("\n" + (Path(args.out) / "sweep.md").read_text(), flush=True)
     return 1 if result.errors else 0
 
 

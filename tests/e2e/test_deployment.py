@@ -208,3 +208,29 @@ def test_two_secure_rounds_over_a_real_superlink(deployment):
             assert row[f"train/secagg-uplink-bytes-{stage}"] > 0, stage
     # Flower's loop sent one train message (the collect request) per node and round, and got one reply each.
     assert all(f["replies"] == f["train-messages"] == NUM_NODES for f in summary["framed"].values())
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_flwr_stop_leaves_the_simulation_apps_run_folder_stopped(deployment):
+    """The repository's own app (simulations/) on the real SuperLink: ``flwr stop`` mid-run, then its folder."""
+    out_dir = deployment.tmp_path / "stopped"
+    config = (f'out-dir="{out_dir}" run-name="stop" rounds=500 model="logreg" codec="fp32" local-epochs=1 '
+              "min-local-steps=2")  # fmt: skip
+    done = deployment.flwr("run", str(REPO), "fq-test", "--format", "json", "--run-config", config)
+    run_id = json.loads(done.stdout[done.stdout.index("{") :])["run-id"]
+    history = out_dir / "stop" / "history.json"
+    wait_while_progressing(lambda: (_read_json(history) or {}).get("last-round", 0) >= 1, RUN_TIMEOUT_S,
+                           "the simulation app's first round", deployment.logs)  # fmt: skip
+    deployment.flwr("stop", str(run_id), "fq-test")
+    wait_while_progressing(lambda: (_read_json(history) or {}).get("status") != "running", START_TIMEOUT_S,
+                           "the stopped run's folder to say so", deployment.logs)  # fmt: skip
+    saved = _read_json(history)
+    assert saved["status"] == "stopped" and 1 <= saved["last-round"] < 500, (saved["status"], saved["error"])
+    listing = deployment.flwr("ls", "fq-test", "--run-id", str(run_id), "--format", "json")
+    assert json.loads(listing.stdout)["runs"][0]["status"] == "finished:stopped"

@@ -253,3 +253,37 @@ def test_the_sweep_table_gives_message_bytes_beside_payload_and_an_honest_last_k
     text = write_results([run], {}, None, {}, tmp_path, title="t", last_k=5).paths["md"].read_text()
     assert "| uplink MB | uplink message MB |" in text and "| 0.003 | 0.012 |" in text
     assert "last-3 accuracy" in text and "last-5" not in text  # three rounds: a last-3 mean
+
+
+def test_log_axes_label_plain_numbers_that_do_not_collide():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from simulations.plots import readable_log_axis
+
+    # (0.011, 0.09): matplotlib labels 10^-2 and four minor ticks, which collide
+    for low, high in ((0.011, 0.09), (0.012, 0.036), (0.004, 0.9), (1e-3, 40.0)):
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.plot([low, (low * high) ** 0.5, high], [0.1, 0.5, 0.9])
+        ax.set_xscale("log")
+        readable_log_axis(ax.xaxis)
+        FigureCanvasAgg(fig).draw()
+        renderer = fig.canvas.get_renderer()
+        labels = [t for t in ax.get_xticklabels(which="both") if t.get_text() and t.get_visible()]
+        lo, hi = ax.get_xlim()
+        labels = [t for t in labels if lo <= t.get_position()[0] <= hi]
+        boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+        assert len(boxes) >= 2, (low, high)
+        assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), (low, high, [t.get_text() for t in labels])
+        assert all("10^" not in t.get_text() and "times" not in t.get_text() for t in labels)
+
+
+def test_a_sweep_refuses_an_arm_that_cannot_train_on_its_federation_before_ray(tmp_path):
+    import ray
+
+    from simulations.sweep import run_sweep
+
+    with pytest.raises(RunConfigError, match="threshold 2 exceeds the 1 share holders"):
+        run_sweep(["fp32", "secagg"], out=tmp_path, seeds=(0,), num_supernodes=2, **SMALL)
+    assert not ray.is_initialized() and not list(tmp_path.iterdir())
