@@ -122,7 +122,7 @@ def base_model(settings: BaseSettings, cache_dir: Path | None = None):
     if settings.model_name:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(settings.model_name, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(settings.model_name).float()  # float32 adapters and updates
     from transformers import LlamaForCausalLM
 
     folder = (cache_dir or default_cache_dir()) / f"tiny-llama-{settings.cache_key()}"

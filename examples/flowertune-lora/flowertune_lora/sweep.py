@@ -148,19 +148,20 @@ def plot(histories: dict[str, list[dict]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for codec, hs in histories.items():
-        rounds = len(hs[0]["rounds"])
-        x = [0.0] + [statistics.fmean(h["rounds"][i]["flowertune-cumulative-uplink-bytes"] for h in hs) for i in
-                     range(1, rounds)]  # fmt: skip
-        y = [statistics.fmean(h["rounds"][i]["val-loss"] for h in hs) for i in range(rounds)]
-        lo = [min(h["rounds"][i]["val-loss"] for h in hs) for i in range(rounds)]
-        hi = [max(h["rounds"][i]["val-loss"] for h in hs) for i in range(rounds)]
-        (line,) = ax.plot([max(v, 1.0) for v in x], y, marker="o", ms=3, label=codec)
-        ax.fill_between([max(v, 1.0) for v in x], lo, hi, color=line.get_color(), alpha=0.15)
+        trained = range(1, len(hs[0]["rounds"]))  # round 0 sent nothing
+        x = [statistics.fmean(h["rounds"][i]["flowertune-cumulative-uplink-bytes"] for h in hs) for i in trained]
+        y = [statistics.fmean(h["rounds"][i]["val-loss"] for h in hs) for i in trained]
+        lo = [min(h["rounds"][i]["val-loss"] for h in hs) for i in trained]
+        hi = [max(h["rounds"][i]["val-loss"] for h in hs) for i in trained]
+        (line,) = ax.plot(x, y, marker="o", ms=3, label=codec)
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15)
+    base = statistics.fmean(h["rounds"][0]["val-loss"] for hs in histories.values() for h in hs)
+    ax.axhline(base, color="grey", ls=":", lw=1, label="base model (round 0)")
     ax.set_xscale("log")
     ax.set_xlabel("cumulative uplink bytes (ArrayRecord.count_bytes)")
     ax.set_ylabel("validation loss (nats / token)")
     ax.set_title("Federated LoRA fine-tuning: mean and min-max over seeds")
-    ax.legend()
+    ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     overrides = json.loads(args.run_config)
     torch.set_num_threads(args.threads)
-    started = time.monotonic()
+    started, ran = time.monotonic(), 0
     for seed in seeds:
         for codec in codecs:
             if args.reuse and (args.results / run_name(codec, seed) / "history.json").exists():
@@ -192,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             config = {**overrides, "codec": codec, "seed": seed, "out-dir": str(args.results),
                       "run-name": run_name(codec, seed)}  # fmt: skip
             run_in_process(config, args.clients)
+            ran += 1
     histories = load(args.results, codecs, seeds)
     rows = summarize(histories)
     table = markdown(rows, histories, seeds, args.clients)
     print(table)
-    print(f"{len(codecs) * len(seeds)} runs, {time.monotonic() - started:.0f} s")
+    print(f"{len(codecs) * len(seeds)} runs ({ran} run now, {time.monotonic() - started:.0f} s)")
     if args.doc:
         write_between_markers(args.doc, table)
     if args.plot:
