@@ -146,7 +146,7 @@ def plot(histories: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(8.0, 4.2))
     for codec, hs in histories.items():
         trained = range(1, len(hs[0]["rounds"]))  # round 0 sent nothing
         x = [statistics.fmean(h["rounds"][i]["flowertune-cumulative-uplink-bytes"] for h in hs) for i in trained]
@@ -161,7 +161,7 @@ def plot(histories: dict[str, list[dict]], path: Path) -> None:
     ax.set_xlabel("cumulative uplink bytes (ArrayRecord.count_bytes)")
     ax.set_ylabel("validation loss (nats / token)")
     ax.set_title("Federated LoRA fine-tuning: mean and min-max over seeds")
-    ax.legend(loc="upper right")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
