@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pydoc_data.topics import topics
 
 import numpy as np
@@ -19,6 +20,8 @@ from flowertune_lora.local_grid import InProcessGrid
 from flowertune_lora.traffic import CountingGrid
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+
+from tests.examples.conftest import EXAMPLE
 
 
 @pytest.mark.parametrize("clients", [2, 4, 7])
@@ -82,3 +85,14 @@ def test_counting_grid_counts_array_records_both_ways_as_flowertune_does():
     grid = CountingGrid(InProcessGrid(broken, 1, run_config={}))
     [reply] = grid.send_and_receive([Message(RecordDict({"arrays": sent}), dst_node_id=101, message_type="train")])
     assert reply.has_error() and grid.train_bytes() == [(sent.count_bytes(), 0)]
+
+
+def test_the_readme_diff_is_the_two_lines_the_apps_have():
+    diff = re.search(r"```diff\n(.*?)```", (EXAMPLE / "README.md").read_text(), flags=re.S).group(1)
+    sources = {name: (EXAMPLE / "flowertune_lora" / name).read_text() for name in ("server_app.py", "client_app.py")}
+    added = [line[1:] for line in diff.splitlines() if line.startswith("+")]
+    removed = [line[1:] for line in diff.splitlines() if line.startswith("-")]
+    assert len(added) == len(removed) == 2
+    code = "\n".join(sources.values()).splitlines()
+    assert all(line in code for line in added)  # the fedquant lines, verbatim
+    assert not any(line in code for line in removed)  # the plain Flower lines they replace
