@@ -1,0 +1,1 @@
+"""flowertune-lora: federated LoRA fine-tuning of a causal language model, FlowerTune-style."""
