@@ -123,6 +123,9 @@ class SecAggClient:
         except ProtocolError:
             self._reset()
             raise
+        except crypto.CryptoError as err:  # defence in depth: every key is checked before use
+            self._reset()
+            raise ProtocolError(f"node {self.node_id}: stage {stage!r}: {err}") from None
 
     def _reset(self) -> None:
         node = self.node_id
@@ -161,6 +164,12 @@ class SecAggClient:
         publics = [k[: 2 * PUBLIC_KEY_BYTES] for k in keys]
         if len(set(publics)) != len(publics):
             raise ProtocolError("share-keys: two nodes advertise the same keys")
+        for peer, peer_keys in zip(nodes, keys):
+            for key in split_keys(peer_keys)[:2]:
+                try:
+                    crypto.check_public_key(key)
+                except crypto.CryptoError as err:  # the server should have dropped it at advertise
+                    raise ProtocolError(f"share-keys: the server relayed a refused key of node {peer}: {err}") from None
         seed_shares = crypto.split_secret(self.self_seed, self.threshold, len(nodes))
         key_shares = crypto.split_secret(self.mask_seed, self.threshold, len(nodes))
         destinations, ciphertexts = [], []

@@ -79,6 +79,27 @@ def agree(seed: bytes, peer_public: bytes, info: bytes) -> bytes:
     return hkdf(shared, info)
 
 
+#: A private key used only to test that a received public key is usable (see :func:`check_public_key`).
+_PROBE = X25519PrivateKey.from_private_bytes(bytes(range(32)))
+
+
+def check_public_key(raw: object) -> bytes:
+    """``raw`` if it is a usable X25519 public key, else :class:`CryptoError`.
+
+    A key must be 32 bytes and must not be a low-order point (the all-zero key among them): an
+    agreement with one gives the all-zero shared secret, which the library refuses (RFC 7748,
+    section 6.1). The probe runs the same ``exchange`` the protocol runs later, so a key that
+    passes here cannot make a later agreement raise.
+    """
+    if not isinstance(raw, bytes) or len(raw) != PUBLIC_KEY_BYTES:
+        raise CryptoError(f"an X25519 public key is {PUBLIC_KEY_BYTES} bytes")
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(raw))
+    except ValueError:
+        raise CryptoError("low-order X25519 public key (all-zero shared secret)") from None
+    return raw
+
+
 def commitment(secret: bytes) -> bytes:
     """A binding commitment to a random 16-byte secret: the first 16 bytes of its SHA-256."""
     digest = hashes.Hash(hashes.SHA256())

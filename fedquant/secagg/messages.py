@@ -129,5 +129,8 @@ def read_masked(content: RecordDict, segments: Sequence[tuple[str, int, int]]) -
             raise ProtocolError(f"segment '{name}' is not a packed uint8 Array")
         if tuple(array.shape) != (need,) or not isinstance(array.data, bytes) or len(array.data) != need:
             raise ProtocolError(f"segment '{name}' does not hold the {need} bytes of {size} values of {bits} bits")
-        out[name] = unpack_bits(np.frombuffer(array.data, dtype=np.uint8), bits, size).astype(np.uint32)
+        values = unpack_bits(np.frombuffer(array.data, dtype=np.uint8), bits, size).astype(np.uint32)
+        if pack_bits(values, bits).tobytes() != array.data:  # the last byte's padding bits must be zero
+            raise ProtocolError(f"segment '{name}' is not canonically packed (non-zero padding bits)")
+        out[name] = values
     return out

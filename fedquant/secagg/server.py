@@ -15,7 +15,6 @@ seed (survivors) or its mask key (dropped), never both (the clients refuse that 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import random
@@ -186,6 +185,11 @@ class SecAggServer:
     def _accept_advertise(self, node: int, content: RecordDict) -> None:
         keys = read_bytes(self._section(content), "keys", KEYS_BYTES)
         publics = keys[: 2 * crypto.PUBLIC_KEY_BYTES]
+        for which, key in zip(("encryption", "mask"), split_keys(keys)[:2]):
+            try:
+                crypto.check_public_key(key)
+            except crypto.CryptoError as err:
+                raise ProtocolError(f"its {which} key is refused: {err}") from None
         if any(k[: 2 * crypto.PUBLIC_KEY_BYTES] == publics for k in self.keys.values()):
             raise ProtocolError("advertises the keys of another node")
         self.keys[node] = keys
@@ -264,13 +268,16 @@ class SecAggServer:
             raise ProtocolError("unmask reply is not for the requested nodes")
         seed_shares = read_bytes_list(record, "seed-shares", SHARE_BYTES, len(want_seeds))
         key_shares = read_bytes_list(record, "key-shares", SHARE_BYTES, len(want_keys))
-        for owner, share in itertools.chain(zip(want_seeds, seed_shares), zip(want_keys, key_shares)):
-            if crypto.share_index(share) != self.peers[owner].index(node) + 1:
-                raise ProtocolError(f"the share of node {owner} carries another holder's index")
-        for owner, share in zip(want_seeds, seed_shares):
-            self.seed_shares.setdefault(owner, []).append(share)
-        for owner, share in zip(want_keys, key_shares):
-            self.key_shares.setdefault(owner, []).append(share)
+        # A share with another holder's index is discarded alone: the owner may have sealed a bad
+        # share for an honest holder, so the holder's other shares are kept.
+        for kind, store, owners, shares in (("seed", self.seed_shares, want_seeds, seed_shares),
+                                            ("key", self.key_shares, want_keys, key_shares)):  # fmt: skip
+            for owner, share in zip(owners, shares):
+                if crypto.share_index(share) != self.peers[owner].index(node) + 1:
+                    log.warning("secagg round %d unmask: node %d: the %s share of node %d carries another "
+                                "holder's index; discarded", self.server_round, node, kind, owner)
+                    continue
+                store.setdefault(owner, []).append(share)
 
     def _rebuild(self, owner: int, shares: list[bytes], check) -> bytes | None:
         """A secret from ``threshold`` shares, checked against its commitment or public key.
