@@ -17,7 +17,7 @@ import torch
 from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedquant.codecs.summable import WEIGHT_BITS, SumGrid, encode_update
+from fedquant.codecs.summable import SumGrid, encode_update
 from fedquant.secagg.client import SecAggClient
 from fedquant.secagg.driver import handle_message
 from fedquant.secagg.messages import RECORD, ProtocolError
@@ -79,7 +79,7 @@ def _train_and_encode(
             f"collect: the server sums segment '{theirs[0]}', this client '{UPDATE_SEGMENT}': they rotate "
             "the update with the random signs of different payload formats (upgrade both to one fedquant)"
         )
-    if spec != {UPDATE_SEGMENT: (grid.padded_numel, grid.bits), "weight": (1, WEIGHT_BITS)}:
+    if spec != {UPDATE_SEGMENT: (grid.padded_numel, grid.bits)}:
         raise ProtocolError(f"collect: segments {spec} do not match the round's grid")
     if len(content.array_records) != 1:
         raise ProtocolError(f"collect: expects exactly one ArrayRecord (the model), found {len(content.array_records)}")
@@ -111,7 +111,7 @@ def _train_and_encode(
         examples = _num_examples(reply)
         weight = min(examples, float(max_examples)) / max_examples
     encoded = encode_update(torch.from_numpy(update), grid, dither_seed, weight=weight)
-    return {UPDATE_SEGMENT: encoded.values, "weight": np.array([encoded.weight_units], dtype=np.uint32)}
+    return {UPDATE_SEGMENT: encoded.values}
 
 
 def _num_examples(reply: Message) -> float:

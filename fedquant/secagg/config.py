@@ -75,8 +75,14 @@ class SecAggConfig:
     growth, wrap_probability, rounding
         Passed to :class:`~fedquant.codecs.summable.grid.ScaleRule`.
     max_examples : int or None
-        Weight clients by ``min(num_examples, max_examples) / max_examples`` (FedAvg's weighting;
-        the weight total is summed securely). ``None``: every client weighs 1.
+        Scale each client's update by ``min(num_examples, max_examples) / max_examples`` and
+        divide the sum by the number of inputs, not by the weight total (the fixed-denominator
+        estimator of McMahan et al. 2018): no client can move the denominator, and none counts
+        more than a full one. ``None``: every client weighs 1 (the plain mean).
+    groups : int
+        Split the round's clients into this many SecAgg+ groups (at least 3 clients each): the
+        server learns each group's sum, leaves out a group whose sum no clipped clients could
+        send, and keeps the others (see :mod:`fedquant.secagg.groups`). 1: one sum over all.
     """
 
     threshold: int | float = 0.6
@@ -89,6 +95,7 @@ class SecAggConfig:
     wrap_probability: float = 1e-6
     rounding: str = "dither"
     max_examples: int | None = None
+    groups: int = 1
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -140,6 +147,8 @@ class SecAggConfig:
             out.append(("rounding", f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}"))
         if self.max_examples is not None and (not _is_int(self.max_examples) or not 1 <= self.max_examples <= 1 << 31):
             out.append(("max_examples", f"max_examples must be None or an int in 1..2**31, got {self.max_examples!r}"))
+        if not _is_int(self.groups) or not 1 <= self.groups <= MAX_HOLDERS:
+            out.append(("groups", f"groups must be an int in 1..{MAX_HOLDERS}, got {self.groups!r}"))
         return out
 
     def scale_rule(self) -> ScaleRule:

@@ -33,7 +33,8 @@ from fedquant.codecs.summable.noise import discrete_gaussian
 from fedquant.codecs.transforms.rht import RandomizedHadamard
 from fedquant.rng import uniform
 
-#: Client weights travel as integers ``round(w * WEIGHT_SCALE)`` in a segment of WEIGHT_BITS.
+#: A client weight as an integer ``round(w * WEIGHT_SCALE)`` (the update is scaled by it; no weight
+#: travels: the secure round divides by the number of inputs). WEIGHT_BITS: its width in protocol tests.
 WEIGHT_SCALE = 1 << 16
 WEIGHT_BITS = 32
 
