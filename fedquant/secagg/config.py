@@ -83,6 +83,11 @@ class SecAggConfig:
         Split the round's clients into this many SecAgg+ groups (at least 3 clients each): the
         server learns each group's sum, leaves out a group whose sum no clipped clients could
         send, and keeps the others (see :mod:`fedquant.secagg.groups`). 1: one sum over all.
+    signed : bool
+        The active-server defence: clients sign their advertised keys and, in an extra
+        *consistency* stage, the survivor set with long-term Ed25519 identity keys, and reveal
+        shares only against a survivor set signed by at least ``threshold`` of them. Clients need
+        each other's identity public keys from a source the server cannot forge.
     """
 
     threshold: int | float = 0.6
@@ -96,6 +101,7 @@ class SecAggConfig:
     rounding: str = "dither"
     max_examples: int | None = None
     groups: int = 1
+    signed: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -149,6 +155,8 @@ class SecAggConfig:
             out.append(("max_examples", f"max_examples must be None or an int in 1..2**31, got {self.max_examples!r}"))
         if not _is_int(self.groups) or not 1 <= self.groups <= MAX_HOLDERS:
             out.append(("groups", f"groups must be an int in 1..{MAX_HOLDERS}, got {self.groups!r}"))
+        if not isinstance(self.signed, bool):
+            out.append(("signed", f"signed must be a bool, got {self.signed!r}"))
         return out
 
     def scale_rule(self) -> ScaleRule:

@@ -27,8 +27,9 @@ from flwr.app import RecordDict
 from fedquant.secagg import crypto, masks
 from fedquant.secagg.client import KEYS_BYTES, split_keys
 from fedquant.secagg.config import SecAggConfig
-from fedquant.secagg.crypto import CIPHERTEXT_BYTES, SHARE_BYTES
+from fedquant.secagg.crypto import CIPHERTEXT_BYTES, SHARE_BYTES, SIGNATURE_BYTES
 from fedquant.secagg.messages import (
+    CONSISTENCY,
     RECORD,
     SESSION_BYTES,
     ProtocolError,
@@ -112,6 +113,8 @@ class SecAggServer:
         self.dropped: list[int] = []
         self.seed_shares: dict[int, list[bytes]] = {}
         self.key_shares: dict[int, list[bytes]] = {}
+        self.signatures: dict[int, bytes] = {}  # advertise signatures (signed rounds)
+        self.survivor_signatures: dict[int, bytes] = {}  # consistency signatures (signed rounds)
 
     # ------------------------------------------------------------------ driving
     @property
@@ -180,10 +183,14 @@ class SecAggServer:
 
     # ------------------------------------------------------------------ advertise
     def _request_advertise(self, node: int):
-        return self._record(node, holders=self.holders[node], threshold=self.threshold[node])
+        return self._record(node, holders=self.holders[node], threshold=self.threshold[node],
+                            signed=self.config.signed)  # fmt: skip
 
     def _accept_advertise(self, node: int, content: RecordDict) -> None:
-        keys = read_bytes(self._section(content), "keys", KEYS_BYTES)
+        record = self._section(content)
+        keys = read_bytes(record, "keys", KEYS_BYTES)
+        if self.config.signed:  # checked by the peers, who hold the identity keys
+            self.signatures[node] = read_bytes(record, "signature", SIGNATURE_BYTES)
         publics = keys[: 2 * crypto.PUBLIC_KEY_BYTES]
         for which, key in zip(("encryption", "mask"), split_keys(keys)[:2]):
             try:
@@ -208,7 +215,8 @@ class SecAggServer:
     def _request_share_keys(self, node: int):
         peers = sorted(self.active & set(self.holders[node]))
         self.peers[node] = peers
-        return self._record(node, nodes=peers, keys=[self.keys[p] for p in peers])
+        signed = {"signatures": [self.signatures[p] for p in peers]} if self.config.signed else {}
+        return self._record(node, nodes=peers, keys=[self.keys[p] for p in peers], **signed)
 
     def _accept_share_keys(self, node: int, content: RecordDict) -> None:
         record = self._section(content)
@@ -248,15 +256,30 @@ class SecAggServer:
         self.survivors = sorted(self.active)
         shared = set(self.sources)
         self.dropped = sorted(shared - self.active)
+        self._next(CONSISTENCY if self.config.signed else "unmask")
+
+    # ------------------------------------------------------------------ consistency (signed rounds)
+    def _request_consistency(self, node: int):
+        return self._record(node, survivors=self.survivors)
+
+    def _accept_consistency(self, node: int, content: RecordDict) -> None:
+        self.survivor_signatures[node] = read_bytes(self._section(content), "signature", SIGNATURE_BYTES)
+
+    def _finish_consistency(self) -> None:
         self._next("unmask")
 
     # ------------------------------------------------------------------ unmask
     def _request_unmask(self, node: int):
         held = set(self.sources[node]) | {node}
+        signed = {}
+        if self.config.signed:
+            signers = sorted(self.survivor_signatures)
+            signed = {"signers": signers, "signatures": [self.survivor_signatures[n] for n in signers]}
         return self._record(
             node,
             survivors=[n for n in self.survivors if n in held],
             dropped=[n for n in self.dropped if n in held],
+            **signed,
         )
 
     def _accept_unmask(self, node: int, content: RecordDict) -> None:

@@ -15,7 +15,7 @@ from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
 from fedquant.metrics.bandwidth import dense_float32_bytes
 from fedquant.secagg.driver import sort_replies, stage_messages
 from fedquant.secagg.groups import GroupedServer
-from fedquant.secagg.messages import STAGES
+from fedquant.secagg.messages import CONSISTENCY, ORDER, STAGES
 from fedquant.secagg.wiring import UPDATE_SEGMENT, wire_bytes
 from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
@@ -47,7 +47,7 @@ class SecureRound:
     aggregate_norm: float = math.nan
     weight_total: float = 0.0  # the mean's denominator: the inputs summed (the server counts them)
     groups: int = 1
-    group_sizes: list[int] = field(default_factory=list)  # inputs of each group kept in the mean
+    group_sizes: list[int] = field(default_factory=list)  # inputs of every group the server decoded
     refused_groups: int = 0
     refused_inputs: int = 0
     dp_round_epsilon: float | None = None
@@ -65,8 +65,9 @@ def round_metrics(state: TrainRound, cumulative: int, ledger, delta: float) -> d
     numel = sum(n for _, n in sec.layout)
     uplink = sum(sec.up.values())
     dense = sec.sampled * (dense_float32_bytes(state.model) if state.model is not None else 0)
-    out: dict[str, int | float] = {f"secagg-uplink-bytes-{stage}": sec.up.get(stage, 0) for stage in STAGES}
-    out.update({f"secagg-downlink-bytes-{stage}": sec.down.get(stage, 0) for stage in STAGES})
+    stages = ORDER if CONSISTENCY in sec.down else STAGES  # the consistency stage of signed rounds
+    out: dict[str, int | float] = {f"secagg-uplink-bytes-{stage}": sec.up.get(stage, 0) for stage in stages}
+    out.update({f"secagg-downlink-bytes-{stage}": sec.down.get(stage, 0) for stage in stages})
     out.update(
         {
             "uplink-bytes": uplink,
@@ -153,6 +154,7 @@ def checked_mean(sec: SecureRound, grouped: GroupedServer) -> tuple[np.ndarray |
         norm = float(np.linalg.norm(total))
         limit = grid.clip * members + ERROR_BOUND_SIGMAS * error_scale(grid, members, 1.0)
         sec.dropped_after_sharing += len(result.dropped)
+        sec.group_sizes.append(members)  # kept or not, the server has seen this sum (DP counts it)
         if not math.isfinite(norm) or norm > limit:
             sec.refused_groups += 1
             sec.refused_inputs += members
@@ -162,7 +164,6 @@ def checked_mean(sec: SecureRound, grouped: GroupedServer) -> tuple[np.ndarray |
             continue
         kept.append(total)
         inputs += members
-        sec.group_sizes.append(members)
     sec.survivors = inputs
     if not kept:
         return None, f"no group's secure sum is within what clipped clients can send ({sec.refused_groups} refused)"
