@@ -79,7 +79,7 @@ def _train_and_encode(
             f"collect: the server sums segment '{theirs[0]}', this client '{UPDATE_SEGMENT}': they rotate "
             "the update with the random signs of different payload formats (upgrade both to one fedquant)"
         )
-    if spec != {UPDATE_SEGMENT: (grid.padded_numel, grid.bits)}:
+    if spec != {UPDATE_SEGMENT: (grid.sent_numel, grid.bits)}:
         raise ProtocolError(f"collect: segments {spec} do not match the round's grid")
     if len(content.array_records) != 1:
         raise ProtocolError(f"collect: expects exactly one ArrayRecord (the model), found {len(content.array_records)}")

@@ -21,6 +21,8 @@ MAX_CLIP = 1e6
 MAX_NOISE_MULTIPLIER = 1e3
 MAX_GROWTH = 1e3
 MIN_DELTA = 1e-30
+#: The smallest fraction of coordinates sent: below it the rescaled mean is mostly sampling noise.
+MIN_KEEP = 1e-3
 MIN_WRAP_PROBABILITY = 1e-30
 
 
@@ -88,6 +90,10 @@ class SecAggConfig:
         *consistency* stage, the survivor set with long-term Ed25519 identity keys, and reveal
         shares only against a survivor set signed by at least ``threshold`` of them. Clients need
         each other's identity public keys from a source the server cannot forge.
+    keep : float
+        Fraction of the rotated update's coordinates sent each round: one random subset for all
+        clients from the round's seed, rescaled on decoding (unbiased; the mean's error grows by
+        about ``(1 / keep - 1)`` times its energy). 1: every coordinate.
     """
 
     threshold: int | float = 0.6
@@ -102,6 +108,7 @@ class SecAggConfig:
     max_examples: int | None = None
     groups: int = 1
     signed: bool = False
+    keep: float = 1.0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -155,6 +162,8 @@ class SecAggConfig:
             out.append(("max_examples", f"max_examples must be None or an int in 1..2**31, got {self.max_examples!r}"))
         if not _is_int(self.groups) or not 1 <= self.groups <= MAX_HOLDERS:
             out.append(("groups", f"groups must be an int in 1..{MAX_HOLDERS}, got {self.groups!r}"))
+        if not (isinstance(self.keep, float) and MIN_KEEP <= self.keep <= 1.0):
+            out.append(("keep", f"keep must be a float in [{MIN_KEEP:g}, 1], got {self.keep!r}"))
         if not isinstance(self.signed, bool):
             out.append(("signed", f"signed must be a bool, got {self.signed!r}"))
         return out
@@ -168,6 +177,7 @@ class SecAggConfig:
             wrap_probability=self.wrap_probability,
             rounding=self.rounding,
             noise_multiplier=self.noise_multiplier,
+            keep=self.keep,
         )
 
     def threshold_for(self, holders: int) -> int:

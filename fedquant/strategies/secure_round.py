@@ -151,8 +151,11 @@ def checked_mean(sec: SecureRound, grouped: GroupedServer) -> tuple[np.ndarray |
         members = len(result.survivors)
         seeds = [sec.dither_seeds[n] for n in result.survivors]
         total = decode_sum(result.sums[UPDATE_SEGMENT], grid, seeds, WEIGHT_SCALE).numpy().astype(np.float64)
-        norm = float(np.linalg.norm(total))
-        limit = grid.clip * members + ERROR_BOUND_SIGMAS * error_scale(grid, members, 1.0)
+        # With a subset of keep of the coordinates the decoded sum is rescaled by 1 / keep; unscaled,
+        # it is at most the sent coordinates' norm, which clipping bounds like the whole.
+        keep = grid.sent_numel / grid.padded_numel
+        norm = float(np.linalg.norm(total)) * keep
+        limit = grid.clip * members + ERROR_BOUND_SIGMAS * math.sqrt(keep) * error_scale(grid, members, 1.0)
         sec.dropped_after_sharing += len(result.dropped)
         sec.group_sizes.append(members)  # kept or not, the server has seen this sum (DP counts it)
         if not math.isfinite(norm) or norm > limit:

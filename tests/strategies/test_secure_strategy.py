@@ -554,3 +554,17 @@ def test_groups_size_the_modulus_for_the_group_and_keep_exact_sums(encodings):
     assert m2["secagg-bits"] == m1["secagg-bits"] - 1  # sums of 3 need ceil(log2 3) = 2 bits, of 6 need 3
     groups = {tuple(_group_of(grid, n)) for n in range(101, 101 + NUM_NODES)}
     assert sorted(len(g) for g in groups) == [3, 3] and sorted(n for g in groups for n in g) == list(range(101, 107))
+
+
+def test_a_shared_subset_of_coordinates_gives_the_exact_rescaled_mean_at_fewer_bits(encodings):
+    grid = SecureGrid()
+    full = _strategy().start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+    result = _strategy(dataclasses.replace(CONFIG, keep=0.25)).start(grid=grid, initial_arrays=initial_arrays(),
+                                                                     num_rounds=1)  # fmt: skip
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0
+    expected = _expected_model(grid, encodings, initial_arrays(), _survivors(grid))
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
+    full_collect = full.train_metrics_clientapp[1]["secagg-uplink-bytes-collect"]
+    assert metrics["secagg-uplink-bytes-collect"] < 0.4 * full_collect

@@ -76,7 +76,7 @@ class SecureAggregation(RoundStage):
                 numel, max(map(len, parts)), derive_seed(self.seed, state.server_round, "secagg-rotation"),
                 self.previous_mean,
             )
-            segments = [Segment(UPDATE_SEGMENT, sec.grid.padded_numel, sec.grid.bits)]
+            segments = [Segment(UPDATE_SEGMENT, sec.grid.sent_numel, sec.grid.bits)]
             sec.server = GroupedServer([SecAggServer(self.config, p, segments, state.server_round, rng=rng)
                                         for p in parts])  # fmt: skip
         except ValueError as err:
