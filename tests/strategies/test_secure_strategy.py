@@ -23,7 +23,7 @@ from fedquant.clients import quantize_mod
 from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
 from fedquant.metrics import HistoryRecorder
 from fedquant.secagg import SecAggConfig
-from fedquant.secagg.messages import MASKED_RECORD, RECORD, STAGES
+from fedquant.secagg.messages import MASKED_RECORD, ORDER, RECORD, STAGES
 from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, KEY_DITHER_SEED, UPDATE_SEGMENT, add_flat, float_layout
 from fedquant.strategies import QuantizedStrategy
 from fedquant.testing.secagg_fuzz import mutate
@@ -51,7 +51,7 @@ class SecureGrid(InProcessGrid):
             record = message.content.config_records.get(RECORD)
             stage = record["stage"] if record is not None else None
             last = self.drop_after.get(message.metadata.dst_node_id)
-            if stage is not None and last is not None and STAGES.index(stage) > STAGES.index(last):
+            if stage is not None and last is not None and ORDER.index(stage) > ORDER.index(last):
                 continue
             kept.append((stage, message))
         replies = super().send_and_receive([m for _, m in kept], timeout=timeout)
@@ -568,3 +568,42 @@ def test_a_shared_subset_of_coordinates_gives_the_exact_rescaled_mean_at_fewer_b
         np.testing.assert_array_equal(array.numpy(), expected[name])
     full_collect = full.train_metrics_clientapp[1]["secagg-uplink-bytes-collect"]
     assert metrics["secagg-uplink-bytes-collect"] < 0.4 * full_collect
+
+
+# ------------------------------------------------------------------ signed rounds through the mod
+def _give_identities(grid: SecureGrid, tmp_path, skip=()) -> None:
+    from fedquant.clients.secure import DIRECTORY_FILE, IDENTITY_FILE
+    from fedquant.secagg.crypto import identity_public
+
+    keys = {node: bytes([node % 256]) * 32 for node in grid.contexts}
+    directory = tmp_path / "directory.txt"
+    directory.write_text("".join(f"{n} {identity_public(k).hex()}\n" for n, k in keys.items()))
+    for node, context in grid.contexts.items():
+        if node in skip:
+            continue
+        (tmp_path / f"{node}.key").write_text(keys[node].hex())
+        context.node_config[IDENTITY_FILE] = str(tmp_path / f"{node}.key")
+        context.node_config[DIRECTORY_FILE] = str(directory)
+
+
+def test_signed_rounds_through_the_mod_give_the_exact_mean(tmp_path, encodings):
+    grid = SecureGrid(drop_after={105: "collect"})  # its input arrives, then it misses consistency
+    _give_identities(grid, tmp_path)
+    result = _strategy(dataclasses.replace(CONFIG, signed=True)).start(grid=grid, initial_arrays=initial_arrays(),
+                                                                       num_rounds=2)  # fmt: skip
+    for r in (1, 2):
+        metrics = result.train_metrics_clientapp[r]
+        assert metrics["secagg-failed"] == 0 and metrics["secagg-survivors"] == NUM_NODES
+        consistency = [m for s, m in grid.received if s == "consistency" and not m.has_error()]
+        assert len(consistency) == 2 * (NUM_NODES - 1) and metrics["secagg-uplink-bytes-consistency"] > 0
+    assert {s for s, _ in grid.received} == {"advertise", "share-keys", "collect", "consistency", "unmask"}
+
+
+def test_a_node_without_an_identity_refuses_a_signed_round(tmp_path):
+    grid = SecureGrid()
+    _give_identities(grid, tmp_path, skip={103})
+    strategy = _strategy(dataclasses.replace(CONFIG, signed=True))
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-survivors"] == NUM_NODES - 1
+    errors = [r.error.reason for s, r in grid.received if s == "advertise" and r.has_error()]
+    assert len(errors) == 1 and "no identity key" in errors[0]
