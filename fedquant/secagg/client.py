@@ -300,7 +300,7 @@ class SecAggClient:
         if not isinstance(signatures, list) or len(signatures) != len(signers):
             raise ProtocolError("unmask: one signature per signer expected")
         message = consistency_message(self.session, self.server_round, self.consistency)
-        known = set(self.consistency) & set(self.directory_nodes)
+        known = set(self.consistency) & set(self.peers) & set(self.directory_nodes)  # signers among its holders
         valid = sum(1 for n, sig in zip(signers, signatures)
                     if n in known and crypto.verifies(self._identity_of(n), sig, message))  # fmt: skip
         if valid < self.threshold:

@@ -166,6 +166,9 @@ class SecAggConfig:
             out.append(("keep", f"keep must be a float in [{MIN_KEEP:g}, 1], got {self.keep!r}"))
         if not isinstance(self.signed, bool):
             out.append(("signed", f"signed must be a bool, got {self.signed!r}"))
+        elif self.signed and self.neighbours is not None:
+            out.append(("signed", "signed rounds need neighbours=None: the consistency check counts a majority of "
+                                  "one holder set (use groups to bound the cost instead)"))  # fmt: skip
         return out
 
     def scale_rule(self) -> ScaleRule:

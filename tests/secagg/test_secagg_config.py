@@ -43,6 +43,12 @@ def test_absurd_options_are_refused_with_the_option_named(option, value):
     assert err.value.option == option and option in str(err.value)
 
 
+def test_signed_rounds_need_the_full_holder_set():
+    with pytest.raises(SecAggConfigError, match="neighbours=None") as err:
+        SecAggConfig(signed=True, neighbours=4)
+    assert err.value.option == "signed"
+
+
 def test_a_threshold_above_the_neighbourhood_is_refused():
     with pytest.raises(SecAggConfigError, match="exceeds the 5 share holders") as err:
         SecAggConfig(threshold=9, neighbours=4)
