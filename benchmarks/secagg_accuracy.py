@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), help="secure arms to run (fp32 always runs)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     began = time.perf_counter()
-    last5 = {arm: [] for arm in ["fp32", *ARMS]}
+    last5 = {arm: [] for arm in ["fp32", *args.arms]}
     for seed in args.seeds:
         for arm in last5:
             acc = run(arm, seed, args.clients, args.rounds)
