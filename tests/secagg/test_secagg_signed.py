@@ -144,3 +144,34 @@ def test_a_client_with_an_identity_refuses_unsigned_rounds_and_unknown_peers():
     with pytest.raises(ProtocolError, match="node 2 is not in this client's identity directory"):
         client.handle(share)
     assert client.identity == b"\x01" * 32  # a refusal resets the round's state, not the identity
+
+
+def test_fuzzed_replies_in_signed_rounds_never_raise_and_sums_stay_exact():
+    """One reply of one node at one stage (consistency included) mutated per case: the round
+    completes with the exact sum of its survivors, or fails cleanly; nothing raises."""
+    import numpy as np
+    from flwr.app import Message
+
+    from fedquant.secagg.messages import ORDER
+    from fedquant.testing.secagg_fuzz import mutate
+
+    outcomes = {"completed": 0, "failed": 0}
+    for case in range(15):
+        rng = np.random.default_rng([23, case])
+        r = _signed_round(n=5)
+        stage, victim = ORDER[case % len(ORDER)], r.nodes[int(rng.integers(5))]
+
+        def tamper(s, n, reply, stage=stage, victim=victim, rng=rng, r=r):
+            if s != stage or n != victim or reply.has_error():
+                return reply
+            _, content, _ = mutate(rng, reply.content)
+            request = next(m for m in reversed(r.transport.requests) if m.metadata.dst_node_id == n)
+            return Message(content, reply_to=request)
+
+        result = r.run(tamper=tamper)
+        if result is None:
+            outcomes["failed"] += 1
+        else:
+            outcomes["completed"] += 1
+            r.check_exact(result)
+    assert outcomes["completed"] >= 7
