@@ -11,7 +11,13 @@ from flwr.app import Array, ConfigRecord, RecordDict
 from fedquant.secagg import ProtocolError, SecAggClient
 from fedquant.secagg.crypto import PUBLIC_KEY_BYTES, CryptoError, agree, check_public_key, public_key
 from fedquant.secagg.messages import MASKED_RECORD, RECORD
+from tests.flower_fakes import set_task_identity
 from tests.secagg.test_secagg import Round, _config_change, _edit
+
+
+@pytest.fixture(autouse=True)
+def _identity():
+    set_task_identity()
 
 #: The low-order points of Curve25519 (u-coordinates, little-endian), the all-zero key first.
 LOW_ORDER = [
