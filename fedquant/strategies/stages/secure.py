@@ -1,10 +1,12 @@
 """Secure stage: a whole SecAgg+ round in place of screening, decoding, admission and aggregation.
 
 Advertise and share-keys run in ``configure_train`` over the grid Flower hands it; the collect
-requests become the round's train messages (Flower sends them with its timeout); unmask runs in
-``aggregate_train`` over the same grid. The checked mean (:func:`.secure_round.checked_mean`)
-reaches the inner strategy as one synthetic reply ``received + mean`` weighing the weight
-total: FedAvg's mean of one reply is that reply. A failed round keeps the model.
+requests become the round's train messages (Flower sends them with its timeout); consistency
+(signed rounds) and unmask run in ``aggregate_train`` over the same grid. The clients are split
+into ``SecAggConfig.groups`` SecAgg+ groups run in lockstep; the mean of the groups that pass
+:func:`.secure_round.checked_mean` reaches the inner strategy as one synthetic reply
+``received + mean`` weighing the number of inputs: FedAvg's mean of one reply is that reply. A
+failed round keeps the model.
 """
 
 from __future__ import annotations
