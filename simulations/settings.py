@@ -132,9 +132,7 @@ class SimSettings:
                 'e.g. uplink="lognormal:median=2,sigma=1" (the deadline is set against each client\'s speed)'
             )
         if self.secagg:
-            builds("secagg-threshold", lambda: self.secagg_config(), "a fraction in (0.5, 1] or an int >= 2 "
-                   "(and secagg-bits 0..24, secagg-clip > 0, secagg-neighbours 0 or >= 2, "
-                   "secagg-noise-multiplier >= 0)")  # fmt: skip
+            found.extend(self._secagg_problems())
             if not _is_none(self.downlink_codec):
                 found.append(f"downlink-codec={self.downlink_codec!r}: secagg=true sends the dense model; use none")
             if self.upload_deadline_seconds > 0 or self.uplink_bytes_budget > 0:
@@ -148,6 +146,16 @@ class SimSettings:
     def uplink_name(self) -> str:
         """What the replies carry: ``codec``, or ``secagg`` (the codec is unused under secure aggregation)."""
         return "secagg" if self.secagg else self.codec
+
+    def _secagg_problems(self) -> list[str]:
+        """SecAggConfig's own validation, each problem under its ``secagg-*`` run-config key."""
+        try:
+            self.secagg_config()
+        except ValueError as err:
+            found = getattr(err, "problems", [("threshold", str(err))])
+            return [f"secagg-{key.replace('_', '-')}={getattr(self, 'secagg_' + key, None)!r}: {text}"
+                    for key, text in found]
+        return []
 
     def secagg_config(self):
         """The :class:`~fedquant.secagg.SecAggConfig` of ``secagg-*`` (None when ``secagg`` is false)."""

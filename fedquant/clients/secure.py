@@ -11,15 +11,16 @@ masked. The reply holds the protocol record and the masked input only: the Clien
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedquant.codecs.summable import WEIGHT_BITS, SumGrid, encode_update
+from fedquant.codecs.summable import SumGrid, encode_update
 from fedquant.secagg.client import SecAggClient
-from fedquant.secagg.driver import handle_message
+from fedquant.secagg.driver import ERROR_CODE_PROTOCOL, handle_message
 from fedquant.secagg.messages import RECORD, ProtocolError
 from fedquant.secagg.wiring import (
     GRID_PREFIX,
@@ -33,6 +34,11 @@ from fedquant.secagg.wiring import (
 )
 
 WEIGHT_KEY = "num-examples"
+#: Node-config keys of signed rounds (``SecAggConfig(signed=True)``): a file holding this node's
+#: Ed25519 identity key (64 hex digits), and a file of ``node_id public-key-hex`` lines for the
+#: nodes it may meet, distributed by a channel the server does not control.
+IDENTITY_FILE = "secagg-identity-file"
+DIRECTORY_FILE = "secagg-directory-file"
 
 
 def is_secure(msg: Message) -> bool:
@@ -40,15 +46,44 @@ def is_secure(msg: Message) -> bool:
     return msg.metadata.message_type.split(".")[0] == MessageType.TRAIN and RECORD in msg.content.config_records
 
 
+def new_client(ctxt: Context) -> SecAggClient:
+    """A fresh protocol client; with the node-config keys :data:`IDENTITY_FILE` and :data:`DIRECTORY_FILE`,
+    one of signed rounds (its Ed25519 identity key, and its peers' public keys by node id).
+
+    Raises
+    ------
+    ProtocolError
+        If only one of the two is set, or a file cannot be read or parsed.
+    """
+    identity_path, directory_path = ctxt.node_config.get(IDENTITY_FILE), ctxt.node_config.get(DIRECTORY_FILE)
+    if not identity_path and not directory_path:
+        return SecAggClient(ctxt.node_id)
+    if not (isinstance(identity_path, str) and isinstance(directory_path, str) and identity_path and directory_path):
+        raise ProtocolError(f"signed rounds need both node-config keys {IDENTITY_FILE} and {DIRECTORY_FILE}")
+    try:
+        identity = bytes.fromhex(Path(identity_path).read_text().strip())
+        directory = {}
+        for line in Path(directory_path).read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                node, key = line.split()
+                directory[int(node)] = bytes.fromhex(key)
+        return SecAggClient.with_identity(ctxt.node_id, identity, directory)
+    except (OSError, ValueError) as err:
+        raise ProtocolError(f"cannot load the secagg identity or directory: {err}") from None
+
+
 def secure_step(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
     """Answer one protocol message; at collect, train with ``call_next`` and send the masked update."""
     stored = ctxt.state.config_records.get(STATE_KEY)
     try:
-        client = SecAggClient.from_state(stored) if stored is not None else SecAggClient(ctxt.node_id)
+        client = SecAggClient.from_state(stored) if stored is not None else None
     except TypeError:  # a state this version did not write: start afresh
-        client = SecAggClient(ctxt.node_id)
-    if client.node_id != ctxt.node_id:
-        client = SecAggClient(ctxt.node_id)
+        client = None
+    if client is None or client.node_id != ctxt.node_id:
+        try:
+            client = new_client(ctxt)
+        except ProtocolError as err:
+            return Message(Error(code=ERROR_CODE_PROTOCOL, reason=f"secagg: {err}"), reply_to=msg)
 
     def encode(content: RecordDict, spec: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
         return _train_and_encode(msg, content, spec, ctxt, call_next)
@@ -79,7 +114,7 @@ def _train_and_encode(
             f"collect: the server sums segment '{theirs[0]}', this client '{UPDATE_SEGMENT}': they rotate "
             "the update with the random signs of different payload formats (upgrade both to one fedquant)"
         )
-    if spec != {UPDATE_SEGMENT: (grid.padded_numel, grid.bits), "weight": (1, WEIGHT_BITS)}:
+    if spec != {UPDATE_SEGMENT: (grid.sent_numel, grid.bits)}:
         raise ProtocolError(f"collect: segments {spec} do not match the round's grid")
     if len(content.array_records) != 1:
         raise ProtocolError(f"collect: expects exactly one ArrayRecord (the model), found {len(content.array_records)}")
@@ -111,7 +146,7 @@ def _train_and_encode(
         examples = _num_examples(reply)
         weight = min(examples, float(max_examples)) / max_examples
     encoded = encode_update(torch.from_numpy(update), grid, dither_seed, weight=weight)
-    return {UPDATE_SEGMENT: encoded.values, "weight": np.array([encoded.weight_units], dtype=np.uint32)}
+    return {UPDATE_SEGMENT: encoded.values}
 
 
 def _num_examples(reply: Message) -> float:
@@ -122,4 +157,4 @@ def _num_examples(reply: Message) -> float:
     raise ProtocolError(f"collect: the ClientApp's reply has no positive '{WEIGHT_KEY}' to weigh by")
 
 
-__all__ = ["is_secure", "secure_step"]
+__all__ = ["DIRECTORY_FILE", "IDENTITY_FILE", "is_secure", "new_client", "secure_step"]

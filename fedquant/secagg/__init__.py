@@ -8,16 +8,19 @@ options are :class:`SecAggConfig`. See ``docs/secure-aggregation.md``.
 """
 
 from fedquant.secagg.client import SecAggClient
-from fedquant.secagg.config import SecAggConfig
+from fedquant.secagg.config import SecAggConfig, SecAggConfigError
 from fedquant.secagg.driver import LoopbackGrid, handle_message, run_secure_sum
+from fedquant.secagg.groups import GroupedServer
 from fedquant.secagg.messages import ProtocolError
 from fedquant.secagg.server import SecAggServer, SecureSum, Segment
 
 __all__ = [
+    "GroupedServer",
     "LoopbackGrid",
     "ProtocolError",
     "SecAggClient",
     "SecAggConfig",
+    "SecAggConfigError",
     "SecAggServer",
     "Segment",
     "SecureSum",

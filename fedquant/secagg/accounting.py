@@ -61,7 +61,7 @@ class PrivacyLedger:
 
     def record(self, grid: SumGrid, survivors: int) -> float:
         """Add one round (its grid and how many inputs were summed); returns the round's rho."""
-        rho = ddg_rho(grid.l2_sensitivity(), grid.noise_variance, survivors - 1, grid.padded_numel)
+        rho = ddg_rho(grid.l2_sensitivity(), grid.noise_variance, survivors - 1, grid.sent_numel)
         self.rounds.append(rho)
         if math.isfinite(rho):
             self._backend.compose(self._event.ZCDpEvent(rho))

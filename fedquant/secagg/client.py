@@ -10,7 +10,12 @@ A request that breaks the protocol raises :class:`~fedquant.secagg.messages.Prot
 * refuses to reveal both secrets of one node, or any share when fewer than the threshold of its
   holders survive;
 * drops out (raises) when a peer's share pair does not decrypt, rather than masking with a
-  partial set of peers that the server could not reconcile.
+  partial set of peers that the server could not reconcile;
+* with an identity (the active-server defence): takes part only in signed rounds, checks every
+  peer's advertised keys against its Ed25519 signature (the server cannot substitute keys),
+  signs the survivor set it is told once, and reveals shares only against a survivor set signed
+  by at least ``threshold`` of its members and matching the unmask request (a server that tells
+  nodes different survivor sets cannot collect both secrets of any node).
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
 from fedquant.secagg import crypto, masks
-from fedquant.secagg.crypto import COMMITMENT_BYTES, PUBLIC_KEY_BYTES, SEED_BYTES, SHARE_BYTES
+from fedquant.secagg.crypto import COMMITMENT_BYTES, IDENTITY_BYTES, PUBLIC_KEY_BYTES, SEED_BYTES, SHARE_BYTES
 from fedquant.secagg.messages import (
+    CONSISTENCY,
     MASKED_RECORD,
     MAX_NODES,
     RECORD,
     SESSION_BYTES,
     ProtocolError,
+    advertise_message,
+    consistency_message,
     masked_record,
     read_bytes,
     read_bytes_list,
@@ -85,6 +93,26 @@ class SecAggClient:
     held_nodes: list[int] = field(default_factory=list)  # whose share pairs this client holds
     held_seed_shares: list[bytes] = field(default_factory=list)
     held_key_shares: list[bytes] = field(default_factory=list)
+    signed: bool = False
+    consistency: list[int] = field(default_factory=list)  # the survivor set this client signed
+    # The active-server defence (kept across rounds): this client's Ed25519 identity key, and the
+    # identity public keys of the nodes it may meet, from a source the server cannot forge.
+    identity: bytes = b""
+    directory_nodes: list[int] = field(default_factory=list)
+    directory_keys: list[bytes] = field(default_factory=list)
+
+    @classmethod
+    def with_identity(cls, node_id: int, identity: bytes, directory: dict[int, bytes]) -> SecAggClient:
+        """A client of signed rounds: its 32-byte Ed25519 key and its peers' public keys by node id."""
+        if len(identity) != IDENTITY_BYTES or any(len(k) != IDENTITY_BYTES for k in directory.values()):
+            raise ValueError(f"identity keys are {IDENTITY_BYTES} bytes")
+        nodes = sorted(directory)
+        return cls(node_id, identity=identity, directory_nodes=nodes, directory_keys=[directory[n] for n in nodes])
+
+    def _identity_of(self, node: int) -> bytes:
+        if node not in self.directory_nodes:
+            raise ProtocolError(f"node {node} is not in this client's identity directory")
+        return self.directory_keys[self.directory_nodes.index(node)]
 
     # ------------------------------------------------------------------ persistence
     def state(self) -> ConfigRecord:
@@ -110,7 +138,9 @@ class SecAggClient:
         try:
             if stage == "advertise":
                 return self._advertise(content)
-            expected = {"advertise": "share-keys", "share-keys": "collect", "collect": "unmask"}.get(self.stage)
+            after_collect = CONSISTENCY if self.signed else "unmask"
+            expected = {"advertise": "share-keys", "share-keys": "collect", "collect": after_collect,
+                        CONSISTENCY: "unmask"}.get(self.stage)  # fmt: skip
             if stage != expected:
                 raise ProtocolError(f"node {self.node_id}: request for stage {stage!r}, expected {expected!r}")
             if stage == "share-keys":
@@ -119,14 +149,19 @@ class SecAggClient:
                 if encode is None:
                     raise ProtocolError("the collect stage needs an encoder")
                 return self._collect(content, section(content, stage, self.session), encode)
+            if stage == CONSISTENCY:
+                return self._consistency(section(content, stage, self.session))
             return self._unmask(section(content, stage, self.session))
         except ProtocolError:
             self._reset()
             raise
+        except crypto.CryptoError as err:  # defence in depth: every key is checked before use
+            self._reset()
+            raise ProtocolError(f"node {self.node_id}: stage {stage!r}: {err}") from None
 
     def _reset(self) -> None:
-        node = self.node_id
-        self.__dict__.update(vars(SecAggClient(node)))
+        keep = {k: getattr(self, k) for k in ("node_id", "identity", "directory_nodes", "directory_keys")}
+        self.__dict__.update(vars(SecAggClient(**keep)))
 
     def _reply(self, **fields: object) -> RecordDict:
         return RecordDict({RECORD: request_record(self.stage, self.session, self.server_round, **fields)})
@@ -142,11 +177,21 @@ class SecAggClient:
         threshold = read_int(record, "threshold", 2, len(holders))
         if 2 * threshold <= len(holders):
             raise ProtocolError(f"threshold {threshold} is not a majority of {len(holders)} holders")
+        signed = record.get("signed", False) is True
+        if self.identity and not signed:
+            raise ProtocolError(f"node {self.node_id} takes part in signed rounds only (it has an identity key)")
+        if signed and not self.identity:
+            raise ProtocolError(f"node {self.node_id} has no identity key to sign with")
         self._reset()
         self.stage, self.session, self.server_round, self.threshold = "advertise", session, server_round, threshold
+        self.signed = signed
         self.encryption_seed, self.mask_seed, self.self_seed = (crypto.random_seed() for _ in range(3))
         keys = crypto.public_key(self.encryption_seed) + crypto.public_key(self.mask_seed)
-        return self._reply(keys=keys + crypto.commitment(self.self_seed))
+        keys += crypto.commitment(self.self_seed)
+        if not signed:
+            return self._reply(keys=keys)
+        message = advertise_message(session, server_round, self.node_id, keys)
+        return self._reply(keys=keys, signature=crypto.sign(self.identity, message))
 
     def _share_keys(self, record: ConfigRecord) -> RecordDict:
         nodes = read_node_ids(record, "nodes")
@@ -161,6 +206,21 @@ class SecAggClient:
         publics = [k[: 2 * PUBLIC_KEY_BYTES] for k in keys]
         if len(set(publics)) != len(publics):
             raise ProtocolError("share-keys: two nodes advertise the same keys")
+        if self.signed:
+            signatures = record.get("signatures")
+            if not isinstance(signatures, list) or len(signatures) != len(nodes):
+                raise ProtocolError("share-keys: a signed round needs one advertise signature per node")
+            for peer, peer_keys, signature in zip(nodes, keys, signatures):
+                message = advertise_message(self.session, self.server_round, peer, peer_keys)
+                if peer != self.node_id and not crypto.verifies(self._identity_of(peer), signature, message):
+                    raise ProtocolError(f"share-keys: the keys of node {peer} are not signed by its identity "
+                                        "(the server substituted them)")  # fmt: skip
+        for peer, peer_keys in zip(nodes, keys):
+            for key in split_keys(peer_keys)[:2]:
+                try:
+                    crypto.check_public_key(key)
+                except crypto.CryptoError as err:  # the server should have dropped it at advertise
+                    raise ProtocolError(f"share-keys: the server relayed a refused key of node {peer}: {err}") from None
         seed_shares = crypto.split_secret(self.self_seed, self.threshold, len(nodes))
         key_shares = crypto.split_secret(self.mask_seed, self.threshold, len(nodes))
         destinations, ciphertexts = [], []
@@ -222,9 +282,39 @@ class SecAggClient:
         reply.array_records[MASKED_RECORD] = masked_record(masked, {n: b for n, (_, b) in spec.items()})
         return reply
 
+    def _consistency(self, record: ConfigRecord) -> RecordDict:
+        survivors = read_node_ids(record, "survivors")
+        if survivors != sorted(survivors) or self.node_id not in survivors:
+            raise ProtocolError("consistency: 'survivors' must be sorted and hold this node")
+        if len(survivors) < self.threshold:
+            raise ProtocolError(f"consistency: {len(survivors)} survivors, fewer than the threshold {self.threshold}")
+        self.consistency, self.stage = survivors, CONSISTENCY
+        message = consistency_message(self.session, self.server_round, survivors)
+        return self._reply(signature=crypto.sign(self.identity, message))
+
+    def _check_signed_survivors(self, record: ConfigRecord, survivors: list[int], dropped: list[int]) -> None:
+        """The unmask request must match the survivor set this client signed, and ``threshold`` of its
+        members must have signed that same set (no node signs two sets, and two sets of a majority meet)."""
+        signers = read_node_ids(record, "signers")
+        signatures = record.get("signatures")
+        if not isinstance(signatures, list) or len(signatures) != len(signers):
+            raise ProtocolError("unmask: one signature per signer expected")
+        message = consistency_message(self.session, self.server_round, self.consistency)
+        known = set(self.consistency) & set(self.peers) & set(self.directory_nodes)  # signers among its holders
+        valid = sum(1 for n, sig in zip(signers, signatures)
+                    if n in known and crypto.verifies(self._identity_of(n), sig, message))  # fmt: skip
+        if valid < self.threshold:
+            raise ProtocolError(f"unmask: the survivor set this node signed carries {valid} valid signatures, "
+                                f"fewer than the threshold {self.threshold}: the server told nodes different sets")
+        signed = set(self.consistency)
+        if set(survivors) != set(self.held_nodes) & signed or set(dropped) != set(self.held_nodes) - signed:
+            raise ProtocolError("unmask: the survivors and dropped nodes differ from the signed survivor set")
+
     def _unmask(self, record: ConfigRecord) -> RecordDict:
         survivors = read_node_ids(record, "survivors")
         dropped = read_node_ids(record, "dropped")
+        if self.signed:
+            self._check_signed_survivors(record, survivors, dropped)
         if set(survivors) & set(dropped):
             raise ProtocolError("unmask: a node is listed as both survivor and dropped")
         if self.node_id not in survivors:

@@ -11,7 +11,8 @@ Nothing here is a new primitive; each function names the library call it wraps:
 * secret sharing: Flower's ``flwr.common.secure_aggregation.crypto.shamir`` (PyCryptodome's
   Shamir over GF(2^128));
 * mask expansion: AES-256-CTR keystream (a cryptographic PRG), one key per seed and segment;
-* commitments: SHA-256.
+* commitments: SHA-256;
+* signatures (the active-server defence): Ed25519 (``cryptography``) with long-term identity keys.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -28,6 +30,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 
 SEED_BYTES = 16
+IDENTITY_BYTES = 32  # an Ed25519 private key (its raw seed) or public key
+SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
 COMMITMENT_BYTES = 16
 NONCE_BYTES = 12
@@ -77,6 +81,27 @@ def agree(seed: bytes, peer_public: bytes, info: bytes) -> bytes:
     except ValueError as err:
         raise CryptoError(f"invalid X25519 public key: {err}") from None
     return hkdf(shared, info)
+
+
+#: A private key used only to test that a received public key is usable (see :func:`check_public_key`).
+_PROBE = X25519PrivateKey.from_private_bytes(bytes(range(32)))
+
+
+def check_public_key(raw: object) -> bytes:
+    """``raw`` if it is a usable X25519 public key, else :class:`CryptoError`.
+
+    A key must be 32 bytes and must not be a low-order point (the all-zero key among them): an
+    agreement with one gives the all-zero shared secret, which the library refuses (RFC 7748,
+    section 6.1). The probe runs the same ``exchange`` the protocol runs later, so a key that
+    passes here cannot make a later agreement raise.
+    """
+    if not isinstance(raw, bytes) or len(raw) != PUBLIC_KEY_BYTES:
+        raise CryptoError(f"an X25519 public key is {PUBLIC_KEY_BYTES} bytes")
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(raw))
+    except ValueError:
+        raise CryptoError("low-order X25519 public key (all-zero shared secret)") from None
+    return raw
 
 
 def commitment(secret: bytes) -> bytes:
@@ -144,3 +169,25 @@ def expand_mask(key: bytes, count: int, bits: int) -> np.ndarray:
     stream = encryptor.update(bytes(4 * count)) + encryptor.finalize()
     values = np.frombuffer(stream, dtype="<u4").astype(np.uint32)
     return values if bits == 32 else values & np.uint32((1 << bits) - 1)
+
+
+def identity_public(identity: bytes) -> bytes:
+    """The raw Ed25519 public key of a 32-byte identity (private) key."""
+    key = Ed25519PrivateKey.from_private_bytes(identity).public_key()
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def sign(identity: bytes, message: bytes) -> bytes:
+    """Ed25519 signature of ``message`` by a 32-byte identity key."""
+    return Ed25519PrivateKey.from_private_bytes(identity).sign(message)
+
+
+def verifies(public: bytes, signature: object, message: bytes) -> bool:
+    """Whether ``signature`` is ``public``'s Ed25519 signature of ``message`` (any malformed input: False)."""
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or len(public) != IDENTITY_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

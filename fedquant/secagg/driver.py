@@ -19,7 +19,7 @@ from flwr.app import Error, Message, RecordDict
 from flwr.app.message_type import MessageType
 
 from fedquant.secagg.client import Encoder, SecAggClient
-from fedquant.secagg.messages import RECORD, STAGES, ProtocolError
+from fedquant.secagg.messages import ORDER, RECORD, ProtocolError
 from fedquant.secagg.server import SecAggServer, SecureSum
 
 log = logging.getLogger("fedquant.secagg")
@@ -120,7 +120,7 @@ class LoopbackGrid:
             node = message.metadata.dst_node_id
             stage = message.content.config_records[RECORD]["stage"]
             last = self.drop_after.get(node)
-            if last is not None and STAGES.index(stage) > STAGES.index(last):
+            if last is not None and ORDER.index(stage) > ORDER.index(last):
                 continue
             reply = handle_message(self.clients[node], message, self.encoders.get(node))
             if self.tamper is not None:

@@ -35,6 +35,22 @@ RECORD = "fedquant.secagg"
 MASKED_RECORD = "fedquant.secagg.masked"
 MASKED_STYPE = "fedquant.secagg.masked"
 STAGES = ("advertise", "share-keys", "collect", "unmask")
+#: The active-server defence's extra stage, between collect and unmask (signed rounds only).
+CONSISTENCY = "consistency"
+#: Every stage in protocol order.
+ORDER = ("advertise", "share-keys", "collect", CONSISTENCY, "unmask")
+
+
+def advertise_message(session: bytes, server_round: int, node: int, keys: bytes) -> bytes:
+    """What a client signs at advertise: its keys, bound to the session, round and its node id."""
+    ids = server_round.to_bytes(8, "little") + node.to_bytes(8, "little")
+    return b"fedquant-secagg advertise" + session + ids + keys
+
+
+def consistency_message(session: bytes, server_round: int, survivors: Sequence[int]) -> bytes:
+    """What a client signs at the consistency stage: the survivor set it was told."""
+    ids = b"".join(n.to_bytes(8, "little") for n in sorted(survivors))
+    return b"fedquant-secagg survivors" + session + server_round.to_bytes(8, "little") + ids
 SESSION_BYTES = 16
 MAX_NODES = 1 << 16
 
@@ -129,5 +145,8 @@ def read_masked(content: RecordDict, segments: Sequence[tuple[str, int, int]]) -
             raise ProtocolError(f"segment '{name}' is not a packed uint8 Array")
         if tuple(array.shape) != (need,) or not isinstance(array.data, bytes) or len(array.data) != need:
             raise ProtocolError(f"segment '{name}' does not hold the {need} bytes of {size} values of {bits} bits")
-        out[name] = unpack_bits(np.frombuffer(array.data, dtype=np.uint8), bits, size).astype(np.uint32)
+        values = unpack_bits(np.frombuffer(array.data, dtype=np.uint8), bits, size).astype(np.uint32)
+        if pack_bits(values, bits).tobytes() != array.data:  # the last byte's padding bits must be zero
+            raise ProtocolError(f"segment '{name}' is not canonically packed (non-zero padding bits)")
+        out[name] = values
     return out

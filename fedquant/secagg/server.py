@@ -15,7 +15,6 @@ seed (survivors) or its mask key (dropped), never both (the clients refuse that 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import random
@@ -28,8 +27,9 @@ from flwr.app import RecordDict
 from fedquant.secagg import crypto, masks
 from fedquant.secagg.client import KEYS_BYTES, split_keys
 from fedquant.secagg.config import SecAggConfig
-from fedquant.secagg.crypto import CIPHERTEXT_BYTES, SHARE_BYTES
+from fedquant.secagg.crypto import CIPHERTEXT_BYTES, SHARE_BYTES, SIGNATURE_BYTES
 from fedquant.secagg.messages import (
+    CONSISTENCY,
     RECORD,
     SESSION_BYTES,
     ProtocolError,
@@ -113,6 +113,8 @@ class SecAggServer:
         self.dropped: list[int] = []
         self.seed_shares: dict[int, list[bytes]] = {}
         self.key_shares: dict[int, list[bytes]] = {}
+        self.signatures: dict[int, bytes] = {}  # advertise signatures (signed rounds)
+        self.survivor_signatures: dict[int, bytes] = {}  # consistency signatures (signed rounds)
 
     # ------------------------------------------------------------------ driving
     @property
@@ -181,11 +183,20 @@ class SecAggServer:
 
     # ------------------------------------------------------------------ advertise
     def _request_advertise(self, node: int):
-        return self._record(node, holders=self.holders[node], threshold=self.threshold[node])
+        return self._record(node, holders=self.holders[node], threshold=self.threshold[node],
+                            signed=self.config.signed)  # fmt: skip
 
     def _accept_advertise(self, node: int, content: RecordDict) -> None:
-        keys = read_bytes(self._section(content), "keys", KEYS_BYTES)
+        record = self._section(content)
+        keys = read_bytes(record, "keys", KEYS_BYTES)
+        if self.config.signed:  # checked by the peers, who hold the identity keys
+            self.signatures[node] = read_bytes(record, "signature", SIGNATURE_BYTES)
         publics = keys[: 2 * crypto.PUBLIC_KEY_BYTES]
+        for which, key in zip(("encryption", "mask"), split_keys(keys)[:2]):
+            try:
+                crypto.check_public_key(key)
+            except crypto.CryptoError as err:
+                raise ProtocolError(f"its {which} key is refused: {err}") from None
         if any(k[: 2 * crypto.PUBLIC_KEY_BYTES] == publics for k in self.keys.values()):
             raise ProtocolError("advertises the keys of another node")
         self.keys[node] = keys
@@ -204,7 +215,8 @@ class SecAggServer:
     def _request_share_keys(self, node: int):
         peers = sorted(self.active & set(self.holders[node]))
         self.peers[node] = peers
-        return self._record(node, nodes=peers, keys=[self.keys[p] for p in peers])
+        signed = {"signatures": [self.signatures[p] for p in peers]} if self.config.signed else {}
+        return self._record(node, nodes=peers, keys=[self.keys[p] for p in peers], **signed)
 
     def _accept_share_keys(self, node: int, content: RecordDict) -> None:
         record = self._section(content)
@@ -244,15 +256,30 @@ class SecAggServer:
         self.survivors = sorted(self.active)
         shared = set(self.sources)
         self.dropped = sorted(shared - self.active)
+        self._next(CONSISTENCY if self.config.signed else "unmask")
+
+    # ------------------------------------------------------------------ consistency (signed rounds)
+    def _request_consistency(self, node: int):
+        return self._record(node, survivors=self.survivors)
+
+    def _accept_consistency(self, node: int, content: RecordDict) -> None:
+        self.survivor_signatures[node] = read_bytes(self._section(content), "signature", SIGNATURE_BYTES)
+
+    def _finish_consistency(self) -> None:
         self._next("unmask")
 
     # ------------------------------------------------------------------ unmask
     def _request_unmask(self, node: int):
         held = set(self.sources[node]) | {node}
+        signed = {}
+        if self.config.signed:
+            signers = sorted(self.survivor_signatures)
+            signed = {"signers": signers, "signatures": [self.survivor_signatures[n] for n in signers]}
         return self._record(
             node,
             survivors=[n for n in self.survivors if n in held],
             dropped=[n for n in self.dropped if n in held],
+            **signed,
         )
 
     def _accept_unmask(self, node: int, content: RecordDict) -> None:
@@ -264,13 +291,16 @@ class SecAggServer:
             raise ProtocolError("unmask reply is not for the requested nodes")
         seed_shares = read_bytes_list(record, "seed-shares", SHARE_BYTES, len(want_seeds))
         key_shares = read_bytes_list(record, "key-shares", SHARE_BYTES, len(want_keys))
-        for owner, share in itertools.chain(zip(want_seeds, seed_shares), zip(want_keys, key_shares)):
-            if crypto.share_index(share) != self.peers[owner].index(node) + 1:
-                raise ProtocolError(f"the share of node {owner} carries another holder's index")
-        for owner, share in zip(want_seeds, seed_shares):
-            self.seed_shares.setdefault(owner, []).append(share)
-        for owner, share in zip(want_keys, key_shares):
-            self.key_shares.setdefault(owner, []).append(share)
+        # A share with another holder's index is discarded alone: the owner may have sealed a bad
+        # share for an honest holder, so the holder's other shares are kept.
+        for kind, store, owners, shares in (("seed", self.seed_shares, want_seeds, seed_shares),
+                                            ("key", self.key_shares, want_keys, key_shares)):  # fmt: skip
+            for owner, share in zip(owners, shares):
+                if crypto.share_index(share) != self.peers[owner].index(node) + 1:
+                    log.warning("secagg round %d unmask: node %d: the %s share of node %d carries another "
+                                "holder's index; discarded", self.server_round, node, kind, owner)
+                    continue
+                store.setdefault(owner, []).append(share)
 
     def _rebuild(self, owner: int, shares: list[bytes], check) -> bytes | None:
         """A secret from ``threshold`` shares, checked against its commitment or public key.

@@ -14,8 +14,8 @@ from flwr.supercore import log
 from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
 from fedquant.metrics.bandwidth import dense_float32_bytes
 from fedquant.secagg.driver import sort_replies, stage_messages
-from fedquant.secagg.messages import STAGES
-from fedquant.secagg.server import SecAggServer
+from fedquant.secagg.groups import GroupedServer
+from fedquant.secagg.messages import CONSISTENCY, ORDER, STAGES
 from fedquant.secagg.wiring import UPDATE_SEGMENT, wire_bytes
 from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
@@ -29,7 +29,7 @@ ROUNDING_VARIANCE = {"dither": 1.0 / 12.0, "stochastic": 1.0 / 4.0}
 class SecureRound:
     """What one secure round keeps from ``configure_train`` to ``aggregate_train``."""
 
-    server: SecAggServer | None = None
+    server: GroupedServer | None = None
     grid: SumGrid | None = None
     transport: object = None  # the Flower Grid of configure_train
     layout: list[tuple[str, int]] = field(default_factory=list)
@@ -45,7 +45,11 @@ class SecureRound:
     survivors: int = 0
     dropped_after_sharing: int = 0
     aggregate_norm: float = math.nan
-    weight_total: float = 0.0
+    weight_total: float = 0.0  # the mean's denominator: the inputs summed (the server counts them)
+    groups: int = 1
+    group_sizes: list[int] = field(default_factory=list)  # inputs of every group the server decoded
+    refused_groups: int = 0
+    refused_inputs: int = 0
     dp_round_epsilon: float | None = None
 
 
@@ -61,8 +65,9 @@ def round_metrics(state: TrainRound, cumulative: int, ledger, delta: float) -> d
     numel = sum(n for _, n in sec.layout)
     uplink = sum(sec.up.values())
     dense = sec.sampled * (dense_float32_bytes(state.model) if state.model is not None else 0)
-    out: dict[str, int | float] = {f"secagg-uplink-bytes-{stage}": sec.up.get(stage, 0) for stage in STAGES}
-    out.update({f"secagg-downlink-bytes-{stage}": sec.down.get(stage, 0) for stage in STAGES})
+    stages = ORDER if CONSISTENCY in sec.down else STAGES  # the consistency stage of signed rounds
+    out: dict[str, int | float] = {f"secagg-uplink-bytes-{stage}": sec.up.get(stage, 0) for stage in stages}
+    out.update({f"secagg-downlink-bytes-{stage}": sec.down.get(stage, 0) for stage in stages})
     out.update(
         {
             "uplink-bytes": uplink,
@@ -81,6 +86,9 @@ def round_metrics(state: TrainRound, cumulative: int, ledger, delta: float) -> d
             "secagg-wrap-bound": sec.grid.wrap_bound if sec.grid is not None else 0.0,
             "secagg-aggregate-norm": sec.aggregate_norm if math.isfinite(sec.aggregate_norm) else -1.0,
             "secagg-weight-total": sec.weight_total,
+            "secagg-groups": sec.groups,
+            "secagg-refused-groups": sec.refused_groups,
+            "secagg-refused-inputs": sec.refused_inputs,
         }
     )
     if ledger is not None:
@@ -129,24 +137,40 @@ def count_up(sec: SecureRound, stage: str, replies: list[Message]) -> None:
         sec.up_of[reply.metadata.src_node_id] += size
 
 
-def checked_mean(sec: SecureRound, result) -> tuple[np.ndarray | None, str | None]:
-    """The decoded mean, or why the round fails (weight total or norm out of bounds: module doc of .stages.secure)."""
-    sec.survivors, sec.dropped_after_sharing = len(result.survivors), len(result.dropped)
-    units = int(result.sums["weight"][0])
-    if units <= 0 or units > len(result.survivors) * WEIGHT_SCALE:
-        return None, (
-            f"weight total {units} is outside 1..{len(result.survivors) * WEIGHT_SCALE} "
-            f"({len(result.survivors)} survivors); a client misreported its weight"
-        )  # fmt: skip
+def checked_mean(sec: SecureRound, grouped: GroupedServer) -> tuple[np.ndarray | None, str | None]:
+    """The mean of the groups whose sums honest clipped clients could send, or why the round fails.
+
+    Each completed group's sum is decoded as a sum (no weight divides it: the denominator is the
+    number of inputs, which the server counts itself). A group whose sum's norm exceeds ``clip``
+    per input plus ``ERROR_BOUND_SIGMAS`` of its rounding error holds a client that ignored the
+    clip: the group is left out and its members logged; the others make the mean.
+    """
     grid = sec.grid
-    seeds = [sec.dither_seeds[n] for n in result.survivors]
-    mean = decode_sum(result.sums[UPDATE_SEGMENT], grid, seeds, units).numpy()
-    sec.weight_total = units / WEIGHT_SCALE
+    kept, inputs = [], 0
+    for result in grouped.completed():
+        members = len(result.survivors)
+        seeds = [sec.dither_seeds[n] for n in result.survivors]
+        total = decode_sum(result.sums[UPDATE_SEGMENT], grid, seeds, WEIGHT_SCALE).numpy().astype(np.float64)
+        # With a subset of keep of the coordinates the decoded sum is rescaled by 1 / keep; unscaled,
+        # it is at most the sent coordinates' norm, which clipping bounds like the whole.
+        keep = grid.sent_numel / grid.padded_numel
+        norm = float(np.linalg.norm(total)) * keep
+        limit = grid.clip * members + ERROR_BOUND_SIGMAS * math.sqrt(keep) * error_scale(grid, members, 1.0)
+        sec.dropped_after_sharing += len(result.dropped)
+        sec.group_sizes.append(members)  # kept or not, the server has seen this sum (DP counts it)
+        if not math.isfinite(norm) or norm > limit:
+            sec.refused_groups += 1
+            sec.refused_inputs += members
+            log(WARNING, "%s: round %s: the secure sum of nodes %s has norm %.4g, more than their %d clipped "
+                "inputs can reach (%.4g): one of them ignored the clip; the group is left out",
+                LOG_PREFIX, sec.server.server_round, list(result.survivors), norm, members, limit)  # fmt: skip
+            continue
+        kept.append(total)
+        inputs += members
+    sec.survivors = inputs
+    if not kept:
+        return None, f"no group's secure sum is within what clipped clients can send ({sec.refused_groups} refused)"
+    mean = (np.sum(kept, axis=0) / inputs).astype(np.float32)
+    sec.weight_total = float(inputs)
     sec.aggregate_norm = float(np.linalg.norm(mean.astype(np.float64)))
-    limit = grid.clip + ERROR_BOUND_SIGMAS * error_scale(grid, len(result.survivors), sec.weight_total)
-    if not math.isfinite(sec.aggregate_norm) or sec.aggregate_norm > limit:
-        return None, (
-            f"the aggregate's norm {sec.aggregate_norm:.4g} exceeds clip + error bound {limit:.4g}; "
-            "a client ignored the clip"
-        )  # fmt: skip
     return mean, None

@@ -222,7 +222,9 @@ def test_malformed_shares_are_rejected_or_outvoted(what, caplog):
         result = r.run(tamper=_edit(None, None, victim, "unmask", change))
     assert result is not None, r.server.failure  # the other holders' shares suffice
     r.check_exact(result)
-    if what != "share-bytes":
+    if what == "share-index":  # discarded one by one: the victim's other shares still count
+        assert f"node {victim}: the seed share of node" in caplog.text and "discarded" in caplog.text
+    elif what == "share-length":
         assert f"node {victim} dropped" in caplog.text
 
 
@@ -286,23 +288,45 @@ def test_duplicate_unknown_and_error_replies():
     r.check_exact(result)
 
 
+def _run_until_unmask(r: Round):
+    """Advertise, share-keys and collect of a full round; returns the server, waiting for unmask."""
+    from fedquant.secagg.driver import sort_replies, stage_messages
+
+    server = SecAggServer(r.config, r.nodes, r.segments, server_round=4)
+    transport = LoopbackGrid(r.clients, r.encoders)
+    while server.stage != "unmask":
+        sent = stage_messages(server, r.extra)
+        server.receive(sort_replies(sent, transport.send_and_receive(list(sent.values())), server.server_round))
+    return server, transport
+
+
 def test_client_refuses_to_reveal_both_secrets_and_replays():
     r = Round(n=6)
-
-    def both(reply):
-        return reply
-
-    result = r.run()
-    assert result is not None
     client = SecAggClient(77)
     request = RecordDict({RECORD: ConfigRecord({"stage": "unmask", "session": b"x" * 16, "round": 1,
                                                 "survivors": [77], "dropped": [77]})})
     with pytest.raises(ProtocolError, match="expected"):
         client.handle(request)  # no session: unmask before advertise
-    # A full client run, then the server asks again for the unmask: the state is gone.
-    last = _request(r, r.nodes[0], "unmask")
-    with pytest.raises(ProtocolError):
-        r.clients[r.nodes[0]].handle(last.content)
+    # A client that sent its input (stage collect, this session) is asked for both secrets of a peer.
+    server, transport = _run_until_unmask(r)
+    node, peer = r.nodes[0], r.nodes[1]
+    assert r.clients[node].stage == "collect" and peer in r.clients[node].held_nodes
+    both = RecordDict({RECORD: ConfigRecord({"stage": "unmask", "session": server.session, "round": 4,
+                                             "survivors": [node, peer, *r.nodes[2:]], "dropped": [peer]})})
+    with pytest.raises(ProtocolError, match="both survivor and dropped"):
+        r.clients[node].handle(both)
+    assert r.clients[node].stage == ""  # refused: its state is gone, it takes no further part
+    # Another client answers the real unmask request once; the same request again finds no state.
+    other = r.nodes[2]
+    request = stage_messages_for(server, other)
+    reply = r.clients[other].handle(request)
+    assert reply.config_records[RECORD]["stage"] == "unmask"
+    with pytest.raises(ProtocolError, match="request for stage 'unmask', expected None"):
+        r.clients[other].handle(request)
+
+
+def stage_messages_for(server: SecAggServer, node: int) -> RecordDict:
+    return server.requests()[node]
 
 
 def test_client_state_survives_a_config_record_round_trip():

@@ -23,7 +23,7 @@ from fedquant.clients import quantize_mod
 from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
 from fedquant.metrics import HistoryRecorder
 from fedquant.secagg import SecAggConfig
-from fedquant.secagg.messages import MASKED_RECORD, RECORD, STAGES
+from fedquant.secagg.messages import MASKED_RECORD, ORDER, RECORD, STAGES
 from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, KEY_DITHER_SEED, UPDATE_SEGMENT, add_flat, float_layout
 from fedquant.strategies import QuantizedStrategy
 from fedquant.testing.secagg_fuzz import mutate
@@ -51,7 +51,7 @@ class SecureGrid(InProcessGrid):
             record = message.content.config_records.get(RECORD)
             stage = record["stage"] if record is not None else None
             last = self.drop_after.get(message.metadata.dst_node_id)
-            if stage is not None and last is not None and STAGES.index(stage) > STAGES.index(last):
+            if stage is not None and last is not None and ORDER.index(stage) > ORDER.index(last):
                 continue
             kept.append((stage, message))
         replies = super().send_and_receive([m for _, m in kept], timeout=timeout)
@@ -90,13 +90,14 @@ def _collect_requests(grid: SecureGrid) -> list[Message]:
 
 
 def _expected_model(grid: SecureGrid, encodings, model: ArrayRecord, survivors: list[int]) -> dict[str, np.ndarray]:
-    """received + decode(sum of the survivors' integer vectors mod 2^b) (what the server must produce)."""
+    """received + decode(sum of the survivors' integer vectors mod 2^b) / survivors (what the server must produce:
+    one group, the denominator the number of inputs, whatever weight a client claims)."""
     requests = {m.metadata.dst_node_id: m for m in _collect_requests(grid)}
     sum_grid = SumGrid.from_config(requests[survivors[0]].content.config_records[GRID_RECORD], GRID_PREFIX)
     seeds = [requests[n].content.config_records[GRID_RECORD][KEY_DITHER_SEED] for n in survivors]
     total = sum(encodings[s].integers for s in seeds) % sum_grid.modulus
-    units = sum(encodings[s].weight_units for s in seeds)
-    mean = decode_sum(total.astype(np.uint32), sum_grid, seeds, units).numpy()
+    summed = decode_sum(total.astype(np.uint32), sum_grid, seeds, WEIGHT_SCALE).numpy().astype(np.float64)
+    mean = (summed / len(survivors)).astype(np.float32)
     received = {name: a.numpy() for name, a in model.items()}
     return add_flat(received, mean, float_layout(model))
 
@@ -198,7 +199,7 @@ def test_a_client_ignoring_the_clip_is_caught_by_the_aggregate_norm_check(monkey
     _evil_encoder(monkeypatch, strategy, 103, scale=1e4)
     result = strategy.start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
     assert result.train_metrics_clientapp[1]["secagg-failed"] == 1
-    assert "exceeds clip + error bound" in strategy.secure_failures[1]
+    assert "no group's secure sum is within what clipped clients can send" in strategy.secure_failures[1]
     assert len(result.arrays) == 0  # the round returned no arrays: the model is kept
 
 
@@ -213,12 +214,46 @@ def test_honest_rounds_pass_the_aggregate_norm_check_with_a_tight_clip():
         assert metrics["secagg-aggregate-norm"] <= 0.05 * 1.05
 
 
-def test_a_misreported_weight_fails_the_round(monkeypatch):
+def _forge_weight_total(units: int):
+    """The issue's attack: node 104 adds to its masked input a 32-bit weight segment chosen so that the
+    round's weight total is ``units`` (masks are additive, so it shifts its masked value by the difference).
+    Where the server sums a weight segment, the forged total divides the mean."""
+    from flwr.app import Array
+
+    from fedquant.wire.bitpack import pack_bits, unpack_bits
+
+    def forge(stage, request, reply):
+        if stage != "collect" or request.metadata.dst_node_id != 104 or reply.has_error():
+            return reply
+        record = reply.content.array_records[MASKED_RECORD]
+        honest_others = (NUM_NODES - 1) * WEIGHT_SCALE
+        if "weight" in record:  # shift the masked weight from its own units to the forged ones
+            masked = int(unpack_bits(np.frombuffer(record["weight"].data, np.uint8), 32, 1)[0])
+            value = (masked - WEIGHT_SCALE + units - honest_others) % (1 << 32)
+        else:  # no weight segment to shift: send one anyway
+            value = (units - honest_others) % (1 << 32)
+        data = pack_bits(np.array([value], np.uint32), 32).tobytes()
+        record["weight"] = Array(dtype="uint8", shape=(len(data),), stype=record[UPDATE_SEGMENT].stype, data=data)
+        return reply
+
+    return forge
+
+
+@pytest.mark.parametrize("units", [1, WEIGHT_SCALE], ids=["one-unit", "one-client"])
+def test_a_forged_weight_total_cannot_move_the_model(units, encodings):
+    """The denominator is the number of inputs, which the server counts: a client that forges a weight
+    is dropped (its reply holds a segment nobody asked for) and the model is the others' exact mean."""
+    grid = SecureGrid(tamper=_forge_weight_total(units))
     strategy = _strategy()
-    _evil_encoder(monkeypatch, strategy, 104, units=(1 << 31))
-    result = strategy.start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
-    assert result.train_metrics_clientapp[1]["secagg-failed"] == 1
-    assert "weight total" in strategy.secure_failures[1]
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0 and metrics["secagg-survivors"] == NUM_NODES - 1
+    assert metrics["secagg-weight-total"] == NUM_NODES - 1
+    survivors = [n for n in _survivors(grid) if n != 104]
+    expected = _expected_model(grid, encodings, initial_arrays(), survivors)
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
+    assert metrics["secagg-aggregate-norm"] <= CONFIG.clip
 
 
 def _wire(message: Message) -> int:
@@ -258,7 +293,7 @@ def test_the_server_receives_only_masked_inputs_at_collect():
     assert len(collect) == NUM_NODES
     for reply in collect:
         assert set(reply.content.keys()) == {RECORD, MASKED_RECORD}  # no metrics, no arrays, no client info
-        assert set(reply.content.array_records[MASKED_RECORD].keys()) == {UPDATE_SEGMENT, "weight"}
+        assert set(reply.content.array_records[MASKED_RECORD].keys()) == {UPDATE_SEGMENT}  # no weight segment
     assert all(not r.content.metric_records for _, r in grid.received if not r.has_error())
 
 
@@ -372,14 +407,18 @@ def test_secure_aggregation_refuses_downlink_compression_and_budgets():
         QuantizedStrategy(FedAvg(), "fp32", secure_aggregation={"bits": 2})
 
 
-def test_the_threshold_weight_total_bound_is_survivors_times_the_scale():
-    # honest weights are at most WEIGHT_SCALE each: the bound the stage checks cannot reject them
-    cfg = SecAggConfig(clip=10.0, max_examples=50)
-    result = _strategy(cfg).start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+def test_weighted_clients_are_divided_by_the_number_of_inputs(encodings):
+    """max_examples scales each update by min(examples, max) / max on the client; the server divides
+    by the inputs it counted (the fixed-denominator estimator), never by a weight a client reports."""
+    cfg = SecAggConfig(clip=10.0, max_examples=200)  # 96 examples each: weight 0.48
+    grid = SecureGrid()
+    result = _strategy(cfg).start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
     metrics = result.train_metrics_clientapp[1]
-    assert metrics["secagg-failed"] == 0
-    assert metrics["secagg-weight-total"] == pytest.approx(NUM_NODES * 1.0)  # 96 examples each, capped at 50
-    assert metrics["secagg-weight-total"] * WEIGHT_SCALE <= NUM_NODES * WEIGHT_SCALE
+    assert metrics["secagg-failed"] == 0 and metrics["secagg-weight-total"] == NUM_NODES
+    assert {e.weight_units for e in encodings.values()} == {round(96 / 200 * WEIGHT_SCALE)}
+    expected = _expected_model(grid, encodings, initial_arrays(), _survivors(grid))
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
 
 
 def test_distributed_dp_adds_the_noise_it_accounts_for(monkeypatch):
@@ -425,3 +464,146 @@ def test_dp_epsilon_grows_with_every_round_and_is_reported_with_delta():
     assert 0 < eps[0] < eps[1] < eps[2] < float("inf")
     assert all(m["dp-delta"] == config.delta and 0 < m["dp-round-epsilon"] <= m["dp-epsilon"] for m in metrics)
     assert all(m["secagg-failed"] == 0 for m in metrics)
+
+
+# ------------------------------------------------------------------ groups: clip cheats and denial of service
+def _cheat(monkeypatch, strategy, node, make):
+    """Node ``node`` encodes ``make(update)`` on a grid without the clip (it skips clipping)."""
+    real = client_secure.encode_update
+    cheat_seed = strategy.client_seed(1, node)
+
+    def encode(update, grid, dither_seed, **kw):
+        if dither_seed != cheat_seed:
+            return real(update, grid, dither_seed, **kw)
+        return real(make(update), dataclasses.replace(grid, clip=1e30), dither_seed, **kw)
+
+    monkeypatch.setattr(client_secure, "encode_update", encode)
+
+
+def _group_of(grid: SecureGrid, node: int) -> list[int]:
+    advertise = [m for m in grid.sent if m.metadata.dst_node_id == node
+                 and m.content.config_records.get(RECORD, {}).get("stage") == "advertise"]  # fmt: skip
+    return list(advertise[0].content.config_records[RECORD]["holders"])
+
+
+def _random_direction(update, norm):
+    direction = np.random.default_rng(3).standard_normal(update.numel())
+    return update.new_tensor(direction / np.linalg.norm(direction) * norm).reshape(update.shape)
+
+
+def test_a_client_skipping_the_clip_loses_only_its_group_and_is_named(monkeypatch, encodings, caplog):
+    """The issue's attack: one client adds a vector that moves the mean by the clip (norm n * C) in a
+    random direction. With two groups its group's sum is out of reach of clipped clients: left out and
+    its members logged; the model is the other group's exact mean (the cheat moves it by nothing)."""
+    config = dataclasses.replace(CONFIG, groups=2)
+    strategy = _strategy(config)
+    _cheat(monkeypatch, strategy, 104, lambda u: _random_direction(u, NUM_NODES * config.clip))
+    grid = SecureGrid()
+    with caplog.at_level("WARNING"):
+        result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    group = _group_of(grid, 104)
+    assert len(group) == 3 and metrics["secagg-groups"] == 2
+    assert metrics["secagg-failed"] == 0 and metrics["secagg-refused-groups"] == 1
+    assert metrics["secagg-survivors"] == 3 and metrics["secagg-refused-inputs"] == 3
+    assert f"nodes {group}" in caplog.text and "ignored the clip" in caplog.text
+    others = [n for n in _survivors(grid) if n not in group]
+    expected = _expected_model(grid, encodings, initial_arrays(), others)
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_extreme_masked_values_from_one_client_deny_at_most_its_group(groups, caplog):
+    """One client sends uniform random values (the worst a masked vector can hold): one group refuses
+    the round and keeps the model; with two groups the other group's mean goes through."""
+
+    def forge(stage, request, reply):
+        if stage == "collect" and request.metadata.dst_node_id == 102 and not reply.has_error():
+            from flwr.app import Array
+
+            record = reply.content.array_records[MASKED_RECORD]
+            data = np.random.default_rng(1).bytes(len(record[UPDATE_SEGMENT].data))
+            sgrid = SumGrid.from_config(request.content.config_records[GRID_RECORD], GRID_PREFIX)
+            from fedquant.wire.bitpack import pack_bits, unpack_bits
+
+            values = unpack_bits(np.frombuffer(data, np.uint8), sgrid.bits, sgrid.padded_numel)
+            packed = pack_bits(values, sgrid.bits).tobytes()  # canonical, so only the values are extreme
+            record[UPDATE_SEGMENT] = Array(dtype="uint8", shape=(len(packed),), stype=record[UPDATE_SEGMENT].stype,
+                                           data=packed)  # fmt: skip
+        return reply
+
+    strategy = _strategy(dataclasses.replace(CONFIG, groups=groups))
+    result = strategy.start(grid=SecureGrid(tamper=forge), initial_arrays=initial_arrays(), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-refused-groups"] == 1
+    if groups == 1:
+        assert metrics["secagg-failed"] == 1 and len(result.arrays) == 0  # refused, model kept
+    else:
+        assert metrics["secagg-failed"] == 0 and metrics["secagg-survivors"] == 3
+        assert metrics["secagg-aggregate-norm"] <= CONFIG.clip
+
+
+def test_groups_size_the_modulus_for_the_group_and_keep_exact_sums(encodings):
+    grid = SecureGrid()
+    one = _strategy().start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+    two = _strategy(dataclasses.replace(CONFIG, groups=2)).start(grid=grid, initial_arrays=initial_arrays(),
+                                                                 num_rounds=1)  # fmt: skip
+    m1, m2 = one.train_metrics_clientapp[1], two.train_metrics_clientapp[1]
+    assert m2["secagg-failed"] == 0 and m2["secagg-groups"] == 2 and m2["secagg-survivors"] == NUM_NODES
+    assert m2["secagg-bits"] == m1["secagg-bits"] - 1  # sums of 3 need ceil(log2 3) = 2 bits, of 6 need 3
+    groups = {tuple(_group_of(grid, n)) for n in range(101, 101 + NUM_NODES)}
+    assert sorted(len(g) for g in groups) == [3, 3] and sorted(n for g in groups for n in g) == list(range(101, 107))
+
+
+def test_a_shared_subset_of_coordinates_gives_the_exact_rescaled_mean_at_fewer_bits(encodings):
+    grid = SecureGrid()
+    full = _strategy().start(grid=SecureGrid(), initial_arrays=initial_arrays(), num_rounds=1)
+    result = _strategy(dataclasses.replace(CONFIG, keep=0.25)).start(grid=grid, initial_arrays=initial_arrays(),
+                                                                     num_rounds=1)  # fmt: skip
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["secagg-failed"] == 0
+    expected = _expected_model(grid, encodings, initial_arrays(), _survivors(grid))
+    for name, array in result.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), expected[name])
+    full_collect = full.train_metrics_clientapp[1]["secagg-uplink-bytes-collect"]
+    assert metrics["secagg-uplink-bytes-collect"] < 0.4 * full_collect
+
+
+# ------------------------------------------------------------------ signed rounds through the mod
+def _give_identities(grid: SecureGrid, tmp_path, skip=()) -> None:
+    from fedquant.clients.secure import DIRECTORY_FILE, IDENTITY_FILE
+    from fedquant.secagg.crypto import identity_public
+
+    keys = {node: bytes([node % 256]) * 32 for node in grid.contexts}
+    directory = tmp_path / "directory.txt"
+    directory.write_text("".join(f"{n} {identity_public(k).hex()}\n" for n, k in keys.items()))
+    for node, context in grid.contexts.items():
+        if node in skip:
+            continue
+        (tmp_path / f"{node}.key").write_text(keys[node].hex())
+        context.node_config[IDENTITY_FILE] = str(tmp_path / f"{node}.key")
+        context.node_config[DIRECTORY_FILE] = str(directory)
+
+
+def test_signed_rounds_through_the_mod_give_the_exact_mean(tmp_path, encodings):
+    grid = SecureGrid(drop_after={105: "collect"})  # its input arrives, then it misses consistency
+    _give_identities(grid, tmp_path)
+    result = _strategy(dataclasses.replace(CONFIG, signed=True)).start(grid=grid, initial_arrays=initial_arrays(),
+                                                                       num_rounds=2)  # fmt: skip
+    for r in (1, 2):
+        metrics = result.train_metrics_clientapp[r]
+        assert metrics["secagg-failed"] == 0 and metrics["secagg-survivors"] == NUM_NODES
+        consistency = [m for s, m in grid.received if s == "consistency" and not m.has_error()]
+        assert len(consistency) == 2 * (NUM_NODES - 1) and metrics["secagg-uplink-bytes-consistency"] > 0
+    assert {s for s, _ in grid.received} == {"advertise", "share-keys", "collect", "consistency", "unmask"}
+
+
+def test_a_node_without_an_identity_refuses_a_signed_round(tmp_path):
+    grid = SecureGrid()
+    _give_identities(grid, tmp_path, skip={103})
+    strategy = _strategy(dataclasses.replace(CONFIG, signed=True))
+    result = strategy.start(grid=grid, initial_arrays=initial_arrays(), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["secagg-survivors"] == NUM_NODES - 1
+    errors = [r.error.reason for s, r in grid.received if s == "advertise" and r.has_error()]
+    assert len(errors) == 1 and "no identity key" in errors[0]

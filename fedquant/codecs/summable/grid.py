@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedquant.codecs.transforms.rht import block_layout
+from fedquant.rng import derive_seed, uniform
 
 ROUNDINGS = ("dither", "stochastic")
 MAX_BITS = 32
@@ -62,6 +63,10 @@ class SumGrid:
     wrap_bound : float
         Union bound on the probability that any coordinate of the sum wraps around, for honest
         clients whose mean moves by at most the rule's ``growth``.
+    keep : float
+        Fraction of the rotated coordinates every client sends this round: the same random subset
+        for all (from ``rotation_seed``), rescaled by ``1 / keep`` on decoding, so the mean stays
+        unbiased (a subsampled randomized Hadamard projection). 1: every coordinate.
     """
 
     bits: int
@@ -73,6 +78,7 @@ class SumGrid:
     noise_variance: float = 0.0
     num_clients: int = 1
     wrap_bound: float = 0.0
+    keep: float = 1.0
     _blocks: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +100,8 @@ class SumGrid:
             raise ValueError(f"noise_variance must be finite and >= 0, got {self.noise_variance!r}")
         if isinstance(self.rotation_seed, bool) or not isinstance(self.rotation_seed, int):
             raise ValueError("rotation_seed must be an int")
+        if not (isinstance(self.keep, float) and 0.0 < self.keep <= 1.0):
+            raise ValueError(f"keep must be a float in (0, 1], got {self.keep!r}")
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -104,6 +112,18 @@ class SumGrid:
     def padded_numel(self) -> int:
         """Elements of the rotated vector: what goes on the wire."""
         return sum(1 << k for k in self._blocks)
+
+    @property
+    def sent_numel(self) -> int:
+        """Rotated coordinates each client sends (``keep`` of ``padded_numel``, at least 1)."""
+        return kept_count(self.padded_numel, self.keep)
+
+    def kept_indices(self) -> np.ndarray:
+        """The sorted rotated coordinates every client sends this round (all when ``keep`` is 1)."""
+        if self.sent_numel == self.padded_numel:
+            return np.arange(self.padded_numel)
+        ranks = uniform(derive_seed(self.rotation_seed, "secagg-subset"), self.padded_numel).numpy()
+        return np.sort(np.argsort(ranks, kind="stable")[: self.sent_numel])
 
     @property
     def modulus(self) -> int:
@@ -125,7 +145,7 @@ class SumGrid:
         Rounding moves each coordinate by less than one unit (dither: ``|q - y| <= 1``), so the
         second term bounds it deterministically; the noise is not part of a client's input.
         """
-        return self.clip / min(self.steps) + math.sqrt(self.padded_numel)
+        return self.clip / min(self.steps) + math.sqrt(self.sent_numel)
 
     def to_config(self, prefix: str) -> dict[str, object]:
         """ConfigRecord entries (all under ``prefix``)."""
@@ -138,6 +158,7 @@ class SumGrid:
             f"{prefix}rounding": self.rounding,
             f"{prefix}noise-variance": float(self.noise_variance),
             f"{prefix}num-clients": self.num_clients,
+            f"{prefix}keep": float(self.keep),
         }
 
     @classmethod
@@ -165,7 +186,13 @@ class SumGrid:
             rounding=get("rounding", str),
             noise_variance=float(get("noise-variance", (int, float))),
             num_clients=get("num-clients", int),
+            keep=float(get("keep", float)),
         )
+
+
+def kept_count(padded_numel: int, keep: float) -> int:
+    """How many of ``padded_numel`` rotated coordinates a fraction ``keep`` sends (at least 1)."""
+    return max(1, min(padded_numel, math.ceil(keep * padded_numel)))
 
 
 def block_norms(flat: np.ndarray, numel: int) -> np.ndarray:
@@ -204,6 +231,8 @@ class ScaleRule:
     noise_multiplier : float
         Distributed DP: the sum carries discrete Gaussian noise of standard deviation
         ``noise_multiplier * l2_sensitivity`` (0: no noise).
+    keep : float
+        Fraction of the rotated coordinates sent (see :class:`SumGrid`).
     """
 
     quantizer_bits: int = 4
@@ -213,8 +242,11 @@ class ScaleRule:
     wrap_probability: float = 1e-6
     rounding: str = "dither"
     noise_multiplier: float = 0.0
+    keep: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.keep, float) and 0.0 < self.keep <= 1.0):
+            raise ValueError(f"keep must be a float in (0, 1], got {self.keep!r}")
         if isinstance(self.quantizer_bits, bool) or not isinstance(self.quantizer_bits, int):
             raise ValueError("quantizer_bits must be an int")
         if not 0 <= self.quantizer_bits <= 24:
@@ -259,17 +291,17 @@ class ScaleRule:
         sizes = np.array([1 << k for k in block_layout(numel)], dtype=np.float64)
         norms = self.predicted_block_norms(numel, previous_mean)
         steps = tuple(float(s) for s in 2.0 * norms / np.sqrt(sizes) / 2.0**q)
-        padded = int(sizes.sum())
+        sent = kept_count(int(sizes.sum()), self.keep)
         noise_variance = 0.0
         if self.noise_multiplier > 0:
-            sensitivity = self.clip / min(steps) + math.sqrt(padded)
+            sensitivity = self.clip / min(steps) + math.sqrt(sent)
             noise_variance = (self.noise_multiplier * sensitivity) ** 2 / num_clients
         base = q + math.ceil(math.log2(num_clients)) if num_clients > 1 else q
         for headroom in range(self.headroom_bits, MAX_BITS + 1):
             bits = max(2, base + headroom)
             if bits > MAX_BITS:
                 break
-            bound = wrap_bound(bits, num_clients, q, noise_variance, padded)
+            bound = wrap_bound(bits, num_clients, q, noise_variance, sent)
             if bound <= self.wrap_probability:
                 return SumGrid(
                     bits=bits,
@@ -281,6 +313,7 @@ class ScaleRule:
                     noise_variance=noise_variance,
                     num_clients=num_clients,
                     wrap_bound=bound,
+                    keep=self.keep,
                 )
         raise ValueError(
             f"no modulus up to {MAX_BITS} bits keeps the wrap bound below {self.wrap_probability} "

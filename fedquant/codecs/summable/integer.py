@@ -33,7 +33,8 @@ from fedquant.codecs.summable.noise import discrete_gaussian
 from fedquant.codecs.transforms.rht import RandomizedHadamard
 from fedquant.rng import uniform
 
-#: Client weights travel as integers ``round(w * WEIGHT_SCALE)`` in a segment of WEIGHT_BITS.
+#: A client weight as an integer ``round(w * WEIGHT_SCALE)`` (the update is scaled by it; no weight
+#: travels: the secure round divides by the number of inputs). WEIGHT_BITS: its width in protocol tests.
 WEIGHT_SCALE = 1 << 16
 WEIGHT_BITS = 32
 
@@ -47,7 +48,7 @@ class EncodedUpdate:
     Attributes
     ----------
     values : np.ndarray
-        uint32, ``grid.padded_numel`` values in ``0 .. 2**bits - 1``.
+        uint32, ``grid.sent_numel`` values in ``0 .. 2**bits - 1``.
     integers : np.ndarray
         int64, the same values before the modular reduction (for tests and wrap measurements;
         never sent).
@@ -125,6 +126,8 @@ def encode_update(
     clipped = norm > grid.clip
     scale = (units / WEIGHT_SCALE) * (grid.clip / norm if clipped else 1.0)
     y = rotate_scaled(flat, grid, scale)
+    if grid.sent_numel < y.size:
+        y = y[grid.kept_indices()]  # the round's shared subset of rotated coordinates
     if grid.rounding == "dither":
         integers = np.floor(y + dither(dither_seed, y.size) + 0.5).astype(np.int64)
     else:
@@ -171,15 +174,21 @@ def decode_sum(
         float32, ``grid.numel`` elements: ``sum_i w_i clip(x_i) / sum_i w_i`` plus the rounding
         error and noise.
     """
-    if np.asarray(total).size != grid.padded_numel:
-        raise ValueError(f"sum has {np.asarray(total).size} values, the grid {grid.padded_numel}")
+    if np.asarray(total).size != grid.sent_numel:
+        raise ValueError(f"sum has {np.asarray(total).size} values, the grid sends {grid.sent_numel}")
     if weight_total_units <= 0:
         raise ValueError("the surviving clients' weights sum to zero")
     s = to_signed(total, grid.bits).astype(np.float64)
     if grid.rounding == "dither":
         for seed in dither_seeds:
             s -= dither(seed, s.size)
-    rotated = s * grid.step_per_element() * (WEIGHT_SCALE / weight_total_units)
+    if grid.sent_numel == grid.padded_numel:
+        rotated = s * grid.step_per_element() * (WEIGHT_SCALE / weight_total_units)
+    else:  # scatter the subset back and rescale: each coordinate was sent with probability keep
+        kept = grid.kept_indices()
+        rotated = np.zeros(grid.padded_numel)
+        scale = (WEIGHT_SCALE / weight_total_units) * (grid.padded_numel / grid.sent_numel)
+        rotated[kept] = s * grid.step_per_element()[kept] * scale
     return _ROTATION.inverse(torch.from_numpy(rotated.astype(np.float32)), grid.numel, grid.rotation_seed)
 
 
@@ -191,8 +200,8 @@ def expected_mean_error(grid: SumGrid, num_clients: int, weight_total: float) ->
     inverse rotation is orthonormal by block and keeps the block's real elements, so the error
     energy is ``sum_k d_k step_k^2 (1/12 + noise_variance) * n / W^2`` (``d_k`` real elements).
     """
-    if grid.rounding != "dither":
-        raise ValueError("the closed form holds for dithered rounding")
+    if grid.rounding != "dither" or grid.sent_numel != grid.padded_numel:
+        raise ValueError("the closed form holds for dithered rounding of every coordinate")
     steps = np.asarray(grid.steps, dtype=np.float64)
     per_unit = (1.0 / 12.0 + grid.noise_variance) * num_clients / weight_total**2
     return float(np.sum(grid.real_elements_per_block() * steps**2) * per_unit)
@@ -205,5 +214,6 @@ def modulus_bound(grid: SumGrid, weight_total: float) -> float:
     ignores the clip moves the mean by at most this much in total (minus the dithers' sum).
     """
     half = float(1 << (grid.bits - 1)) + 0.5 * grid.num_clients
-    per_block = np.array([1 << k for k in grid.blocks], dtype=np.float64) * (half * np.asarray(grid.steps)) ** 2
-    return math.sqrt(float(per_block.sum())) / weight_total
+    rescale = grid.padded_numel / grid.sent_numel
+    steps = grid.step_per_element()[grid.kept_indices()]
+    return math.sqrt(float(np.sum((half * steps * rescale) ** 2))) / weight_total

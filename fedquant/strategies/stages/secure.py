@@ -1,14 +1,18 @@
 """Secure stage: a whole SecAgg+ round in place of screening, decoding, admission and aggregation.
 
 Advertise and share-keys run in ``configure_train`` over the grid Flower hands it; the collect
-requests become the round's train messages (Flower sends them with its timeout); unmask runs in
-``aggregate_train`` over the same grid. The checked mean (:func:`.secure_round.checked_mean`)
-reaches the inner strategy as one synthetic reply ``received + mean`` weighing the weight
-total: FedAvg's mean of one reply is that reply. A failed round keeps the model.
+requests become the round's train messages (Flower sends them with its timeout); consistency
+(signed rounds) and unmask run in ``aggregate_train`` over the same grid. The clients are split
+into ``SecAggConfig.groups`` SecAgg+ groups run in lockstep; the mean of the groups that pass
+:func:`.secure_round.checked_mean` reaches the inner strategy as one synthetic reply
+``received + mean`` weighing the number of inputs: FedAvg's mean of one reply is that reply. A
+failed round keeps the model.
 """
 
 from __future__ import annotations
 
+import os
+import random
 from collections.abc import Callable
 from logging import ERROR
 
@@ -17,12 +21,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
-from fedquant.codecs.summable import WEIGHT_BITS
 from fedquant.metrics.bandwidth import content_bytes
 from fedquant.rng import derive_seed
 from fedquant.secagg.accounting import PrivacyLedger
 from fedquant.secagg.config import SecAggConfig
 from fedquant.secagg.driver import sort_replies, stage_messages
+from fedquant.secagg.groups import GroupedServer, split_groups
 from fedquant.secagg.server import SecAggServer, Segment
 from fedquant.secagg.wiring import (
     GRID_PREFIX,
@@ -67,14 +71,16 @@ class SecureAggregation(RoundStage):
             return self._fail(state, "the model has no float tensor to aggregate")
         nodes = sorted(templates)
         try:
-            sec.grid = self.config.scale_rule().grid(
-                numel, len(nodes), derive_seed(self.seed, state.server_round, "secagg-rotation"), self.previous_mean
+            rng = random.Random(os.urandom(16))  # groups and rings: the server's choice, not predictable
+            parts = split_groups(nodes, self.config.groups, rng)
+            sec.groups = len(parts)
+            sec.grid = self.config.scale_rule().grid(  # sized for the largest group's sum
+                numel, max(map(len, parts)), derive_seed(self.seed, state.server_round, "secagg-rotation"),
+                self.previous_mean,
             )
-            segments = [
-                Segment(UPDATE_SEGMENT, sec.grid.padded_numel, sec.grid.bits),
-                Segment("weight", 1, WEIGHT_BITS),
-            ]
-            sec.server = SecAggServer(self.config, nodes, segments, state.server_round)
+            segments = [Segment(UPDATE_SEGMENT, sec.grid.sent_numel, sec.grid.bits)]
+            sec.server = GroupedServer([SecAggServer(self.config, p, segments, state.server_round, rng=rng)
+                                        for p in parts])  # fmt: skip
         except ValueError as err:
             return self._fail(state, f"cannot set up the secure round for {len(nodes)} nodes: {err}")
         while sec.server.stage in ("advertise", "share-keys"):
@@ -112,17 +118,16 @@ class SecureAggregation(RoundStage):
         while not server.done:
             round_trip(state, sec, self.stage_timeout)
         state.reply_bytes = dict(sec.up_of)
-        result = server.result
-        if result is None:
+        if not server.completed():
             return self._fail(state, server.failure or "the protocol failed")
-        mean, problem = checked_mean(sec, result)
+        mean, problem = checked_mean(sec, server)
         if problem is not None:
             return self._fail(state, problem)
         grid = sec.grid
         received = {name: array.numpy() for name, array in state.model.items()}
         arrays = ArrayRecord({name: Array(a) for name, a in add_flat(received, mean, sec.layout).items()})
         content = RecordDict({sec.record_name: arrays, "metrics": MetricRecord({self.weight_key: sec.weight_total})})
-        reply = Message(content, reply_to=sec.sent[result.survivors[0]])
+        reply = Message(content, reply_to=sec.sent[server.completed()[0].survivors[0]])
         aggregated, metrics, state.failed = guarded_train(self.strategy, state.server_round, [reply])
         if aggregated is None:
             return self._fail(state, "the inner strategy did not aggregate the secure sum")
@@ -130,7 +135,7 @@ class SecureAggregation(RoundStage):
         state.inner_metrics = metrics
         self.previous_mean = mean
         if self.ledger is not None:
-            rho = self.ledger.record(grid, len(result.survivors))
+            rho = self.ledger.record(grid, min(sec.group_sizes))  # each client hides in its own group
             sec.dp_round_epsilon = self.ledger.round_epsilon(rho)
 
     def _fail(self, state: TrainRound, reason: str) -> None:
