@@ -71,7 +71,7 @@ update = [0.01 * torch.randn(p.shape, generator=gen) for p in model.state_dict()
 spec = sys.argv[1]
 cnn = first(spec, update)
 big = first(spec, [torch.randn(1 << 20, generator=gen)])
-from fedquant.codecs.kernels import cache
+from fedquant.jit import cache
 warmup = cache._spawned.pid if cache._spawned is not None else None
 print(json.dumps({"import": t_import, "cnn": cnn, "big": big, "cpu": cpu, "warmup": warmup}))
 """

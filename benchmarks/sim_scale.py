@@ -102,6 +102,7 @@ def numba_cache_in_fresh_worker(codec: str, numel: int) -> dict[str, int]:
     def probe(spec: str, n: int) -> dict[str, int]:
         import torch
 
+        from fedquant import jit
         from fedquant.codecs import get_codec
         from fedquant.codecs.kernels import common, dither, eden, grid, hadamard, levels
 
@@ -110,7 +111,7 @@ def numba_cache_in_fresh_worker(codec: str, numel: int) -> dict[str, int]:
         codec_obj.decode(codec_obj.encode(x, seed=1), seed=1)
         counts = {"loaded": 0, "compiled": 0}
         for module in (common, grid, levels, dither, hadamard, eden):
-            for fn in common.module_dispatchers(module):
+            for fn in jit.module_dispatchers(module):
                 counts["loaded"] += sum(fn.stats.cache_hits.values())
                 counts["compiled"] += sum(fn.stats.cache_misses.values())
         return counts

@@ -1,6 +1,12 @@
 """fedquant: quantized uplink compression for the Flower federated learning framework."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from fedquant.errors import PayloadError
 
-__all__ = ["PayloadError"]
-__version__ = "0.1.0"
+try:
+    __version__ = version("fedquant")  # pyproject.toml's, as installed; moves with each release
+except PackageNotFoundError:  # sources on PYTHONPATH without an installation
+    __version__ = "0+unknown"
+
+__all__ = ["PayloadError", "__version__"]

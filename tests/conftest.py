@@ -4,7 +4,7 @@ import logging
 import os
 
 # The tests exercise the compiled kernels themselves, never their twins (which a cold numba cache
-# would otherwise pick: see fedquant.codecs.kernels.cache); subprocesses and Ray workers inherit it.
+# would otherwise pick: see fedquant.jit.cache); subprocesses and Ray workers inherit it.
 os.environ["FEDQUANT_KERNELS"] = "numba"
 
 import pytest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedquant.codecs.kernels.cache import kernels_ready
+from fedquant.jit.cache import kernels_ready
 
 
 class KernelDispatch:
@@ -13,7 +13,7 @@ class KernelDispatch:
     CPU tensors run the numba kernels, tensors on other devices (CUDA) the torch twin; both give
     the same bytes. ``force_torch = True`` on an instance runs the torch twin on CPU tensors too,
     which is what the tests of path equality do. CPU tensors also take the twin while numba's
-    on-disk cache of the kernels is cold (:mod:`fedquant.codecs.kernels.cache`): compiling them
+    on-disk cache of the kernels is cold (:mod:`fedquant.jit.cache`): compiling them
     takes seconds per kernel, the twin gives the same bytes at once.
     """
 

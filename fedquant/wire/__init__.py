@@ -1,5 +1,6 @@
 """The wire layer: payload envelope, body sections, bit packing and entropy codes."""
 
+import fedquant.jit  # noqa: F401  (first: the kernel cache locator, before the coders' kernels)
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader, BodyWriter
 from fedquant.wire.elias import (

@@ -1,6 +1,6 @@
 """NumPy / Python twins of the Elias kernels of :mod:`fedquant.wire.elias` (same bytes, no compile).
 
-Run while numba's cache is cold (:mod:`fedquant.codecs.kernels.cache`). Encoders are vectorized:
+Run while numba's cache is cold (:mod:`fedquant.jit.cache`). Encoders are vectorized:
 each value becomes up to three pieces of at most 64 bits (a codeword from the short table, or
 ``prefix(L - 1)``, ``bin(v)``, ``0``), whose bits :func:`_write_bits` lays out MSB first. Decoders
 are line-by-line ports of the kernels on Python integers (a prefix code decodes one codeword
@@ -10,20 +10,17 @@ status codes, indices and bit positions.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+
+from fedquant.wire import elias_tables
 
 _OK, _TRUNCATED, _OVERLONG, _TOO_BIG, _GAP_PAST_END = 0, 1, 2, 3, 4
 _PEEK = 12
 _M64 = (1 << 64) - 1
 
 
-@functools.cache
 def _tables():
-    from fedquant.wire import elias
-
-    return elias
+    return elias_tables
 
 
 def _bit_lengths(v: np.ndarray) -> np.ndarray:

@@ -50,7 +50,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels.common import parallel_kernel, with_twin
+from fedquant.jit import parallel_kernel, with_twin
 from fedquant.wire import rans_twin
 
 STATE_LOW = 1 << 31

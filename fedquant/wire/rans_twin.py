@@ -1,6 +1,6 @@
 """Pure Python / NumPy twins of the rANS kernels of :mod:`fedquant.wire.rans` (same bytes, no compile).
 
-Run while numba's cache is cold (:mod:`fedquant.codecs.kernels.cache`). The coder itself is a
+Run while numba's cache is cold (:mod:`fedquant.jit.cache`). The coder itself is a
 chain of dependent steps per lane, which NumPy cannot vectorize over time and the lanes are too
 few (8 per block) to amortize a NumPy call per step, so :func:`encode_blocks` and
 :func:`decode_blocks` are line-by-line ports of the kernels on Python integers (about 1 us per

@@ -71,7 +71,7 @@ def test_no_payload_crashes_hangs_or_escapes_as_another_error():
 def test_the_twins_survive_the_same_payloads(monkeypatch):
     """The NumPy and torch twins decode while numba's cache is cold (a fresh server's first
     minutes): the same mutated payloads against them, fewer per family."""
-    from fedquant.codecs.kernels.cache import MODE_ENV
+    from fedquant.jit.cache import MODE_ENV
 
     monkeypatch.setenv(MODE_ENV, "twin")  # the workers inherit it
     specs = families()
@@ -132,7 +132,7 @@ def test_the_twin_rans_decoder_keeps_a_forged_streams_tables_within_the_memory_b
     # 2**15 slots; the NumPy twin (what a server runs while numba's cache is cold) once held it,
     # and the stream's words, as lists of Python ints: 1.45 MB traced against a bound of 89 KB
     # plus the 1 MB slack. Found by `python -m benchmarks.fuzz` (case 1556 of dqsg:coding=entropy).
-    from fedquant.codecs.kernels import cache
+    from fedquant.jit import cache
     from fedquant.testing.fuzzing import replay
 
     monkeypatch.setenv(cache.MODE_ENV, "twin")

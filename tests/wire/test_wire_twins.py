@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from fedquant.codecs.kernels import cache
 from fedquant.errors import PayloadError
+from fedquant.jit import cache
 from fedquant.wire.elias import (
     code_s_decode,
     code_s_dense_decode,

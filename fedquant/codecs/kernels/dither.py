@@ -26,7 +26,7 @@ tests compare the two):
 A zero step (all-zero bucket) divides by 1 instead. The kernels loop over chunks of
 ``common.CHUNK`` elements (a multiple of 8, so each chunk starts on a byte of the packed stream);
 each loop is written once and compiled parallel and serial by
-:func:`fedquant.codecs.kernels.common.parallel_kernel`.
+:func:`fedquant.jit.twins.parallel_kernel`.
 """
 
 from __future__ import annotations

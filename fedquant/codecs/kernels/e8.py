@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, pack_into, parallel_kernel, uniform24, unpack_from
+from fedquant.codecs.kernels.common import CHUNK, pack_into, uniform24, unpack_from
 from fedquant.codecs.kernels.ecdq import FINE, ContextSpace
+from fedquant.jit import parallel_kernel
 from fedquant.rng import uniform
 
 #: Normalized second moment of E8 (Conway & Sloane): mean squared error per coordinate of a

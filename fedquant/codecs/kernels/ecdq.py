@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, _sum_f64, pack_into, parallel_kernel, uniform24, unpack_from
+from fedquant.codecs.kernels.common import CHUNK, _sum_f64, pack_into, uniform24, unpack_from
+from fedquant.jit import parallel_kernel
 from fedquant.rng import uniform
 
 FINE_BITS = 6

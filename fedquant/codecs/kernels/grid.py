@@ -3,7 +3,7 @@
 All kernels work on a flat float32 array split into buckets of ``d`` elements (the last bucket
 may be short). They read the input once per pass and write packed bytes (or float32 output)
 directly, over chunks of ``CHUNK`` elements (in parallel from ``PARALLEL_MIN`` elements on, see
-:func:`~fedquant.codecs.kernels.common.parallel_kernel`); ``CHUNK`` is a multiple of 8, so every
+:func:`~fedquant.jit.twins.parallel_kernel`); ``CHUNK`` is a multiple of 8, so every
 chunk starts on a byte boundary of the packed stream at any bit width. Each kernel
 (``*_into``) writes outputs that its Python wrapper allocated with NumPy (see
 :mod:`fedquant.codecs.kernels.common` for why).

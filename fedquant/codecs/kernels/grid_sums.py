@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, parallel_kernel, unpack_from
+from fedquant.codecs.kernels.common import CHUNK, unpack_from
 from fedquant.codecs.kernels.norms import REASSOCIATE
+from fedquant.jit import parallel_kernel
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 

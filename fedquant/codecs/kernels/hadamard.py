@@ -45,7 +45,7 @@ Blocks larger than a tile (``rht:max_log2=16``) take two passes over memory:
    buffer and runs all of them there (butterflies of contiguous rows, which vectorize).
 
 Every pass runs in parallel (over chunks, tiles, strips) through
-:func:`fedquant.codecs.kernels.common.parallel_kernel`, serially below ``PARALLEL_MIN`` elements.
+:func:`fedquant.jit.twins.parallel_kernel`, serially below ``PARALLEL_MIN`` elements.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels.common import CHUNK, c_array_of, counter, mix64, parallel_kernel
+from fedquant.codecs.kernels.common import CHUNK, c_array_of, counter, mix64
+from fedquant.jit import parallel_kernel
 from fedquant.rng import rotation_negative
 
 #: A tile: 32 KiB of float32, the L1 data cache.

@@ -29,7 +29,7 @@ the fewer than 16 values at the end of each bucket's part of a chunk and two-lev
 the same index, the number of interior levels at or below the value (rows are non-decreasing).
 At 25M elements on one thread, 16 levels: ``round_pack`` 62 -> 31 ms (the ladder, 14 compare
 and select steps per value, did not fit the vector units' ports). Every kernel runs in parallel
-from ``PARALLEL_MIN`` elements on (:func:`~fedquant.codecs.kernels.common.parallel_kernel`).
+from ``PARALLEL_MIN`` elements on (:func:`~fedquant.jit.twins.parallel_kernel`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fedquant.codecs.kernels import target
 from fedquant.codecs.kernels.common import (
     CHUNK,
     add_counts,
@@ -52,6 +51,7 @@ from fedquant.codecs.kernels.common import (
     parallel_kernel,
     unpack_from,
 )
+from fedquant.jit import target
 from fedquant.wire.bitpack import packed_size
 
 #: Level selection runs over this many runs of buckets (each with its own scratch buffers).

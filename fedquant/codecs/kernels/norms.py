@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from fedquant.codecs.kernels.common import parallel_kernel
+from fedquant.jit import parallel_kernel
 
 #: Elements per block (one float64 partial sum each).
 BLOCK = 4096

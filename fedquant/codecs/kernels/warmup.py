@@ -2,10 +2,12 @@
 
 Encodes and decodes a small (serial kernels) and a large (parallel kernels) tensor with every
 registered codec, each of its codings, with ``rht+`` in front and with buckets that do not tile
-the kernels' chunks (an unfused path), so the argument types the codecs use are all compiled once; then marks
-the cache warm (see :mod:`fedquant.codecs.kernels.cache`). The codecs start it by themselves in
-the background on their first call with a cold cache; run it in the foreground after installing
-to have the compiled kernels from the first call on (a few minutes on 2 cores).
+the kernels' chunks (an unfused path), so the argument types the codecs use are all compiled
+once; then marks the cache warm (see :mod:`fedquant.jit.cache`). The cache is this machine's,
+used by every copy of the package with the same kernel sources (a ``flwr run`` copy of an app
+too). The codecs start it by themselves in the background on their first call with a cold
+cache; run it in the foreground after installing to have the compiled kernels from the first
+call on (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import sys
 import time
 
-from fedquant.codecs.kernels import cache
+from fedquant.jit import cache
 
 #: Settings that reach kernels the generated specs do not (fractional EDEN rates).
 EXTRA_SPECS = ("eden:bits=1.5", "eden:bits=0.5")
@@ -138,7 +140,6 @@ def warm(*, verbose: bool = True) -> list[tuple[str, str]]:
     from fedquant.codecs.kernels.common import PARALLEL_MIN
 
     os.environ[cache.MODE_ENV] = "numba"
-    cache.drop_stale_machine_code()
     cache.READY = True
     sizes = (3000, PARALLEL_MIN + 1001)
     failed = []
@@ -186,15 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--background", action="store_true", help="exit at once if another warm-up runs; niced")
     args = parser.parse_args(argv)
     folder = cache.cache_dir()
-    if folder is None:
-        print("numba offers no cache folder for fedquant's kernels; nothing to warm", file=sys.stderr)
-        return 1
     folder.mkdir(parents=True, exist_ok=True)
     lock = cache.try_lock(folder)
     if lock is None:
         if args.background:
             return 0
-        print(f"another warm-up is building {folder}; waiting for it", flush=True)
+        print(f"another warm-up is running on this machine; waiting for it ({cache.lock_path(folder)})", flush=True)
         lock = open(cache.lock_path(folder), "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
     marker = cache.marker_path(folder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 from fedquant.codecs import available_codecs, codec_class, get_codec
-from fedquant.codecs.kernels import cache, common
+from fedquant.codecs.kernels import common
 from fedquant.codecs.kernels.warmup import warm_specs
+from fedquant.jit import cache
 from tests.timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -50,7 +52,7 @@ print(json.dumps({"digests": digests, "compiled": compiled}))
 def _stop_warmup(folder: Path) -> list[int]:
     """SIGTERM every warm-up building a cache under ``folder``; their process ids."""
     stopped = []
-    for pid_file in folder.glob("*/fedquant-warmup.pid"):
+    for pid_file in folder.rglob("fedquant-warmup.pid"):
         pid = int(pid_file.read_text())
         if b"fedquant.codecs.kernels.warmup" in Path(f"/proc/{pid}/cmdline").read_bytes():
             os.kill(pid, signal.SIGTERM)
@@ -73,9 +75,9 @@ def test_a_cold_cache_compiles_nothing_on_the_first_call_and_gives_the_kernels_b
         result = json.loads(out.stdout.strip().splitlines()[-1])
         # ... and a warm-up process was started for that cache folder
         deadline = time.monotonic() + scaled(60)
-        while not list(tmp_path.glob("*/fedquant-warmup.pid")) and time.monotonic() < deadline:
+        while not list(tmp_path.rglob("fedquant-warmup.pid")) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert list(tmp_path.glob("*/fedquant-warmup.pid")), "no background warm-up started"
+        assert list(tmp_path.rglob("fedquant-warmup.pid")), "no background warm-up started"
     finally:
         stopped = _stop_warmup(tmp_path)
     # SIGTERM ends it, even while it compiles (a SystemExit raised in llvmlite's callbacks was ignored)
@@ -83,7 +85,7 @@ def test_a_cold_cache_compiles_nothing_on_the_first_call_and_gives_the_kernels_b
     while any(map(_running, stopped)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stopped and not any(map(_running, stopped)), "the warm-up outlived its SIGTERM"
-    assert not list(tmp_path.glob("*/fedquant-warmup.pid"))
+    assert not list(tmp_path.rglob("fedquant-warmup.pid"))
     assert result["compiled"] == []
     for spec in SPECS:  # here FEDQUANT_KERNELS=numba (conftest): the compiled kernels
         codec = get_codec(spec)
@@ -102,7 +104,6 @@ def cold(monkeypatch, tmp_path):
     monkeypatch.setattr(cache, "_last_check", 0.0)
     monkeypatch.setattr(cache, "_spawned", None)
     monkeypatch.setattr(cache, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(cache, "_machine_code_folders", lambda: {})
     return tmp_path
 
 
@@ -138,44 +139,94 @@ def test_the_modes(cold, monkeypatch):
         cache.kernels_ready()
 
 
-def test_the_marker_depends_on_the_kernel_sources(monkeypatch, tmp_path):
-    source = tmp_path / "kernel.py"
-    source.write_text("x = 1\n")
-    monkeypatch.setattr(cache, "KERNEL_SOURCES", (tmp_path,))
-    before = cache.warm_key()
-    source.write_text("x = 22\n")
-    assert cache.warm_key() != before
+COMPILE_SOME = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from numba.core import event
+import fedquant
+from fedquant.codecs.kernels import common
+from fedquant.wire import elias
+
+assert Path(fedquant.__file__).parent == Path(sys.argv[1]), fedquant.__file__
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev): compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev): pass
+
+with event.install_listener("numba:compile", Count()):
+    common.bucket_max_abs.serial(np.ones(100, np.float32), 16)
+    elias._omega_encode_kernel.kernel(np.arange(1, 100, dtype=np.uint64))
+used = (common.bucket_max_abs.serial, elias._omega_encode_kernel.kernel)
+hits = sum(sum(fn.stats.cache_hits.values()) for fn in used)
+print(json.dumps({"compiled": compiled, "hits": hits}))
+"""
 
 
-def test_machine_code_built_from_older_kernel_sources_is_removed_once_per_source_change(monkeypatch, tmp_path):
-    # numba checks a cached kernel against its own file only; grid.py's kernels inline common.py's.
-    sources, machine_code, other = tmp_path / "kernels", tmp_path / "cache", tmp_path / "cache" / "keep"
-    sources.mkdir()
-    other.mkdir(parents=True)
-    for module in ("grid", "common"):
-        (sources / f"{module}.py").write_text("x = 1\n")
-    cached = [
-        "grid.round_pack_into-95.py311.nbi",
-        "grid.round_pack_into-95.py311.1.nbc",
-        "common.pack_into-40.py311.nbi",
-    ]
-    foreign = ["elsewhere.kernel-3.py311.nbi"]  # another package's cache file in a shared folder
-    for name in cached + foreign:
-        (machine_code / name).write_bytes(b"machine code")
-    monkeypatch.setattr(cache, "_machine_code_folders", lambda: {machine_code: sources})
-    monkeypatch.setattr(cache, "KERNEL_SOURCES", (sources,))
+KERNELS = {"bucket_max_abs__serial", "_omega_encode_kernel"}  # one of codecs/kernels, one of wire
 
-    assert cache.drop_stale_machine_code() == len(cached)
-    assert sorted(p.name for p in machine_code.glob("*.nb*")) == foreign
-    (machine_code / cached[0]).write_bytes(b"compiled from these sources")
-    assert cache.drop_stale_machine_code() == 0  # same sources: what was compiled since stays
-    assert (machine_code / cached[0]).exists()
 
-    time.sleep(0.01)
-    (sources / "common.py").write_text("x = 22\n")  # an edit of common.py alone
-    assert cache.drop_stale_machine_code() == 1
-    assert not (machine_code / cached[0]).exists()
-    assert len(list(machine_code.glob("fedquant-sources-*"))) == 1
+def _copy_package(to: Path) -> Path:
+    """A copy of the ``fedquant`` sources under ``to`` (fresh file times, no caches); its package folder."""
+    package = to / "fedquant"
+    shutil.copytree(ROOT / "fedquant", package, copy_function=shutil.copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return package
+
+
+def _compile_some(package: Path, cache_root: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(package.parent), "FEDQUANT_CACHE_DIR": str(cache_root),
+           "FEDQUANT_KERNELS": "numba"}  # fmt: skip
+    env.pop("NUMBA_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", COMPILE_SOME, str(package)], cwd=package.parent, env=env,
+                         capture_output=True, text=True, timeout=scaled(300), check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # three fresh processes compile: 20-50 s on 2 busy cores
+def test_two_copies_of_the_package_share_one_kernel_cache_keyed_by_the_sources_contents(tmp_path):
+    shared = tmp_path / "user-cache"
+    first = _compile_some(_copy_package(tmp_path / "checkout"), shared)
+    assert KERNELS <= set(first["compiled"]) and first["hits"] == 0
+    # Another copy at another path (a `flwr run` copy of an app): it loads the first one's machine code.
+    second = _compile_some(_copy_package(tmp_path / "apps" / "app.1234"), shared)
+    assert second == {"compiled": [], "hits": 2}
+    assert len(list((shared / "kernels").iterdir())) == 1  # one folder: this machine, these sources
+    # An edit of one kernel source (here a comment) makes every cached kernel stale: the other module's too.
+    edited = _copy_package(tmp_path / "edited")
+    with open(edited / "codecs" / "kernels" / "common.py", "a") as source:
+        source.write("# edited\n")
+    third = _compile_some(edited, shared)
+    assert KERNELS <= set(third["compiled"])
+    assert len([p for p in (shared / "kernels").iterdir() if p.is_dir()]) == 2
+
+
+def test_the_cache_folder_is_the_users_unless_the_environment_names_one(monkeypatch, tmp_path):
+    from fedquant.jit import locator
+
+    monkeypatch.delenv(locator.CACHE_ENV, raising=False)
+    monkeypatch.setattr("numba.core.config.CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert locator.cache_root() == tmp_path / "xdg" / "fedquant" / "kernels"
+    monkeypatch.setattr("numba.core.config.CACHE_DIR", str(tmp_path / "numba"))
+    assert locator.cache_root() == tmp_path / "numba" / "fedquant" / "kernels"
+    monkeypatch.setenv(locator.CACHE_ENV, str(tmp_path / "mine"))
+    assert locator.cache_root() == tmp_path / "mine" / "kernels"
+    assert locator.cache_folder() == tmp_path / "mine" / "kernels" / locator.cache_key()
+
+
+def test_one_warm_up_at_a_time_per_machine(tmp_path):
+    root = tmp_path / "kernels"
+    one, other = root / "key-one", root / "key-two"  # two versions of the kernels
+    for folder in (one, other):
+        folder.mkdir(parents=True)
+    held = cache.try_lock(one)
+    try:
+        assert held is not None and cache.try_lock(other) is None
+    finally:
+        held.close()
+    again = cache.try_lock(other)
+    assert again is not None
+    again.close()
 
 
 @pytest.mark.parametrize(("n", "offset"), [(1, 0), (1000, 7), (common.PARALLEL_MIN + 3, 12345)])

@@ -5,8 +5,8 @@ import pytest
 from numba import njit
 
 from fedquant.codecs.kernels import levels as kernels
-from fedquant.codecs.kernels import target
 from fedquant.codecs.kernels.common import hash24_run
+from fedquant.jit import target
 
 VECTOR = kernels.VECTOR_LEVELS
 

@@ -9,7 +9,6 @@ import pytest
 from numba.typed import List
 
 from fedquant.codecs.kernels import norms as kernels_norms
-from fedquant.codecs.kernels.common import PARALLEL_MIN, TWIN_MAX
 from fedquant.codecs.kernels.norms import (
     add_scaled,
     add_scaled_float32,
@@ -21,6 +20,7 @@ from fedquant.codecs.kernels.norms import (
     dot_terms_many,
     sum_squares,
 )
+from fedquant.jit import PARALLEL_MIN, TWIN_MAX
 
 F32_MAX = float(np.finfo(np.float32).max)
 

@@ -382,13 +382,14 @@ def test_kernel_decode_refuses_symbols_beyond_the_centroids(bits):
 _CACHE_PROBE = """
 import torch
 from fedquant.codecs import get_codec
+from fedquant import jit
 from fedquant.codecs.kernels import common, eden
 for spec in ("eden:bits=2", "eden:bits=2,coding=entropy"):
     codec = get_codec(spec)
     for n in (100, common.PARALLEL_MIN):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n))
         codec.decode(codec.encode(x, seed=1), seed=1)
-used = [fn for fn in common.module_dispatchers(eden) if fn.signatures]
+used = [fn for fn in jit.module_dispatchers(eden) if fn.signatures]
 print(len(used), sum(sum(fn.stats.cache_misses.values()) for fn in used))
 """
 

@@ -1,4 +1,4 @@
-"""When the codecs call their compiled kernels: once numba's on-disk cache is warm.
+"""When the kernels run compiled: once this machine's kernel cache is warm.
 
 numba compiles a kernel on its first call with new argument types and keeps the machine code on
 disk (``cache=True``). Compiling is slow, not the kernels: a ``parallel=True`` kernel takes 7-14 s
@@ -7,13 +7,14 @@ took 10-40 s per codec. Nothing compiles at import; it is the first call that pa
 
 Every stage with kernels has a twin that gives the same bytes: the torch code of
 :class:`~fedquant.codecs.dispatch.KernelDispatch` (the CUDA path), and for a kernel called
-directly the NumPy ``twin`` given to :func:`~fedquant.codecs.kernels.common.parallel_kernel`.
-While the cache is cold the codecs run the twins, and one background process per cache folder
-builds the cache (``python -m fedquant.codecs.kernels.warmup``, one thread, niced with its
+directly the NumPy ``twin`` given to :func:`~fedquant.jit.twins.parallel_kernel`.
+While the cache is cold the codecs run the twins, and one background process per machine at a
+time builds it (``python -m fedquant.codecs.kernels.warmup``, one thread, niced with its
 autogroup: :func:`lower_priority`); when it is done every process switches to the compiled
-kernels, which then load from disk in milliseconds.
-The cache is marked warm per numba and Python version, CPU and the stamps of the kernel sources,
-so editing a kernel or upgrading numba warms it again.
+kernels, which then load from disk in milliseconds. The cache is one folder per machine and
+version of the kernels (:mod:`fedquant.jit.locator`: keyed by numba and Python version, CPU and
+the kernel sources' contents), shared by every copy of the package, so editing a kernel or
+upgrading numba warms a new folder, and a ``flwr run`` copy of an app finds the checkout's.
 
 ``FEDQUANT_KERNELS`` (environment) chooses:
 
@@ -26,18 +27,18 @@ so editing a kernel or upgrading numba warms it again.
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from fedquant.jit import locator
+
 MODE_ENV = "FEDQUANT_KERNELS"
 MODES = ("auto", "numba", "twin")
-#: Source folders whose numba functions the warm-up compiles (their stamps key the marker).
-KERNEL_SOURCES = (Path(__file__).parent, Path(__file__).parents[2] / "wire")
+#: The module that compiles every kernel (it knows the codecs; this runtime does not import them).
+WARMUP_MODULE = "fedquant.codecs.kernels.warmup"
 RECHECK_SECONDS = 0.2
 #: CPU priority of the background warm-up (``nice``), for the process and for its autogroup.
 WARMUP_NICE = 10
@@ -55,95 +56,28 @@ def mode() -> str:
     return value
 
 
-def cache_dir() -> Path | None:
-    """The folder where numba caches this package's kernels (None if numba offers none)."""
-    from fedquant.codecs.kernels.common import uniform24
-
-    try:
-        return Path(uniform24._cache._cache_path)  # numba's own choice: __pycache__, NUMBA_CACHE_DIR, ...
-    except AttributeError:
-        return None
+def cache_dir() -> Path:
+    """The folder of this version's compiled kernels on this machine (:func:`fedquant.jit.locator.cache_folder`)."""
+    return locator.cache_folder()
 
 
 def warm_key() -> str:
-    """Hash of what numba's cached machine code depends on: versions, CPU, kernel sources."""
-    import numba
-
-    from fedquant.codecs.kernels import target
-
-    stamps = sorted(
-        (str(p), p.stat().st_mtime_ns, p.stat().st_size) for folder in KERNEL_SOURCES for p in folder.glob("*.py")
-    )
-    features = sorted(target.cpu_features())
-    text = json.dumps([numba.__version__, sys.version_info[:2], target.cpu_name(), features, stamps])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """Hash of what the cached machine code depends on (:func:`fedquant.jit.locator.cache_key`)."""
+    return locator.cache_key()
 
 
-#: One module of each folder of :data:`KERNEL_SOURCES`: its cached jitted functions tell numba's cache folder.
-_REPRESENTATIVES = ("fedquant.codecs.kernels.common", "fedquant.wire.rans")
-
-
-def _machine_code_folders() -> dict[Path, Path]:
-    """numba's cache folder of each folder of :data:`KERNEL_SOURCES`, as its cached functions report it."""
-    import importlib
-
-    folders = {}
-    for source, name in zip(KERNEL_SOURCES, _REPRESENTATIVES):
-        for value in vars(importlib.import_module(name)).values():
-            path = getattr(getattr(value, "_cache", None), "_cache_path", None)
-            if path is not None:
-                folders[Path(path)] = source
-                break
-    return folders
-
-
-def drop_stale_machine_code() -> int:
-    """Delete numba's cached machine code of fedquant's kernels if any kernel source changed since it was built.
-
-    numba checks a cached function against the stamp of *its own* source file only, and the code it
-    caches includes the jitted functions it calls: after an edit of ``common.py`` alone, every kernel
-    of ``grid.py`` that calls ``pack_into`` would load its old machine code, old ``pack_into``
-    included, and run it silently. So the first process that sees a new :func:`warm_key` removes
-    every cache file of the modules in :data:`KERNEL_SOURCES` and leaves a stamp of the key; the
-    kernels then compile afresh (numba writes each file whole, so another process reading one meanwhile
-    misses it and compiles). Returns the number of files removed.
-    """
-    removed = 0
-    try:
-        folders = _machine_code_folders()
-        stamp = next(iter(folders), None)
-        if stamp is None:
-            return 0
-        stamp = stamp / f"fedquant-sources-{warm_key()}"
-        if stamp.exists():
-            return 0
-        for folder, source in folders.items():
-            modules = {p.stem for p in source.glob("*.py")}
-            for path in list(folder.glob("*.nbi")) + list(folder.glob("*.nbc")):
-                if path.name.split(".", 1)[0] in modules:
-                    path.unlink(missing_ok=True)
-                    removed += 1
-        for old in stamp.parent.glob("fedquant-sources-*"):
-            old.unlink(missing_ok=True)
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(f"stale machine code removed by process {os.getpid()}: {removed} files\n")
-    except OSError:
-        pass  # an unwritable cache folder: numba cannot have cached anything stale there either
-    return removed
-
-
-def marker_path(folder: Path | None = None) -> Path | None:
-    """The file whose presence says the cache in ``folder`` is warm for :func:`warm_key`."""
-    folder = cache_dir() if folder is None else folder
-    return None if folder is None else folder / f"fedquant-warm-{warm_key()}"
+def marker_path(folder: Path | None = None) -> Path:
+    """The file whose presence says the cache in ``folder`` is warm (the folder is per :func:`warm_key`)."""
+    return (cache_dir() if folder is None else folder) / "fedquant-warm"
 
 
 def failed_path(folder: Path) -> Path:
-    return folder / f"fedquant-warmup-failed-{warm_key()}"
+    return folder / "fedquant-warmup-failed"
 
 
 def lock_path(folder: Path) -> Path:
-    return folder / "fedquant-warmup.lock"
+    """The warm-up lock: one for the machine, beside every version's folder, so one warm-up runs at a time."""
+    return folder.parent / "fedquant-warmup.lock"
 
 
 def pid_path(folder: Path) -> Path:
@@ -177,7 +111,6 @@ def kernels_ready() -> bool:
         return True
     current = mode()
     if current == "numba":
-        drop_stale_machine_code()
         READY = True
         return True
     if current == "twin":
@@ -193,11 +126,8 @@ def kernels_ready() -> bool:
 def _check_or_start() -> bool:
     """True when the cache is warm, or when waiting for it would be pointless (then compile inline)."""
     folder = cache_dir()
-    if folder is None:
-        return True
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        drop_stale_machine_code()
         if marker_path(folder).exists() or failed_path(folder).exists():
             return True
         if _spawned is not None:
@@ -215,13 +145,13 @@ def _check_or_start() -> bool:
 def start_warmup(folder: Path) -> subprocess.Popen:
     """Start ``python -m fedquant.codecs.kernels.warmup --background`` for ``folder`` (not waited for)."""
     global _spawned
-    root = Path(__file__).parents[3]  # the folder that holds the imported ``fedquant`` package
+    root = locator.PACKAGE.parent  # the folder that holds the imported ``fedquant`` package
     env = dict(os.environ)
     env.update({MODE_ENV: "numba", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
     with open(log_path(folder), "a") as log:
         _spawned = subprocess.Popen(
-            [sys.executable, "-m", "fedquant.codecs.kernels.warmup", "--background"],
+            [sys.executable, "-m", WARMUP_MODULE, "--background"],
             cwd=root,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -266,7 +196,6 @@ def running_warmup(folder: Path | None = None) -> int | None:
 __all__ = [
     "MODE_ENV",
     "cache_dir",
-    "drop_stale_machine_code",
     "kernels_ready",
     "marker_path",
     "mode",

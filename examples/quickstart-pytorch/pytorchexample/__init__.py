@@ -1,0 +1,1 @@
+"""pytorchexample: Flower's quickstart-pytorch app, its uplink compressed by fedquant."""
