@@ -3,6 +3,10 @@
 Each takes the input shape and the class count, so one name works on digits (8x8), MNIST/FEMNIST
 (28x28) and CIFAR (32x32). ``logreg`` and ``mlp`` take any input shape (they flatten it), so they
 also fit the feature vectors of ``synthetic``; ``cnn`` and ``resnet20`` need images ``(C, H, W)``.
+
+A model name may carry the dtype of its weights, ``"mlp:dtype=float16"`` (float16, float32 or
+float64; default float32): the model is built, trained and sent in that dtype, as a user's
+half-precision or double-precision model would be.
 """
 
 from __future__ import annotations
@@ -15,6 +19,27 @@ from torch.nn import functional as F
 
 MODEL_NAMES = ("logreg", "mlp", "cnn", "resnet20")
 IMAGE_MODELS = ("cnn", "resnet20")
+MODEL_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def parse_model(spec: str) -> tuple[str, torch.dtype]:
+    """``(name, dtype)`` of a model spec ``"name"`` or ``"name:dtype=D"``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name, option or dtype (the message lists the allowed ones).
+    """
+    name, _, options = str(spec).partition(":")
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}")
+    dtype = torch.float32
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if key != "dtype" or value not in MODEL_DTYPES:
+            raise ValueError(f"model option {option!r}: the only option is dtype={'|'.join(MODEL_DTYPES)}")
+        dtype = MODEL_DTYPES[value]
+    return name, dtype
 
 
 class LogisticRegression(nn.Module):
@@ -119,8 +144,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
 
     Parameters
     ----------
-    name : {"logreg", "mlp", "cnn", "resnet20"}
-        ``cnn`` is the LeNet-style CNN.
+    name : str
+        ``"logreg"``, ``"mlp"``, ``"cnn"`` (the LeNet-style CNN) or ``"resnet20"``, optionally with
+        the weights' dtype: ``"cnn:dtype=float64"`` (:func:`parse_model`).
     input_shape : tuple
         Shape of one example: ``(C, H, W)`` (any model) or ``(F,)`` (``logreg``, ``mlp``).
     num_classes : int
@@ -129,8 +155,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
         Seed of the initialisation (the global RNG state is restored afterwards).
     """
     classes = {"logreg": LogisticRegression, "mlp": MLP, "cnn": LeNet, "resnet20": ResNet20}
-    if name not in classes:
-        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}")
+    name, dtype = parse_model(name)
     if name in IMAGE_MODELS and len(input_shape) != 3:
         raise ValueError(
             f"model {name!r} needs images (C, H, W), the dataset gives inputs of shape {tuple(input_shape)}: "
@@ -138,4 +163,4 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return classes[name](tuple(input_shape), int(num_classes))
+        return classes[name](tuple(input_shape), int(num_classes)).to(dtype)
