@@ -34,6 +34,7 @@ def test_known_sizes():
     # ResNet-20 for CIFAR-10 has 0.27 M parameters (He et al. 2016, Table 6); LeNet-5 on 28x28
     # inputs: conv 6@5x5, conv 16@5x5, dense 256->120->10.
     assert _numel(build_model("resnet20", (3, 32, 32), 10)) == 272_474
+    assert _numel(build_model("resnet18", (3, 32, 32), 10)) == 11_173_962  # the CIFAR ResNet-18
     lenet = (6 * 25 + 6) + (16 * 6 * 25 + 16) + (16 * 4 * 4 * 120 + 120) + (120 * 10 + 10)
     assert _numel(build_model("cnn", (1, 28, 28), 10)) == lenet
 
