@@ -12,7 +12,8 @@ pytest.importorskip("flwr_datasets")
 def test_resnet20_row_has_finite_evaluation_and_both_codecs(capsys):
     from benchmarks.resnet_row import main
 
-    code = main(["--models", "resnet20", "--rounds", "2", "--nodes", "2", "--train-size", "64", "--test-size", "16"])
+    code = main(["--models", "resnet20", "--rounds", "2", "--nodes", "2", "--train-size", "64", "--test-size", "16",
+                 "--local-epochs", "1", "--min-local-steps", "0", "--batch-size", "32"])  # fmt: skip
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| resnet20")]
     assert code == 0 and len(rows) == 2
     fp32, eden = (line.split("|") for line in rows)
