@@ -34,7 +34,7 @@ CLASSES = 10
 SIDE = 32
 
 
-def make_local_cifar(folder: Path, train_size: int, test_size: int, seed: int = 0, noise: float = 0.8) -> str:
+def make_local_cifar(folder: Path, train_size: int, test_size: int, seed: int = 0, noise: float = 0.3) -> str:
     """A CIFAR-10-shaped dataset in the Hugging Face layout (``data/train-*.parquet``, ``data/test-*.parquet``)
     under ``folder``; returns its dataset name for the app (``hf:<folder>``)."""
     import datasets
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=None, help="default: the app's")
     parser.add_argument("--train-size", type=int, default=800, help="local dataset: training images")
     parser.add_argument("--test-size", type=int, default=200, help="local dataset: test images")
+    parser.add_argument("--noise", type=float, default=0.3, help="local dataset: pixel noise (std, pixels in [0, 1])")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="resnet_row_") as tmp:
         dataset = args.dataset
         if dataset == "local":
-            dataset = make_local_cifar(Path(tmp) / "local-cifar", args.train_size, args.test_size, args.seed)
+            folder = Path(tmp) / "local-cifar"
+            dataset = make_local_cifar(folder, args.train_size, args.test_size, args.seed, args.noise)
         for model in args.models.split(","):
             for codec in args.codecs.split(","):
                 r = run_one(dataset, model, codec, args, Path(tmp) / "runs")
