@@ -9,7 +9,8 @@ ClientApp as a simulation, without Ray), so the whole table takes minutes on two
 Settings: the codec table's separating task, Synthetic(alpha, beta) with LEAF's lognormal client
 sizes (``alpha = beta = 0``: the same teacher distribution everywhere; ``alpha = beta = 1``:
 non-IID) at 10 of 100 and 100 of 1,000 clients per round (one local epoch, as ``sim_scale.py``
-measured the issue's ~15%), digits with a Dirichlet(0.5) partition (20 clients, 10 per round), and
+measured the issue's ~15%), digits with a Dirichlet(0.5) partition (20 clients, 10 per round), the
+app's CNN with float16 and with float64 weights (digits, 20 clients, 10 per round), and
 Flower's default federation (digits, 2 clients, 1 per round, 20 rounds). Columns: replies that
 carried content, rejections per rule (``update-norm``, ``num-examples``, every reason together),
 the rate of the worst of the rules held here (``--rules``: the norm, weight and direction rules),
@@ -67,6 +68,8 @@ def settings(quick: bool) -> list[Setting]:
                             {**ONE_EPOCH, "dataset": data, "fraction_train": 0.1, "rounds": few}))  # fmt: skip
     rows.append(Setting("digits Dirichlet(0.5), 10 of 20", 20,
                         {"partitioning": "dirichlet", "dirichlet_alpha": 0.5, "rounds": few}))  # fmt: skip
+    for dtype in ("float16", "float64"):  # a user's half- or double-precision model (the app's CNN)
+        rows.append(Setting(f"digits CNN in {dtype}, 10 of 20", 20, {"model": f"cnn:dtype={dtype}", "rounds": few}))
     rows.append(Setting("default: digits, 2 clients, 1/round", 2, {"rounds": 20}))
     return rows
 

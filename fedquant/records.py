@@ -377,7 +377,7 @@ def checked_squares(name: str, reference: np.ndarray, update: np.ndarray) -> flo
     if reference.dtype == np.float32:
         squares, nonfinite = checked_sum_squares(np.ascontiguousarray(reference).reshape(-1), flat)
     else:
-        _, squares, nonfinite = _summed_in_float32(reference, update, flat)
+        _, squares, nonfinite = _summed_in_own_dtype(reference, flat)
     _refuse_overflow(name, reference.dtype, nonfinite)
     return float(squares)
 
@@ -391,7 +391,7 @@ def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Arra
     """``reference + update`` in the reference's dtype as an Array, and ``sum(update**2)`` (float64).
 
     A float32 reference takes one fused pass (:func:`~fedquant.codecs.kernels.norms.add_sum_squares`)
-    that writes the sum straight into the Array's bytes; other dtypes add in float32 and cast.
+    that writes the sum straight into the Array's bytes; other dtypes add in the wider of float32 and their own dtype.
     Raises :class:`RecordError` when the sum overflows the reference's dtype.
     """
     flat = _flat_update(name, reference, update)
@@ -400,17 +400,24 @@ def _rebuilt(name: str, reference: np.ndarray, update: np.ndarray) -> tuple[Arra
         value = np.empty(reference.shape, np.float32)
         squares, nonfinite = add_sum_squares(np.ascontiguousarray(reference).reshape(-1), flat, value.reshape(-1))
     else:
-        value, squares, nonfinite = _summed_in_float32(reference, update, flat)
+        value, squares, nonfinite = _summed_in_own_dtype(reference, flat)
         header = None
     _refuse_overflow(name, reference.dtype, nonfinite)
     return numpy_array(value, header), float(squares)
 
 
-def _summed_in_float32(reference: np.ndarray, update: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, float, int]:
-    """``reference + update`` added in float32 and cast to the reference's dtype (not float32),
-    ``sum(update**2)`` and how many of the sums are not finite (overflow is the caller's to refuse)."""
+def _summed_in_own_dtype(reference: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, float, int]:
+    """``reference + update`` in the reference's dtype and shape (not float32), ``sum(update**2)`` and
+    how many of the sums are not finite (overflow is the caller's to refuse).
+
+    Added elementwise over the flat values (a deferred update is written out flat, whatever the
+    tensor's rank), in float32 for a float16 reference (then rounded once to float16) and in the
+    reference's own dtype for a float64 one (whose weights must not be rounded to float32).
+    """
+    wide = np.promote_types(reference.dtype, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        value = (reference.astype(np.float32) + update).astype(reference.dtype, copy=False)
+        value = np.add(reference.reshape(-1), flat, dtype=wide).astype(reference.dtype, copy=False)
+    value = value.reshape(reference.shape)
     return value, sum_squares(flat), int(value.size - np.count_nonzero(np.isfinite(value)))
 
 

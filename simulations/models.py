@@ -1,8 +1,12 @@
-"""Models for the simulations: logistic regression, an MLP, a LeNet-style CNN, and ResNet-20 for CIFAR.
+"""Models for the simulations: logistic regression, an MLP, a LeNet-style CNN, ResNet-20 and ResNet-18 for CIFAR.
 
 Each takes the input shape and the class count, so one name works on digits (8x8), MNIST/FEMNIST
 (28x28) and CIFAR (32x32). ``logreg`` and ``mlp`` take any input shape (they flatten it), so they
-also fit the feature vectors of ``synthetic``; ``cnn`` and ``resnet20`` need images ``(C, H, W)``.
+also fit the feature vectors of ``synthetic``; ``cnn``, ``resnet20`` and ``resnet18`` need images ``(C, H, W)``.
+
+A model name may carry the dtype of its weights, ``"mlp:dtype=float16"`` (float16, float32 or
+float64; default float32): the model is built, trained and sent in that dtype, as a user's
+half-precision or double-precision model would be.
 """
 
 from __future__ import annotations
@@ -13,8 +17,29 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-MODEL_NAMES = ("logreg", "mlp", "cnn", "resnet20")
-IMAGE_MODELS = ("cnn", "resnet20")
+MODEL_NAMES = ("logreg", "mlp", "cnn", "resnet20", "resnet18")
+IMAGE_MODELS = ("cnn", "resnet20", "resnet18")
+MODEL_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def parse_model(spec: str) -> tuple[str, torch.dtype]:
+    """``(name, dtype)`` of a model spec ``"name"`` or ``"name:dtype=D"``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name, option or dtype (the message lists the allowed ones).
+    """
+    name, _, options = str(spec).partition(":")
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}")
+    dtype = torch.float32
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if key != "dtype" or value not in MODEL_DTYPES:
+            raise ValueError(f"model option {option!r}: the only option is dtype={'|'.join(MODEL_DTYPES)}")
+        dtype = MODEL_DTYPES[value]
+    return name, dtype
 
 
 class LogisticRegression(nn.Module):
@@ -114,13 +139,36 @@ class ResNet20(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+class ResNet18(nn.Module):
+    """ResNet-18 in its CIFAR form (3x3 stem, no max-pool; 4 stages of 2 basic blocks, 64-512
+    channels; 11.17 M params): the BatchNorm-heavy model of federated vision benchmarks."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(64)
+        blocks: list[nn.Module] = []
+        c_in = 64
+        for c_out, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            for i in range(2):
+                blocks.append(_BasicBlock(c_in, c_out, stride if i == 0 else 1))
+                c_in = c_out
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.bn(self.conv(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights.
 
     Parameters
     ----------
-    name : {"logreg", "mlp", "cnn", "resnet20"}
-        ``cnn`` is the LeNet-style CNN.
+    name : str
+        ``"logreg"``, ``"mlp"``, ``"cnn"`` (the LeNet-style CNN), ``"resnet20"`` or ``"resnet18"``, optionally with
+        the weights' dtype: ``"cnn:dtype=float64"`` (:func:`parse_model`).
     input_shape : tuple
         Shape of one example: ``(C, H, W)`` (any model) or ``(F,)`` (``logreg``, ``mlp``).
     num_classes : int
@@ -128,9 +176,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
     seed : int
         Seed of the initialisation (the global RNG state is restored afterwards).
     """
-    classes = {"logreg": LogisticRegression, "mlp": MLP, "cnn": LeNet, "resnet20": ResNet20}
-    if name not in classes:
-        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)}")
+    classes = {"logreg": LogisticRegression, "mlp": MLP, "cnn": LeNet, "resnet20": ResNet20, "resnet18": ResNet18}
+    name, dtype = parse_model(name)
     if name in IMAGE_MODELS and len(input_shape) != 3:
         raise ValueError(
             f"model {name!r} needs images (C, H, W), the dataset gives inputs of shape {tuple(input_shape)}: "
@@ -138,4 +185,4 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return classes[name](tuple(input_shape), int(num_classes))
+        return classes[name](tuple(input_shape), int(num_classes)).to(dtype)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from simulations.data import check_dataset_name, check_partitioning
-from simulations.models import IMAGE_MODELS, MODEL_NAMES
+from simulations.models import IMAGE_MODELS, MODEL_NAMES, parse_model
 from simulations.synthetic import is_synthetic
 
 CLIENT_INFO_KEY = "client-info"  # ConfigRecord each client adds to its train reply
@@ -107,8 +107,8 @@ class SimSettings:
         builds("dataset", lambda: check_dataset_name(self.dataset), "see the dataset key in README.md")
         builds("partitioning", lambda: check_partitioning(self.partitioning, 1.0), "iid or dirichlet")
         check("dirichlet-alpha", math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0, "a number > 0")
-        check("model", self.model in MODEL_NAMES, f"unknown model; use one of {', '.join(MODEL_NAMES)}")
-        if is_synthetic(self.dataset) and self.model in IMAGE_MODELS:
+        builds("model", lambda: parse_model(self.model), f"{', '.join(MODEL_NAMES)}, optionally :dtype=float16|float64")
+        if is_synthetic(self.dataset) and self.model.partition(":")[0] in IMAGE_MODELS:
             found.append(f"model={self.model!r}: dataset {self.dataset!r} gives feature vectors; use logreg or mlp")
         for key in ("rounds", "local-epochs", "batch-size"):
             check(key, getattr(self, key.replace("-", "_")) >= 1, "an int >= 1")

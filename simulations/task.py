@@ -64,7 +64,7 @@ def train(
     """
     device = torch.device(device)
     model.to(device).train()
-    x, y = data.x.to(device), data.y.to(device)
+    x, y = data.x.to(device, _float_dtype(model)), data.y.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     gen = torch.Generator().manual_seed(seed)
     n = len(data)
@@ -86,6 +86,11 @@ def train(
     return float(total) / max(n, 1)
 
 
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's float weights (inputs are cast to it: a float16 model takes float16 images)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, data: TensorData, *, batch_size: int = 512, device: torch.device | str = "cpu"
@@ -95,10 +100,10 @@ def evaluate(
     model.to(device).eval()
     loss_sum, correct = 0.0, 0
     for start in range(0, len(data), batch_size):
-        xb = data.x[start : start + batch_size].to(device)
+        xb = data.x[start : start + batch_size].to(device, _float_dtype(model))
         yb = data.y[start : start + batch_size].to(device)
         logits = model(xb)
-        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        loss_sum += float(F.cross_entropy(logits.float(), yb, reduction="sum"))
         correct += int((logits.argmax(1) == yb).sum())
     n = max(len(data), 1)
     return loss_sum / n, correct / n

@@ -12,6 +12,7 @@ from fedquant.strategies.downlink import DownlinkCompressor
 from fedquant.strategies.nested import NestedDecodePlan
 from fedquant.strategies.quantized import QuantizedStrategy
 from fedquant.strategies.side_info import SideInfoPlan, SideInformation
+from fedquant.strategies.tensor_policy import TensorPolicy
 
 __all__ = [
     "AdmissionRules",
@@ -24,6 +25,7 @@ __all__ = [
     "QuantizedStrategy",
     "SideInfoPlan",
     "SideInformation",
+    "TensorPolicy",
     "UploadBudget",
     "default_plan_for",
 ]

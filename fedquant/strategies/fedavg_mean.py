@@ -145,6 +145,7 @@ def _with_bases(acc: np.ndarray, bases: list[list], dtype: np.dtype) -> np.ndarr
         out = np.empty(acc.size, np.float32)
         add_scaled_float32(acc, np.ascontiguousarray(bases[0][0]).reshape(-1), bases[0][1], out)
         return out
+    acc = acc.astype(np.float64, copy=False)  # the vote's float32 sums must not round a float64 model
     for base, share in bases:
         acc = _add(acc, np.ascontiguousarray(base).reshape(-1), share)
     return acc.astype(dtype)

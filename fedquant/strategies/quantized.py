@@ -23,6 +23,7 @@ from fedquant.strategies.stages import RoundLedger, RoundStage, Settings, TrainR
 from fedquant.strategies.stages.decoding import Decoding
 from fedquant.strategies.stages.secure import SecureAggregation
 from fedquant.strategies.stages.state import LOG_PREFIX
+from fedquant.strategies.tensor_policy import TensorPolicy
 
 
 class QuantizedStrategy(Strategy):
@@ -82,6 +83,11 @@ class QuantizedStrategy(Strategy):
     secure_stage_timeout : float or None
         Seconds each of the secure round's extra round trips (advertise, share-keys, unmask)
         waits for replies (default 600; the collect stage runs under Flower's own timeout).
+    tensor_policy : TensorPolicy, optional
+        Per-tensor codecs and bounds of the served values by tensor-name pattern
+        (:mod:`~fedquant.strategies.tensor_policy`). Default: BatchNorm running statistics at
+        ``fp16``, running variances clamped to >= 0 (``docs/models.md``); the round's metrics
+        count the values the bounds moved (``policy-clamped-values``).
 
     Examples
     --------
@@ -107,12 +113,13 @@ class QuantizedStrategy(Strategy):
         extra_stages: Sequence[RoundStage] = (),
         secure_aggregation: SecAggConfig | None = None,
         secure_stage_timeout: float | None = 600.0,
+        tensor_policy: TensorPolicy | None = None,
     ) -> None:
         super().__init__()
         settings = Settings.check(
             strategy, codec, seed, min_numel, uplink_bandwidth, decode_plan, client_mse, admission, downlink_codec,
             downlink_full_codec, downlink_references, upload_deadline_seconds, uplink_bytes_budget, extra_stages,
-            secure_aggregation,
+            secure_aggregation, tensor_policy,
         )  # fmt: skip
         self.strategy, self.codec, self.seed, self.min_numel = strategy, settings.codec, seed, min_numel
         self.uplink_bandwidth, self.recorder, self.client_mse = uplink_bandwidth, recorder, settings.client_mse
@@ -120,6 +127,7 @@ class QuantizedStrategy(Strategy):
         self.downlink, self.budget = settings.downlink, settings.budget
         self.stages, self.evaluation, self.bounds, self.recording = build_stages(settings, self.client_seed)
         self.secure = settings.secure_aggregation
+        self.tensor_policy = settings.tensor_policy
         self.secure_stage = None
         if self.secure is not None:
             self.secure_stage = SecureAggregation(
@@ -146,6 +154,7 @@ class QuantizedStrategy(Strategy):
         log(INFO, "\t│\t├── Downlink: %s", repr(self.downlink) if self.downlink else "dense")
         log(INFO, "\t│\t├── Upload budget: %s", repr(self.budget) if self.budget else "no")
         log(INFO, "\t│\t├── Secure aggregation: %s", repr(self.secure) if self.secure else "no")
+        log(INFO, "\t│\t├── Tensor policy: %r", self.tensor_policy)
         log(INFO, "\t│\t└── Simulated uplink bandwidth: %s", "yes" if self.uplink_bandwidth else "no")
         self.strategy.summary()
 

@@ -13,10 +13,12 @@ from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import DecodePlan
 from fedquant.strategies.stages.base import RoundStage
 from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
+from fedquant.strategies.tensor_policy import TensorPolicy
 
 
 class Assignment(RoundStage):
-    """Asks the decode plan (then the upload budget, if any) which codec each client uses this round.
+    """Asks the decode plan (then the upload budget, if any) which codec each client uses this round;
+    the tensor policy's per-tensor codecs (BatchNorm statistics, the user's patterns) go on top.
 
     ``client_seed(server_round, node_id)`` gives each client's seed (the wrapper's overridable method).
     """
@@ -29,6 +31,7 @@ class Assignment(RoundStage):
         client_seed: Callable[[int, int], int],
         min_numel: int,
         client_mse: bool,
+        tensor_policy: TensorPolicy | None = None,
     ) -> None:
         self.codec = codec
         self.decode_plan = decode_plan
@@ -36,6 +39,7 @@ class Assignment(RoundStage):
         self.client_seed = client_seed
         self.min_numel = min_numel
         self.client_mse = client_mse
+        self.tensor_policy = tensor_policy
 
     def configure(self, state: TrainRound, messages: list[Message]) -> None:
         """Assign codecs and seeds; add each client's codec entries to ``state.entries``."""
@@ -45,6 +49,9 @@ class Assignment(RoundStage):
         if self.budget is not None:
             state.budget = self.budget.choose(assignments, arrays)
             assignments = state.budget.assignments
+        if self.tensor_policy is not None:
+            names = list(arrays.keys())
+            assignments = {node: self.tensor_policy.assign(a, names) for node, a in assignments.items()}
         state.assignments = assignments
         state.dtypes = {name: np.dtype(array.dtype) for name, array in arrays.items()}
         for message in messages:

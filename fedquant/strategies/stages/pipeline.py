@@ -26,6 +26,8 @@ from fedquant.strategies.stages.evaluation import Evaluation
 from fedquant.strategies.stages.recording import Recording
 from fedquant.strategies.stages.screening import Screening
 from fedquant.strategies.stages.sending import Downlink
+from fedquant.strategies.stages.value_bounds import ValueBounds
+from fedquant.strategies.tensor_policy import TensorPolicy
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,12 @@ class Settings:
     budget: UploadBudget | None
     extra_stages: tuple[RoundStage, ...]
     secure_aggregation: SecAggConfig | None = None
+    tensor_policy: TensorPolicy = TensorPolicy()
 
     @classmethod
     def check(cls, strategy, codec, seed, min_numel, uplink_bandwidth, decode_plan, client_mse, admission,
               downlink_codec, downlink_full_codec, downlink_references, upload_deadline_seconds,
-              uplink_bytes_budget, extra_stages, secure_aggregation=None) -> Settings:  # fmt: skip
+              uplink_bytes_budget, extra_stages, secure_aggregation=None, tensor_policy=None) -> Settings:  # fmt: skip
         """Check the wrapper's arguments (ValueError naming the bad one) and build its parts."""
         if not isinstance(strategy, Strategy):
             raise ValueError(f"strategy must be a flwr.serverapp.strategy.Strategy, got {type(strategy).__name__}")
@@ -90,8 +93,11 @@ class Settings:
             )
         )
         admission = AdmissionRules() if admission is None else admission
+        if tensor_policy is not None and not isinstance(tensor_policy, TensorPolicy):
+            raise ValueError(f"tensor_policy must be a TensorPolicy, got {type(tensor_policy).__name__}")
+        tensor_policy = TensorPolicy() if tensor_policy is None else tensor_policy
         return cls(strategy, parsed, seed, min_numel, uplink_bandwidth, decode_plan, bool(client_mse), admission,
-                   downlink, budget, tuple(extra_stages), secure_aggregation)  # fmt: skip
+                   downlink, budget, tuple(extra_stages), secure_aggregation, tensor_policy)  # fmt: skip
 
 
 def build_stages(
@@ -104,13 +110,14 @@ def build_stages(
     screening = Screening(s.admission, weight_key, bounds)
     recording = Recording(s.admission, s.uplink_bandwidth is not None)
     stages: list[RoundStage] = [
-        Assignment(s.codec, s.decode_plan, s.budget, client_seed, s.min_numel, s.client_mse),
+        Assignment(s.codec, s.decode_plan, s.budget, client_seed, s.min_numel, s.client_mse, s.tensor_policy),
         Downlink(s.downlink),
         Arrival(s.uplink_bandwidth),
         screening,
         Decoding(s.decode_plan, s.min_numel, Admitting(bounds, s.decode_plan, aggregates_like_fedavg(s.strategy))),
         *([Budgeting(s.budget)] if s.budget is not None else []),
         Aggregation(s.strategy, s.admission, weight_key, bounds),
+        ValueBounds(s.tensor_policy),
         recording,
         *s.extra_stages,
     ]

@@ -57,6 +57,7 @@ class TrainRound:
     inner_metrics: MetricRecord | None = None
     failed: bool = False
     zero_dropped: int = 0
+    clamped_values: int = 0  # values of the served model the tensor policy's bounds moved
     # secure aggregation (:mod:`.secure`): the Grid of configure_train, for the protocol's extra round trips
     grid: object = None
     secure: object = None
