@@ -319,7 +319,11 @@ def describe(settings: SimSettings, num_supernodes: int | None, seeds: Sequence[
         data = settings.dataset + (
             f", Dirichlet α={settings.dirichlet_alpha:g}" if settings.partitioning == "dirichlet" else ", IID"
         )
-    model = {"logreg": "logistic regression", "mlp": "MLP", "cnn": "CNN", "resnet20": "ResNet-20"}[settings.model]
+    names = {
+        "logreg": "logistic regression", "mlp": "MLP", "cnn": "CNN", "resnet20": "ResNet-20", "resnet18": "ResNet-18"
+    }
+    base, _, options = settings.model.partition(":")
+    model = names.get(base, base) + (f" ({options})" if options else "")
     clients = (
         f"{num_supernodes} clients, {max(int(num_supernodes * settings.fraction_train), 1)} per round"
         if num_supernodes

@@ -310,3 +310,15 @@ def test_hub_presets_run_on_local_data_of_their_shape(tmp_path, preset, shape, c
     final = history.rounds[-1]
     assert final["round"] == 1 and 0 <= final["accuracy"] <= 1 and final["uplink-bytes"] > 0
     assert history.settings.model == PRESETS[preset].overrides["model"]
+
+
+@pytest.mark.parametrize(
+    ("model", "label"),
+    [("resnet18", "ResNet-18"), ("cnn:dtype=float16", "CNN (dtype=float16)"), ("mlp", "MLP")],
+)
+def test_a_sweep_describes_every_model_the_app_offers(model, label):
+    from simulations.settings import SimSettings
+    from simulations.sweep import describe
+
+    text = describe(SimSettings(model=model), 4, [0, 1, 2])
+    assert f", {label}, 4 clients" in text
