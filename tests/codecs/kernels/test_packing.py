@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from fedquant.codecs.kernels import common, target
+from fedquant.codecs.kernels import common
+from fedquant.jit import target
 from fedquant.wire import pack_bits, unpack_bits
 
 #: Counts around a group (8 symbols), a 64-bit word of packed bytes and the kernels' chunk.
