@@ -192,6 +192,8 @@ class Attack:
     model: bool = True  # moves the model (main table) or only metrics (metrics table)
     offline: bool = False  # the attackers send nothing
     gated: bool = True  # one attacker of 10 must leave FedAvg within the honest spread
+    gate: float = 1.0  # ... times this
+    new_id: bool = False  # the attackers come back under a new node id every round
 
 
 def _direction(view: RoundView) -> dict[str, np.ndarray]:
@@ -242,6 +244,35 @@ def _in_bound_weight(metrics: dict) -> dict:
     return {**metrics, "num-examples": 0.99 * factor * metrics["num-examples"]}
 
 
+def _others_direction(view: RoundView, node: int) -> dict[str, np.ndarray]:
+    """The unit direction of the sum of the round's other updates."""
+    total = {k: sum(view.update(n)[k] for n in view.honest if n != node) for k in view.float_keys}
+    n = _norm(total)
+    return {k: v / n for k, v in total.items()}
+
+
+def _against_others(cosine: float, scale: float):
+    """The fixed random direction, at ``cosine`` with the sum of the others' updates, at ``scale`` x the
+    median honest norm (``scale`` None: the largest norm the rules admit)."""
+
+    def arrays(view, node):
+        g = _others_direction(view, node)
+        d = _direction(view)
+        along = sum(float(np.sum(d[k] * g[k])) for k in g)
+        ortho = {k: d[k] - along * g[k] for k in g}
+        n = _norm(ortho)
+        unit = {k: cosine * g[k] + math.sqrt(1 - cosine**2) * ortho[k] / n for k in g}
+        factor = scale if scale is not None else 0.99 * (AdmissionRules().norm_factor or 10.0)
+        return view.with_update(node, {k: factor * view.median_norm() * v for k, v in unit.items()})
+
+    return arrays
+
+
+def _flip_and_push(view, node):
+    """A sign flip in odd rounds, the in-bound push in even ones."""
+    return _scaled(-1.0)(view, node) if view.server_round % 2 else _in_bound_push(view, node)
+
+
 def _int_counter(view, node):
     out = dict(view.honest[node])
     out[COUNTER] = np.full_like(view.received[COUNTER], 4.6e18)
@@ -271,9 +302,13 @@ ATTACKS = {
         Attack("mse-lie", tamper=_mse_lie, model=False),
         Attack("list-metric", metrics=lambda m: {**m, "train-loss": [1.0, 2.0]}, model=False),
         Attack("eval-lie", evaluate=lambda m: {**m, "eval-loss": -1e30, "num-examples": BOOSTED_WEIGHT}, model=False),
-        # Bound-riding: inside every rule every round, one fixed direction. Shown, not gated (see the notes).
-        Attack("in-bound-push", _in_bound_push, _in_bound_weight, gated=False),
-        Attack("little-is-enough-z1", lambda view, node: _little_is_enough(view, node, 1.0), gated=False),
+        Attack("little-is-enough-z1", lambda view, node: _little_is_enough(view, node, 1.0)),
+        # Across rounds: inside every per-round rule every round (issue 41); the cross-round rule's gate.
+        Attack("in-bound-push", _in_bound_push, _in_bound_weight),
+        Attack("dead-zone-cosine", _against_others(-0.45, None), _in_bound_weight),
+        Attack("flip-and-push", _flip_and_push, _in_bound_weight),
+        Attack("orthogonal-drift", _against_others(0.0, 1.9), lambda m: {**m, "num-examples": 2.9 * m["num-examples"]}),
+        Attack("sign-flip-new-id", _scaled(-1.0), new_id=True, gate=1.5),
     ]
 }
 
@@ -306,10 +341,24 @@ class Federation:
 
     def get_node_ids(self) -> list[int]:
         """The nodes online in the current round: a seeded draw of ``available`` of them."""
+        if self.attack is not None and self.attack.new_id and self.attackers:
+            self._new_ids()
         if self.available >= len(self.nodes):
             return list(self.nodes)
         rng = np.random.default_rng(derive_seed(self.seed, "available", self.server_round))
         return sorted(int(n) for n in rng.choice(self.nodes, self.available, replace=False))
+
+    def _new_ids(self) -> None:
+        """The attackers under node ids of this round (partition kept, client state fresh)."""
+        for i, old in enumerate(self.attackers):
+            new = 100_000 * (i + 1) + self.server_round
+            if new == old:
+                continue
+            pid = self.nodes.index(old)
+            self.nodes[pid] = self.attackers[i] = new
+            self.contexts[new] = Context(
+                run_id=1, node_id=new, node_config={"partition-id": pid}, state=RecordDict(), run_config={}
+            )
 
     def _train_honest(self, msg: Message, server_round: int) -> tuple[dict[str, np.ndarray], dict]:
         node = msg.metadata.dst_node_id
@@ -526,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (
                     d == "FedAvg"
                     and k == 1
-                    and (r.error or not distance(r.arrays, honest[d][0].arrays) <= spread(honest[d]))
+                    and (r.error or not distance(r.arrays, honest[d][0].arrays) <= attack.gate * spread(honest[d]))
                 ):
                     cell += " **over**" if attack.gated else " (over, not gated)"
                     if attack.gated:
