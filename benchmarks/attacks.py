@@ -25,10 +25,14 @@ adversary) and then send, through ``quantize_mod``, a valid reply:
 ``int-counter``           the BatchNorm's int64 ``num_batches_tracked`` set to 4.6e18
 ``extra-key``             an honest update with one more metric key (the key-set vote)
 
-and two that ride the bounds, shown but not gated: ``in-bound-push`` (the same fixed random
-direction every round at 0.99 x the largest norm and weight the rules admit: they clip it to
-``clip_factor`` x the reference norm and ``weight_factor`` x the reference weight) and
-``little-is-enough-z1`` (z = 1 every round). For the metrics only (FedAvg, k = 1): ``mse-lie``
+and those that ride the bounds round after round (issue 41): ``in-bound-push`` (the same fixed
+random direction every round at 0.99 x the largest norm and weight the rules admit),
+``little-is-enough-z1`` (z = 1 every round), ``dead-zone-cosine`` (cosine -0.45 with the sum of
+the others' updates, inside the persistence rule's allowance, at the admitted bounds),
+``flip-and-push`` (a sign flip in odd rounds, the in-bound push in even ones),
+``orthogonal-drift`` (the fixed direction made orthogonal to the others' sum, 1.9 x the median
+norm, 2.9 x the weight) and ``sign-flip-new-id`` (a sign flip from a new node id every round).
+For the metrics only (FedAvg, k = 1): ``mse-lie``
 (``quantization-mse = -1e300``, ``encode-seconds = 1e300``), ``list-metric`` (``train-loss`` as a
 list) and ``eval-lie`` (evaluate replies with ``eval-loss = -1e30`` and ``num-examples = 1e9``).
 
@@ -41,8 +45,9 @@ Cell: L2 distance over the float entries of the final global model from the hone
 clients honest) of the same defence with seed 0, and the test accuracy; "counter +x" when the
 BatchNorm counter differs from the honest one. The honest spread of a defence is the largest
 distance between two of its honest runs with seeds 0..S-1 (the seed changes the batch order and
-the codec's randomness, not the data nor the initial model). Gate: every attack but the two
-bound-riding ones, with one attacker, must leave the FedAvg model within FedAvg's honest spread.
+the codec's randomness, not the data nor the initial model). Gate: every model attack, with one
+attacker, must leave the FedAvg model within FedAvg's honest spread (``sign-flip-new-id``: 1.5 x
+it). ``--drift off`` or ``--drift ROUND,TOTAL`` runs with the cross-round rule off or other factors.
 
 Run: ``python -m benchmarks.attacks`` (a distance/accuracy run, not a timing: no bench lock; about
 30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few
@@ -86,6 +91,7 @@ from fedquant.clients import quantize_mod
 from fedquant.protocol import METRIC_CLIENT_ENCODE_SECONDS, METRIC_CLIENT_MSE
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
+from fedquant.strategies.drift import DriftRule
 from simulations.data import TensorData, load_partition, load_test_set
 from simulations.task import evaluate, train
 
@@ -445,6 +451,9 @@ DEFENCES: dict[str, Callable[[], Strategy]] = {
 
 
 # ---------------------------------------------------------------------------------------------- one run
+ADMISSION = AdmissionRules()  # --drift changes the cross-round rule's factors
+
+
 @dataclass
 class RunResult:
     arrays: ArrayRecord | None = None
@@ -469,7 +478,7 @@ def run(task: Task, defence: str, attack: Attack | None, attackers: int, seed: i
     result = RunResult()
     start = time.perf_counter()
     federation = Federation(task, attack, attackers, seed, AVAILABLE)
-    strategy = QuantizedStrategy(DEFENCES[defence](), CODEC, seed=seed, min_numel=1)
+    strategy = QuantizedStrategy(DEFENCES[defence](), CODEC, seed=seed, min_numel=1, admission=ADMISSION)
     arrays = initial_model()
     try:
         for server_round in range(1, rounds + 1):
@@ -539,7 +548,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--honest", action="store_true", help="honest rejections/clippings per reason instead")
     parser.add_argument("--partitioning", choices=("iid", "dirichlet"), default="iid", help="the attack table's")
+    parser.add_argument("--drift", default=None, help="the cross-round rule: 'off' or ROUND_FACTOR,TOTAL_FACTOR")
     args = parser.parse_args(argv)
+    global ADMISSION
+    if args.drift == "off":
+        ADMISSION = AdmissionRules(cross_round=None)
+    elif args.drift:
+        round_factor, total_factor = (float(x) for x in args.drift.split(","))
+        ADMISSION = AdmissionRules(cross_round=DriftRule(round_factor=round_factor, total_factor=total_factor))
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # one INFO line per round and call otherwise
     if args.honest:
