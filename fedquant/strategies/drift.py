@@ -10,9 +10,12 @@ of the sum) and lowers a reply's *weight* (never its update) so that
 
 * in a round, ``|pull_i| <= round_factor x a`` (``a`` the round's median pull), and
 * across rounds, ``|sum of the node's pulls| <= total_factor x`` the round's median of the same
-  sums (its participants', this round's pull included, before this rule).
+  sums (its participants', this round's pull included).
 
-The references are medians over the round's clients, so a minority cannot move them; a pull
+Both references are taken at the weights as lowered (a lower weight raises the others' shares),
+in a few passes.
+
+They are medians over the round's clients, so a minority cannot move them; a pull
 that stays in one direction is held to what the median client has pulled in all. A node seen
 for the first time is charged to a shared newcomers' account as well (its budget grows as a random
 walk of the newcomers it holds), so a client that comes back under a new node id every round is
