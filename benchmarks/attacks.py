@@ -25,10 +25,14 @@ adversary) and then send, through ``quantize_mod``, a valid reply:
 ``int-counter``           the BatchNorm's int64 ``num_batches_tracked`` set to 4.6e18
 ``extra-key``             an honest update with one more metric key (the key-set vote)
 
-and two that ride the bounds, shown but not gated: ``in-bound-push`` (the same fixed random
-direction every round at 0.99 x the largest norm and weight the rules admit: they clip it to
-``clip_factor`` x the reference norm and ``weight_factor`` x the reference weight) and
-``little-is-enough-z1`` (z = 1 every round). For the metrics only (FedAvg, k = 1): ``mse-lie``
+and those that ride the bounds round after round (issue 41): ``in-bound-push`` (the same fixed
+random direction every round at 0.99 x the largest norm and weight the rules admit),
+``little-is-enough-z1`` (z = 1 every round), ``dead-zone-cosine`` (cosine -0.45 with the sum of
+the others' updates, inside the persistence rule's allowance, at the admitted bounds),
+``flip-and-push`` (a sign flip in odd rounds, the in-bound push in even ones),
+``orthogonal-drift`` (the fixed direction made orthogonal to the others' sum, 1.9 x the median
+norm, 2.9 x the weight) and ``sign-flip-new-id`` (a sign flip from a new node id every round).
+For the metrics only (FedAvg, k = 1): ``mse-lie``
 (``quantization-mse = -1e300``, ``encode-seconds = 1e300``), ``list-metric`` (``train-loss`` as a
 list) and ``eval-lie`` (evaluate replies with ``eval-loss = -1e30`` and ``num-examples = 1e9``).
 
@@ -41,8 +45,9 @@ Cell: L2 distance over the float entries of the final global model from the hone
 clients honest) of the same defence with seed 0, and the test accuracy; "counter +x" when the
 BatchNorm counter differs from the honest one. The honest spread of a defence is the largest
 distance between two of its honest runs with seeds 0..S-1 (the seed changes the batch order and
-the codec's randomness, not the data nor the initial model). Gate: every attack but the two
-bound-riding ones, with one attacker, must leave the FedAvg model within FedAvg's honest spread.
+the codec's randomness, not the data nor the initial model). Gate: every model attack, with one
+attacker, must leave the FedAvg model within FedAvg's honest spread (``sign-flip-new-id``: 1.5 x
+it). ``--drift off`` or ``--drift ROUND,TOTAL`` runs with the cross-round rule off or other factors.
 
 Run: ``python -m benchmarks.attacks`` (a distance/accuracy run, not a timing: no bench lock; about
 30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few
@@ -86,6 +91,7 @@ from fedquant.clients import quantize_mod
 from fedquant.protocol import METRIC_CLIENT_ENCODE_SECONDS, METRIC_CLIENT_MSE
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
+from fedquant.strategies.drift import DriftRule
 from simulations.data import TensorData, load_partition, load_test_set
 from simulations.task import evaluate, train
 
@@ -192,6 +198,8 @@ class Attack:
     model: bool = True  # moves the model (main table) or only metrics (metrics table)
     offline: bool = False  # the attackers send nothing
     gated: bool = True  # one attacker of 10 must leave FedAvg within the honest spread
+    gate: float = 1.0  # ... times this
+    new_id: bool = False  # the attackers come back under a new node id every round
 
 
 def _direction(view: RoundView) -> dict[str, np.ndarray]:
@@ -242,6 +250,35 @@ def _in_bound_weight(metrics: dict) -> dict:
     return {**metrics, "num-examples": 0.99 * factor * metrics["num-examples"]}
 
 
+def _others_direction(view: RoundView, node: int) -> dict[str, np.ndarray]:
+    """The unit direction of the sum of the round's other updates."""
+    total = {k: sum(view.update(n)[k] for n in view.honest if n != node) for k in view.float_keys}
+    n = _norm(total)
+    return {k: v / n for k, v in total.items()}
+
+
+def _against_others(cosine: float, scale: float):
+    """The fixed random direction, at ``cosine`` with the sum of the others' updates, at ``scale`` x the
+    median honest norm (``scale`` None: the largest norm the rules admit)."""
+
+    def arrays(view, node):
+        g = _others_direction(view, node)
+        d = _direction(view)
+        along = sum(float(np.sum(d[k] * g[k])) for k in g)
+        ortho = {k: d[k] - along * g[k] for k in g}
+        n = _norm(ortho)
+        unit = {k: cosine * g[k] + math.sqrt(1 - cosine**2) * ortho[k] / n for k in g}
+        factor = scale if scale is not None else 0.99 * (AdmissionRules().norm_factor or 10.0)
+        return view.with_update(node, {k: factor * view.median_norm() * v for k, v in unit.items()})
+
+    return arrays
+
+
+def _flip_and_push(view, node):
+    """A sign flip in odd rounds, the in-bound push in even ones."""
+    return _scaled(-1.0)(view, node) if view.server_round % 2 else _in_bound_push(view, node)
+
+
 def _int_counter(view, node):
     out = dict(view.honest[node])
     out[COUNTER] = np.full_like(view.received[COUNTER], 4.6e18)
@@ -271,9 +308,13 @@ ATTACKS = {
         Attack("mse-lie", tamper=_mse_lie, model=False),
         Attack("list-metric", metrics=lambda m: {**m, "train-loss": [1.0, 2.0]}, model=False),
         Attack("eval-lie", evaluate=lambda m: {**m, "eval-loss": -1e30, "num-examples": BOOSTED_WEIGHT}, model=False),
-        # Bound-riding: inside every rule every round, one fixed direction. Shown, not gated (see the notes).
-        Attack("in-bound-push", _in_bound_push, _in_bound_weight, gated=False),
-        Attack("little-is-enough-z1", lambda view, node: _little_is_enough(view, node, 1.0), gated=False),
+        Attack("little-is-enough-z1", lambda view, node: _little_is_enough(view, node, 1.0)),
+        # Across rounds: inside every per-round rule every round (issue 41); the cross-round rule's gate.
+        Attack("in-bound-push", _in_bound_push, _in_bound_weight),
+        Attack("dead-zone-cosine", _against_others(-0.45, None), _in_bound_weight),
+        Attack("flip-and-push", _flip_and_push, _in_bound_weight),
+        Attack("orthogonal-drift", _against_others(0.0, 1.9), lambda m: {**m, "num-examples": 2.9 * m["num-examples"]}),
+        Attack("sign-flip-new-id", _scaled(-1.0), new_id=True, gate=1.5),
     ]
 }
 
@@ -306,10 +347,24 @@ class Federation:
 
     def get_node_ids(self) -> list[int]:
         """The nodes online in the current round: a seeded draw of ``available`` of them."""
+        if self.attack is not None and self.attack.new_id and self.attackers:
+            self._new_ids()
         if self.available >= len(self.nodes):
             return list(self.nodes)
         rng = np.random.default_rng(derive_seed(self.seed, "available", self.server_round))
         return sorted(int(n) for n in rng.choice(self.nodes, self.available, replace=False))
+
+    def _new_ids(self) -> None:
+        """The attackers under node ids of this round (partition kept, client state fresh)."""
+        for i, old in enumerate(self.attackers):
+            new = 100_000 * (i + 1) + self.server_round
+            if new == old:
+                continue
+            pid = self.nodes.index(old)
+            self.nodes[pid] = self.attackers[i] = new
+            self.contexts[new] = Context(
+                run_id=1, node_id=new, node_config={"partition-id": pid}, state=RecordDict(), run_config={}
+            )
 
     def _train_honest(self, msg: Message, server_round: int) -> tuple[dict[str, np.ndarray], dict]:
         node = msg.metadata.dst_node_id
@@ -396,6 +451,9 @@ DEFENCES: dict[str, Callable[[], Strategy]] = {
 
 
 # ---------------------------------------------------------------------------------------------- one run
+ADMISSION = AdmissionRules()  # --drift changes the cross-round rule's factors
+
+
 @dataclass
 class RunResult:
     arrays: ArrayRecord | None = None
@@ -420,7 +478,7 @@ def run(task: Task, defence: str, attack: Attack | None, attackers: int, seed: i
     result = RunResult()
     start = time.perf_counter()
     federation = Federation(task, attack, attackers, seed, AVAILABLE)
-    strategy = QuantizedStrategy(DEFENCES[defence](), CODEC, seed=seed, min_numel=1)
+    strategy = QuantizedStrategy(DEFENCES[defence](), CODEC, seed=seed, min_numel=1, admission=ADMISSION)
     arrays = initial_model()
     try:
         for server_round in range(1, rounds + 1):
@@ -490,7 +548,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--honest", action="store_true", help="honest rejections/clippings per reason instead")
     parser.add_argument("--partitioning", choices=("iid", "dirichlet"), default="iid", help="the attack table's")
+    parser.add_argument("--drift", default=None, help="the cross-round rule: 'off' or ROUND_FACTOR,TOTAL_FACTOR")
     args = parser.parse_args(argv)
+    global ADMISSION
+    if args.drift == "off":
+        ADMISSION = AdmissionRules(cross_round=None)
+    elif args.drift:
+        round_factor, total_factor = (float(x) for x in args.drift.split(","))
+        ADMISSION = AdmissionRules(cross_round=DriftRule(round_factor=round_factor, total_factor=total_factor))
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # one INFO line per round and call otherwise
     if args.honest:
@@ -526,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (
                     d == "FedAvg"
                     and k == 1
-                    and (r.error or not distance(r.arrays, honest[d][0].arrays) <= spread(honest[d]))
+                    and (r.error or not distance(r.arrays, honest[d][0].arrays) <= attack.gate * spread(honest[d]))
                 ):
                     cell += " **over**" if attack.gated else " (over, not gated)"
                     if attack.gated:

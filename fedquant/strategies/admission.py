@@ -84,6 +84,7 @@ from flwr.supercore import log
 
 from fedquant.metrics.robust import describe, finite
 from fedquant.strategies.direction import PersistenceRule
+from fedquant.strategies.drift import DriftRule
 
 REASON_DUPLICATE = "duplicate-node"
 REASON_UNEXPECTED = "unexpected-node"
@@ -94,6 +95,7 @@ REASON_NON_FLOAT = "non-float"
 REASON_NORM = "update-norm"
 REASON_PLAN = "decode-plan"
 REASON_DIRECTION = "direction"
+REASON_DRIFT = "drift"
 REASONS = (
     REASON_DUPLICATE,
     REASON_UNEXPECTED,
@@ -106,7 +108,7 @@ REASONS = (
     REASON_DIRECTION,
 )
 #: The reasons a reply can be clipped for (it stays in the aggregate).
-CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_NORM)
+CLIP_REASONS = (REASON_WEIGHT, REASON_NON_FLOAT, REASON_NORM, REASON_DRIFT)
 DEFAULT_WEIGHT_KEY = "num-examples"
 
 
@@ -220,6 +222,10 @@ class AdmissionRules:
         the round's others persistently across rounds: a CUSUM per node id of its leave-one-out
         cosines (:mod:`~fedquant.strategies.direction`; default ``PersistenceRule()``: allowance
         0.5, threshold 0.75). None: off.
+    cross_round : DriftRule or None
+        Lower (clip, reason ``drift``) the weight of a reply whose displacement of the aggregate,
+        this round or summed over the node's rounds, exceeds its bound
+        (:mod:`~fedquant.strategies.drift`; default ``DriftRule()``). None: off.
 
     Examples
     --------
@@ -250,6 +256,7 @@ class AdmissionRules:
     warn_rejected_share: float = 0.3
     warn_rule_share: float = 0.05
     persistent_opposition: PersistenceRule | None = PersistenceRule()
+    cross_round: DriftRule | None = DriftRule()
 
     def __post_init__(self) -> None:
         names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")
@@ -274,6 +281,8 @@ class AdmissionRules:
         _positive("warn_rule_share", self.warn_rule_share)
         if self.persistent_opposition is not None and not isinstance(self.persistent_opposition, PersistenceRule):
             raise ValueError(f"persistent_opposition must be a PersistenceRule, got {self.persistent_opposition!r}")
+        if self.cross_round is not None and not isinstance(self.cross_round, DriftRule):
+            raise ValueError(f"cross_round must be a DriftRule, got {self.cross_round!r}")
         if (
             isinstance(self.max_list_length, bool)
             or not isinstance(self.max_list_length, int)
@@ -306,6 +315,7 @@ class AdmissionRules:
             reject_opposing=False,
             metric_trim=0.0,
             persistent_opposition=None,
+            cross_round=None,
         )
 
     @property

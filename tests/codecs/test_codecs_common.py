@@ -41,12 +41,22 @@ def test_round_trip_keeps_shape_and_dtype(any_codec, shape, dtype):
     assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
 
 
+# Dithered or rotated (rht+) codecs: a constant vector is not on their grid, so it decodes only close to itself.
+OFF_GRID_CONSTANTS = {"dqsg", "ndqsg", "eden", "ecdq"}
+
+
 def test_zeros_and_constant_inputs_decode_finite(any_codec):
+    """Zeros decode to exact zeros; a constant decodes to itself where the codec's grid holds it,
+    else to a finite vector pointing the same way (a positive inner product with the input)."""
     for x in (torch.zeros(1000), torch.full((1000,), 0.25), torch.full((3,), -2.0)):
         y = any_codec.decode(any_codec.encode(x, seed=5), seed=5, **decode_kwargs(any_codec, x))
         assert torch.isfinite(y).all()
-        if not any_codec.needs_side_info:
-            assert torch.allclose(y, x, atol=1e-6 + 1e-3 * x.abs().max().item()) or not torch.count_nonzero(x) == 0
+        if not torch.count_nonzero(x):
+            assert not torch.count_nonzero(y), f"{any_codec.name}: zeros decoded to nonzero values"
+        elif set(any_codec.name.split("+")) & (OFF_GRID_CONSTANTS | {"rht"}):
+            assert float((y.double() * x.double()).sum()) > 0
+        else:
+            assert torch.allclose(y, x, atol=1e-6 + 1e-3 * x.abs().max().item()), any_codec.name
 
 
 def test_zeros_come_back_as_zeros(any_codec):

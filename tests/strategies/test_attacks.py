@@ -194,7 +194,7 @@ def test_one_clients_influence_within_the_rules_is_weight_share_times_norm_bound
     """Just inside every rule (9 x the median weight, 9.5 x the median norm) the client is clipped to
     3 x the weight and 2 x the reference norm: its term in the weighted mean is at most s x c x r."""
     honest, poison, tamper = _boost(9 * fakes.N_SAMPLES, 9.5)
-    arrays, metrics = _round(_wrap(), tamper=tamper)
+    arrays, metrics = _round(_wrap(admission=AdmissionRules(cross_round=None)), tamper=tamper)  # per-round rules
     others = [u for node, u in honest.items() if node != ATTACKER]
     without = {k: np.mean([u[k] for u in others], axis=0) for k in poison}  # equal honest weights
     start = initial_arrays()
@@ -208,6 +208,11 @@ def test_one_clients_influence_within_the_rules_is_weight_share_times_norm_bound
     assert deviation > 0.5 * share * rules.clip_factor * reference  # the bound is what it gets, not 0
     assert metrics["clipped-num-examples"] == 1 and metrics["clipped-update-norm"] == 1
     assert metrics["rejected-replies"] == 0
+    # the cross-round rule (on by default) lowers the weight further: its pull is at most 1.5 typical ones
+    arrays, metrics = _round(_wrap(), tamper=tamper)
+    moved = {k: arrays[k].numpy().astype(np.float64) - start[k].numpy() for k in poison}
+    assert _norm({k: moved[k] - without[k] for k in poison}) < 0.5 * deviation
+    assert metrics["clipped-drift"] == 1 and metrics["rejected-replies"] == 0
 
 
 def test_reported_client_metrics_stay_in_the_honest_range():

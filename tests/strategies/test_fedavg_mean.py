@@ -28,7 +28,7 @@ from fedquant.codecs import get_codec
 from fedquant.codecs.quantizers.grid import GridValues
 from fedquant.protocol import payload_array, tensor_seed
 from fedquant.rng import derive_seed
-from fedquant.strategies import QuantizedStrategy
+from fedquant.strategies import AdmissionRules, QuantizedStrategy
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg, weighted_mean
 from fedquant.strategies.reply_decoder import DecodedReply
 from fedquant.strategies.vote_sums import VoteSums
@@ -80,7 +80,10 @@ def _small(codec_spec: str):
 
 
 def _round(inner, codec: str, tamper=None):
-    strategy = QuantizedStrategy(inner, codec, seed=SEED, min_numel=MIN_NUMEL)
+    # without the cross-round rule: it lowers weights (and reads every update) on rounds this file
+    # needs unclipped to see which path the mean takes; tests/strategies/test_drift.py tests it
+    rules = AdmissionRules(cross_round=None)
+    strategy = QuantizedStrategy(inner, codec, seed=SEED, min_numel=MIN_NUMEL, admission=rules)
     grid = InProcessGrid(make_client_app([quantize_mod]), NUM_NODES)
     messages = list(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
     replies = grid.send_and_receive(messages)

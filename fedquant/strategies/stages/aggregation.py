@@ -9,15 +9,16 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedquant.metrics.bandwidth import AGGREGATION_FAILED, ZERO_NORM_DROPPED
-from fedquant.strategies.admission import REASON_WEIGHT, AdmissionRules, single_metric_record
+from fedquant.strategies.admission import REASON_DRIFT, REASON_WEIGHT, AdmissionRules, single_metric_record
+from fedquant.strategies.drift import DriftLedger
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg, fedavg_weights, weighted_mean, without_arrays
 from fedquant.strategies.influence import InfluenceBounds
 from fedquant.strategies.inner_guard import guarded_train, without_zero_norm_updates
-from fedquant.strategies.metric_screen import clamp_metrics
+from fedquant.strategies.metric_screen import clamp_metrics, weights_of, write_weights
 from fedquant.strategies.reply_decoder import decode_threads
 from fedquant.strategies.stages.base import RoundStage
 from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
-from fedquant.strategies.update_bounds import restore_dtypes
+from fedquant.strategies.update_bounds import float_update, restore_dtypes
 
 
 class Aggregation(RoundStage):
@@ -29,12 +30,16 @@ class Aggregation(RoundStage):
     any other gets every reply rebuilt as dense arrays, ``received + update``.
     """
 
-    def __init__(self, strategy: Strategy, admission: AdmissionRules, weight_key: str, bounds: InfluenceBounds) -> None:
+    def __init__(
+        self, strategy: Strategy, admission: AdmissionRules, weight_key: str, bounds: InfluenceBounds, seed: int = 0
+    ) -> None:
         self.strategy = strategy
         self.admission = admission
         self._weight_key = weight_key
         self.bounds = bounds
         self.from_updates = aggregates_like_fedavg(strategy)
+        rule = admission.cross_round
+        self.drift = None if rule is None else DriftLedger(rule, seed)
 
     def receive(self, state: TrainRound, replies: list[Message]) -> None:
         """Bound the weights, drop zero-norm updates, aggregate, restore dtypes, clamp the metrics."""
@@ -42,6 +47,7 @@ class Aggregation(RoundStage):
         records = [single_metric_record(r.content) for r in admitted]
         clipped = self.bounds.bound_weights(records, "train")
         state.traffic.clipped_reasons += [REASON_WEIGHT] * clipped
+        state.traffic.clipped_reasons += [REASON_DRIFT] * self._bound_drift(state, records)
         failed = [r for r in replies if r.has_error()]
         if not admitted:
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
@@ -59,6 +65,17 @@ class Aggregation(RoundStage):
         state.vote_sums = None
         state.arrays = restore_dtypes(arrays, state.dtypes)
         state.inner_metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
+
+    def _bound_drift(self, state: TrainRound, records: list) -> int:
+        """Lower the weights the cross-round rule bounds (:mod:`~fedquant.strategies.drift`); how many."""
+        weights = weights_of(records, self._weight_key)
+        if self.drift is None or weights is None or len(weights) < 2:
+            return 0
+        nodes = [r.metadata.src_node_id for r in state.admitted]
+        updates = [
+            float_update(state.decoded[id(r)], state.received(n)) for r, n in zip(state.admitted, nodes, strict=True)
+        ]
+        return write_weights(records, self._weight_key, self.drift.bound(nodes, updates, weights))
 
     def _mean_of_updates(
         self, state: TrainRound, failed: list[Message]

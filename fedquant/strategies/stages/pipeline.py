@@ -116,7 +116,7 @@ def build_stages(
         screening,
         Decoding(s.decode_plan, s.min_numel, Admitting(bounds, s.decode_plan, aggregates_like_fedavg(s.strategy))),
         *([Budgeting(s.budget)] if s.budget is not None else []),
-        Aggregation(s.strategy, s.admission, weight_key, bounds),
+        Aggregation(s.strategy, s.admission, weight_key, bounds, s.seed),
         ValueBounds(s.tensor_policy),
         recording,
         *s.extra_stages,

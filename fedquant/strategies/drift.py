@@ -1,0 +1,189 @@
+"""The cross-round rule: what one client moves a FedAvg aggregate over many rounds, bounded.
+
+The per-round rules bound one reply's term in a round (``s c r``); nothing bounded the sum over
+rounds, so a client pushing one direction inside the bounds every round moved the model ``T``
+times as far. A weighted mean is the round's robust centre ``c`` (the coordinate-wise median)
+plus each reply's *pull* ``s_i (u_i - c)`` (``s_i`` its weight share), exactly. This rule keeps,
+per node id, the sum of its admitted pulls across rounds as a count sketch (:class:`CountSketch`,
+``sketch_size`` float64: 8 KiB a client by default; linear, so the sum of sketches is the sketch
+of the sum) and lowers a reply's *weight* (never its update) so that
+
+* in a round, ``|pull_i| <= round_factor x a`` (``a`` the round's median pull), and
+* across rounds, ``|sum of the node's pulls| <= total_factor x`` the round's median of the same
+  sums (its participants', this round's pull included).
+
+Both references are taken at the weights as lowered (a lower weight raises the others' shares),
+in a few passes.
+
+They are medians over the round's clients, so a minority cannot move them; a pull
+that stays in one direction is held to what the median client has pulled in all. A node seen
+for the first time is charged to a shared newcomers' account as well (its budget grows as a random
+walk of the newcomers it holds), so a client that comes back under a new node id every round is
+held by that account. The sketch's median and norms carry a relative error of about
+``1 / sqrt(sketch_size)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedquant.rng import derive_seed
+
+NEWCOMERS = "newcomers"
+
+
+@dataclass(frozen=True)
+class DriftRule:
+    """The cross-round rule's factors (see the module docstring).
+
+    Parameters
+    ----------
+    round_factor : float
+        A reply's displacement of the round's aggregate is at most this many typical ones.
+    total_factor : float
+        A node's summed displacement is at most this times the root of its rounds' squared typical ones.
+    sketch_size : int
+        Buckets of the count sketch kept per node (relative norm error about ``1 / sqrt(sketch_size)``).
+    max_clients : int
+        Node ids remembered; the least recently seen are forgotten first.
+    """
+
+    round_factor: float = 1.5
+    total_factor: float = 1.25
+    sketch_size: int = 1024
+    max_clients: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("round_factor", "total_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name, low in (("sketch_size", 16), ("max_clients", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+class CountSketch:
+    """A linear map of an update's float entries to ``size`` numbers whose L2 norm estimates the update's.
+
+    Each coordinate goes to one bucket with a random sign (derived from a seed the clients never
+    see), so no direction is invisible to it in expectation and a sparse one is seen exactly.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.seed = seed
+        self._slots: dict[tuple[str, int], np.ndarray] = {}  # bucket + size x (sign < 0), per entry
+
+    def _slot(self, name: str, numel: int) -> np.ndarray:
+        key = (name, numel)
+        if key not in self._slots:
+            rng = np.random.default_rng(derive_seed(self.seed, "drift-sketch", name, numel))
+            self._slots[key] = rng.integers(0, 2 * self.size, numel, dtype=np.intp)
+        return self._slots[key]
+
+    def of(self, update: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The sketch (float64) of an update given entry by entry."""
+        counts = np.zeros(2 * self.size)
+        for name, value in update.items():
+            flat = np.ascontiguousarray(value).reshape(-1)
+            counts += np.bincount(self._slot(name, flat.size), weights=flat, minlength=2 * self.size)
+        return counts[: self.size] - counts[self.size :]
+
+
+class DriftLedger:
+    """Per node id, the sketched sum of its displacements and its budget; one LRU eviction rule."""
+
+    def __init__(self, rule: DriftRule, seed: int) -> None:
+        self.rule = rule
+        self.sketch = CountSketch(rule.sketch_size, seed)
+        self._accounts: OrderedDict[object, np.ndarray] = OrderedDict()  # node -> sketch of its summed pulls
+        self._newcomers = [0, 0]  # replies and rounds charged to the newcomers' account
+
+    def __len__(self) -> int:
+        return len(self._accounts)
+
+    def displacement(self, node: object) -> float:
+        """The norm of a node's summed displacement so far (0 when not seen or forgotten)."""
+        return float(np.linalg.norm(self._summed(node)))
+
+    def bound(
+        self, nodes: Sequence[int], updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
+    ) -> list[float]:
+        """The round's weights lowered where a reply's pull would break a bound; the pulls as
+        admitted are added to the nodes' accounts."""
+        if len(nodes) < 2:
+            return list(weights)
+        sketches = np.stack([self.sketch.of(u) for u in updates])
+        offsets = sketches - np.median(sketches, axis=0)  # against a centre a minority cannot move
+        new = sum(node not in self._accounts for node in nodes)
+        pulls, rounds = self._newcomers[0] + new, self._newcomers[1] + 1
+        w = np.asarray(weights, dtype=np.float64)
+        bounded = w.copy()
+        for _ in range(3):  # lower weights raise the others' shares: the references follow them
+            asks = (bounded / bounded.sum())[:, None] * offsets
+            typical = float(np.median(np.linalg.norm(asks, axis=1)))
+            if not (math.isfinite(typical) and typical > 0):
+                return list(weights)
+            asked = np.linalg.norm([self._summed(node) + ask for node, ask in zip(nodes, asks, strict=True)], axis=1)
+            budget = self.rule.total_factor * max(typical, float(np.median(asked)))
+            budgets = {NEWCOMERS: budget * math.sqrt(max(1.0, pulls / rounds))}  # a random walk of many newcomers
+            bounded = np.minimum(bounded, self._allowed(nodes, offsets, bounded, typical, budget, budgets))
+        if new:
+            self._newcomers = [pulls, rounds]
+        self._commit(nodes, offsets, bounded)
+        return [float(b) if b < float(o) else o for b, o in zip(bounded, weights, strict=True)]
+
+    def _summed(self, key: object) -> np.ndarray:
+        account = self._accounts.get(key)
+        return np.zeros(self.rule.sketch_size) if account is None else account
+
+    def _keys(self, node: object) -> tuple:
+        """The accounts a reply is charged to: its node's, and the newcomers' for a node not seen before."""
+        return (node, NEWCOMERS) if node not in self._accounts else (node,)
+
+    def _allowed(
+        self,
+        nodes: Sequence[int],
+        offsets: np.ndarray,
+        w: np.ndarray,
+        typical: float,
+        budget: float,
+        budgets: Mapping[object, float],
+    ) -> np.ndarray:
+        total = w.sum()
+        out = w.copy()
+        for i, node in enumerate(nodes):
+            norm = float(np.linalg.norm(offsets[i]))
+            if norm == 0:
+                continue
+            share = self.rule.round_factor * typical / norm
+            for key in self._keys(node):
+                share = min(share, _largest_share(self._summed(key), offsets[i], budgets.get(key, budget)))
+            if share < w[i] / total:  # else the weight stands as it is
+                out[i] = share * (total - w[i]) / (1 - share)
+        return np.maximum(out, np.finfo(np.float64).tiny)
+
+    def _commit(self, nodes: Sequence[int], offsets: np.ndarray, w: np.ndarray) -> None:
+        pulls = (w / w.sum())[:, None] * offsets
+        for node, pull in zip(nodes, pulls, strict=True):
+            for key in self._keys(node):
+                self._accounts[key] = self._summed(key) + pull
+                self._accounts.move_to_end(key)  # most recently seen last
+        while len(self._accounts) > self.rule.max_clients:
+            self._accounts.popitem(last=False)
+
+
+def _largest_share(summed: np.ndarray, d: np.ndarray, budget: float) -> float:
+    """The largest ``s >= 0`` with ``|summed + s d| <= budget`` (0 when none is)."""
+    dd, ad, aa = float(d @ d), float(summed @ d), float(summed @ summed)
+    room = ad * ad - dd * (aa - budget * budget)
+    if room <= 0 or dd == 0:
+        return 0.0 if dd else math.inf
+    return max(0.0, (-ad + math.sqrt(room)) / dd)
