@@ -122,9 +122,10 @@ def test_the_default_runs_accuracy_is_what_the_measured_runs_wrote():
         assert saved["status"] == "finished" and saved["num-nodes"] == 2
         expected = {**SimSettings.defaults(), "seed": seed, "out-dir": "docs/measured"}
         # The default run, nothing else changed; keys added after the run (secure aggregation,
-        # off by default) are absent from its stored settings.
+        # the data-parallel mode, both off by default) are absent from its stored settings.
         added = expected.keys() - saved["settings"].keys()
-        assert all(key.startswith("secagg") for key in added), added
+        later = ("mode", "server-momentum", "clients-per-round")  # the data-parallel mode, off by default
+        assert all(key.startswith("secagg") or key in later for key in added), added
         assert saved["settings"] == {key: value for key, value in expected.items() if key not in added}
         finals.append(saved["rounds"][-1]["accuracy"])
         round_1.append(next(r["accuracy"] for r in saved["rounds"] if r["round"] == 1))
