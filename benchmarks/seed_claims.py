@@ -1,7 +1,10 @@
 """The three seed papers' claims, tested in their own regime (data-parallel SGD) at this scale.
 
     python -m benchmarks.seed_claims                # full: writes docs/seed-claims.md
-    python -m benchmarks.seed_claims --quick        # fewer steps and gradient rounds (same claims)
+    python -m benchmarks.seed_claims --quick        # 40 steps, 3 gradient rounds (same claims)
+
+``--quick`` took 18.9 min wall (8.8 min CPU) on the shared 2-core development machine at load
+average 11-35 (2026-12-06); the full run (150 steps, 6 gradient rounds) was not timed there.
 
 Two kinds of measurement, each over ``--seeds`` (default 0,1,2; mean ± 95 % t-interval):
 
