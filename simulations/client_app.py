@@ -23,7 +23,7 @@ from simulations.models import build_model
 from simulations.node_directory import is_partition_query, partition_answer
 from simulations.placement import worker_identity
 from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY
-from simulations.task import evaluate, limit_threads, pick_device, train
+from simulations.task import evaluate, limit_threads, minibatch_gradient_step, pick_device, train
 
 
 def secagg_dropout_mod(msg: Message, context: Context, call_next) -> Message:
@@ -95,6 +95,12 @@ def train_fn(msg: Message, context: Context) -> Message:
     model = _model(cfg, data, msg.content.array_records["arrays"])
     server_round = int(cfg.get("server-round", 0))
     _forget_other_federations(cfg, context)
+    if str(cfg.get("mode", "fedavg")) == "fedsgd":  # one minibatch gradient (simulations.fedsgd)
+        state, loss, examples = minibatch_gradient_step(
+            model, data, batch_size=int(cfg["batch-size"]), device=device, clip_norm=float(cfg["clip-norm"]),
+            seed=derive_seed(int(cfg["seed"]), "batches", server_round, pid),
+        )  # fmt: skip
+        return _reply(msg, state, loss, examples, pid, data, cfg, device)
     loss = train(
         model,
         data,
@@ -106,6 +112,12 @@ def train_fn(msg: Message, context: Context) -> Message:
         clip_norm=float(cfg["clip-norm"]),
         min_steps=int(cfg["min-local-steps"]),
     )
+    return _reply(msg, model.state_dict(), loss, len(data), pid, data, cfg, device)
+
+
+def _reply(msg: Message, state: Any, loss: float, examples: int, pid: int, data: TensorData, cfg: Any,
+           device: Any) -> Message:  # fmt: skip
+    """The train reply: the model's arrays, loss and example count, and what the client reports about itself."""
     info = ConfigRecord(
         {
             "partition-id": pid,
@@ -120,8 +132,8 @@ def train_fn(msg: Message, context: Context) -> Message:
     )
     content = RecordDict(
         {
-            "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord({"train-loss": loss, "num-examples": len(data)}),
+            "arrays": ArrayRecord(state),
+            "metrics": MetricRecord({"train-loss": loss, "num-examples": examples}),
             CLIENT_INFO_KEY: info,
         }
     )

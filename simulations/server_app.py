@@ -156,6 +156,19 @@ class RecordingStrategy(QuantizedStrategy):
                 + (", the inner aggregation failed" if metrics.get("aggregation-failed") else ""))  # fmt: skip
 
 
+def _inner_strategy(settings: SimSettings, directory: PartitionDirectory, model: Any) -> SeededFedAvg:
+    """FedAvg, or in ``mode="fedsgd"`` data-parallel SGD with server momentum (:mod:`simulations.fedsgd`)."""
+    common = {"fraction_train": settings.fraction_train, "fraction_evaluate": 0.0, "min_train_nodes": 1,
+              "min_available_nodes": 1, "seed": settings.seed, "directory": directory}  # fmt: skip
+    if settings.mode != "fedsgd":
+        return SeededFedAvg(**common)
+    from simulations.fedsgd import FedSGD  # imports this module
+
+    return FedSGD(**common, learning_rate=settings.learning_rate, momentum=settings.server_momentum,
+                  parameter_names=[name for name, _ in model.named_parameters()],
+                  clients_per_round=settings.clients_per_round)  # fmt: skip
+
+
 def _reported_partition(info: Any) -> int | None:
     """The partition id a client reported, if it is an int (client info is untrusted)."""
     pid = info.get("partition-id")
@@ -235,14 +248,7 @@ def run_server(
         if profile is not None:  # speeds keyed by partition id, as the directory places the nodes
             profile.client_keys = directory.partition_of
     strategy = RecordingStrategy(
-        SeededFedAvg(
-            fraction_train=settings.fraction_train,
-            fraction_evaluate=0.0,
-            min_train_nodes=1,
-            min_available_nodes=1,
-            seed=settings.seed,
-            directory=directory,
-        ),
+        _inner_strategy(settings, directory, model),
         codec=settings.codec,
         seed=settings.seed,
         min_numel=settings.min_numel,

@@ -24,6 +24,7 @@ from simulations.models import IMAGE_MODELS, MODEL_NAMES, parse_model
 from simulations.synthetic import is_synthetic
 
 CLIENT_INFO_KEY = "client-info"  # ConfigRecord each client adds to its train reply
+MODES = ("fedavg", "fedsgd")  # local epochs + FedAvg; one minibatch gradient + server SGD (simulations.fedsgd)
 LINK_FORMS = "none, fixed:mbps=M, uniform:low=L,high=H, lognormal:median=M,sigma=S (Mbit/s)"
 
 
@@ -78,6 +79,9 @@ class SimSettings:
     secagg_neighbours: int = 0
     secagg_noise_multiplier: float = 0.0
     secagg_dropouts: int = 0
+    mode: str = "fedavg"
+    server_momentum: float = 0.9
+    clients_per_round: int = 0
     out_dir: str = "results"
     run_name: str = ""
     overwrite: bool = False
@@ -139,6 +143,7 @@ class SimSettings:
                 found.append("secagg=true: upload-deadline-seconds and uplink-bytes-budget must be 0")
         check("secagg-dropouts", self.secagg_dropouts >= 0, "an int >= 0 (fault injection: clients that drop after "
               "sharing keys)")  # fmt: skip
+        found += _fedsgd_problems(self)
         check("out-dir", bool(self.out_dir.strip()), "a folder path (relative to where the server runs)")
         return found
 
@@ -275,6 +280,33 @@ def _unknown_key(key: str) -> str:
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown run-config key {key!r}{hint}; known keys: {', '.join(keys)}"
+
+
+def _fedsgd_problems(settings: SimSettings) -> list[str]:
+    """Rules of the data-parallel mode's keys (``mode``, ``server-momentum``, ``clients-per-round``).
+
+    See :mod:`simulations.fedsgd`.
+    """
+    found = []
+    if settings.mode not in MODES:
+        found.append(f"mode={settings.mode!r}: fedavg (local epochs, FedAvg) or fedsgd (one minibatch gradient per "
+                     "client, SGD with momentum on the server)")  # fmt: skip
+    momentum = settings.server_momentum
+    if not (math.isfinite(momentum) and 0 <= momentum < 1):
+        found.append(f"server-momentum={momentum!r}: a number in [0, 1)")
+    if settings.clients_per_round < 0:
+        found.append(f"clients-per-round={settings.clients_per_round!r}: an int >= 0 (0: fraction-train)")
+    if settings.mode != "fedsgd":
+        if settings.clients_per_round > 0:
+            found.append(f"clients-per-round={settings.clients_per_round!r}: only with mode=\"fedsgd\" "
+                         "(use fraction-train)")  # fmt: skip
+        return found
+    if not _is_none(settings.downlink_codec):
+        found.append(f"downlink-codec={settings.downlink_codec!r}: mode=\"fedsgd\" sends the dense model (the server's "
+                     "step needs the gradient at the model it holds); use none")  # fmt: skip
+    if settings.secagg:
+        found.append('secagg=true: not with mode="fedsgd" (use fedavg)')
+    return found
 
 
 def _is_none(spec: str) -> bool:

@@ -92,6 +92,21 @@ PRESETS: dict[str, Preset] = {
             "uplink": "lognormal:median=2,sigma=1",
         },
     ),
+    # The papers' regime (docs/app.md, "Data-parallel SGD"): every client sends one minibatch gradient per step.
+    "fedsgd": Preset(
+        "digits, MLP, data-parallel SGD: 10 IID clients, all each step, one gradient of 32 examples each, "
+        "server SGD lr 0.1 momentum 0.9",
+        10,
+        {
+            "mode": "fedsgd",
+            "model": "mlp",
+            "fraction_train": 1.0,
+            "batch_size": 32,
+            "learning_rate": 0.1,
+            "clip_norm": 0.0,
+            "rounds": 150,
+        },
+    ),
     # Hub datasets (pip install -e ".[hub]", internet on first use); run times: benchmarks/preset_cost.py.
     "femnist": Preset(
         "FEMNIST (flwr-datasets), CNN, 200 clients with Dirichlet(0.5) labels, 20 per round",

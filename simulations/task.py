@@ -91,6 +91,41 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def minibatch_gradient_step(
+    model: nn.Module,
+    data: TensorData,
+    *,
+    batch_size: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+    clip_norm: float = 0.0,
+) -> tuple[dict[str, torch.Tensor], float, int]:
+    """One stochastic gradient of ``model`` on a minibatch of ``data``, as the model ``w - g``.
+
+    Returns ``(state_dict, loss, examples)``: the parameters are ``w - g`` (``g`` the mean
+    gradient over ``min(batch_size, len(data))`` examples drawn without replacement from a
+    generator seeded with ``seed``, clipped to L2 norm ``clip_norm`` when > 0), the buffers
+    (BatchNorm statistics) as the forward pass left them. ``model`` is not changed otherwise.
+    """
+    device = torch.device(device)
+    model.to(device).train()
+    n = len(data)
+    take = min(batch_size, n)
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:take]
+    x, y = data.x[idx].to(device, _float_dtype(model)), data.y[idx].to(device)
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if clip_norm > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(p.grad)
+    model.zero_grad(set_to_none=True)
+    return model.state_dict(), float(loss.detach()), take
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, data: TensorData, *, batch_size: int = 512, device: torch.device | str = "cpu"

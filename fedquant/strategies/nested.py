@@ -313,7 +313,12 @@ class NestedDecodePlan(SideInfoPlan):
         )
 
     def accepted(self, server_round: int, reply: DecodedClient) -> None:
-        """Count the group's bytes; keep P1's decoded updates for the next round's spread estimates."""
+        """Count the group's bytes; keep P1's decoded updates for the next round's spread estimates.
+
+        With a default codec that nests (a fixed ``rho``), ``ndqsg-nested-tensors`` counts the
+        tensors a P2 reply really sent nested (before, only tensors with their own ``rho`` were
+        counted, so a fixed-``rho`` run reported 0 and was called a DQSG run).
+        """
         super().accepted(server_round, reply)
         state = self._rounds.get(server_round)
         role = _role(reply.assignment)
@@ -325,6 +330,9 @@ class NestedDecodePlan(SideInfoPlan):
             state.p1_decoded += 1
             for name, update in reply.updates.items():
                 state.p1_updates.setdefault(name, []).append(update)
+        elif reply.assignment.codec.needs_side_info:  # a nesting default (fixed rho): count every nested tensor
+            nested = sum(reply.assignment.codec_for(name).needs_side_info for name in reply.updates)
+            state.nested_tensors = max(state.nested_tensors, nested)
 
     def round_metrics(self, server_round: int) -> dict[str, int | float]:
         """The round's NDQSG metrics; updates the spread estimates from this round's P1 updates."""

@@ -548,3 +548,13 @@ def test_both_groups_keep_the_codecs_transforms(transforms):
     specs = {a.codec.spec for a in assignments.values()}
     assert {s.removeprefix(transforms).split(":")[0] for s in specs} == {"dqsg", "ndqsg"}
     assert all(s.startswith(transforms) for s in specs)
+
+
+def test_a_fixed_rho_reports_the_tensors_it_nests():
+    # A fixed rho nests every encoded tensor of P2 (here fc.weight; fc.bias is under min_numel):
+    # the metric must say so, not 0 (which the app's warning reads as "a DQSG run").
+    strategy = _strategy("ndqsg:levels=3,rho=3")
+    grid = InProcessGrid(make_app(), NUM_NODES)
+    messages = list(strategy.configure_train(1, initial_arrays(), ConfigRecord(), grid))
+    _, m = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert m["ndqsg-p2-nested"] == 1 and m[METRIC_NESTED_TENSORS] == 1
