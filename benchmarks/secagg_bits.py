@@ -61,12 +61,17 @@ def wire_bytes(content: RecordDict) -> int:
 
 def client_updates(clients: int, seed: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """The CNN's initial weights and each client's real update (flattened float32)."""
-    from simulations.data import load_partition
     from simulations.models import build_model
-    from simulations.task import train
 
     torch.set_num_threads(1)
-    model = build_model("cnn", (1, 8, 8), 10, seed=seed)
+    return _trained_updates(build_model("cnn", (1, 8, 8), 10, seed=seed), clients, seed)
+
+
+def _trained_updates(model: torch.nn.Module, clients: int, seed: int) -> tuple[dict[str, torch.Tensor], list]:
+    """The model's initial weights and each client's update after one epoch on its digits part."""
+    from simulations.data import load_partition
+    from simulations.task import train
+
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = []
     for p in range(clients):
@@ -257,9 +262,6 @@ def format_table(rows: list[Row]) -> str:
 def large_updates(clients: int, seed: int) -> list[torch.Tensor]:
     """Updates of a 1,059,850-parameter MLP (64 -> 1024 -> 960 -> 10 on digits' 8x8 inputs): each client
     trains one epoch on its digits part from the same initial model (real updates, as for the CNN)."""
-    from simulations.data import load_partition
-    from simulations.task import train
-
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 1024), torch.nn.ReLU(),
@@ -267,13 +269,7 @@ def large_updates(clients: int, seed: int) -> list[torch.Tensor]:
     for param in model.parameters():
         with torch.no_grad():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.03)
-    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = []
-    for p in range(clients):
-        model.load_state_dict(start)
-        train(model, load_partition("digits", p, clients, seed=seed), epochs=1, batch_size=16, lr=0.05, seed=seed + p)
-        out.append(torch.cat([(v.detach() - start[k]).reshape(-1).float() for k, v in model.state_dict().items()]))
-    return out
+    return _trained_updates(model, clients, seed)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
