@@ -18,6 +18,16 @@ def any_codec(request):
     return get_codec(request.param)
 
 
+@pytest.fixture(autouse=True)
+def _flwr_log_level_restored():
+    """Put the ``flwr`` logger's level back after each test: benchmarks' ``main`` quiets it, and a
+    level left at ERROR hides the warnings later tests look for."""
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
 @pytest.fixture
 def flwr_log():
     """Records of the ``flwr`` logger (Flower's ``log`` does not propagate to the root logger)."""

@@ -22,12 +22,23 @@ from tests.flower_fakes import InProcessGrid
 
 # Columns that hold wall-clock time: the only ones two runs may disagree on.
 TIMING_COLUMNS = {"elapsed-seconds", "encode-seconds", "decode-seconds"}
+#: Whole messages as Flower serialises them: their node ids, run ids and the client's pid are drawn
+#: anew each run, so their varints may differ by a few bytes (compared within MESSAGE_SLACK instead).
+MESSAGE_COLUMNS = {"message-bytes-up", "message-bytes-down"}
+MESSAGE_SLACK = 32
 
 
 def history_rows(folder: Path) -> list[dict[str, str]]:
     """``history.csv`` without its timing columns, as text (a bit-level comparison)."""
     with (folder / "history.csv").open() as fh:
-        return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in csv.DictReader(fh)]
+        skip = TIMING_COLUMNS | MESSAGE_COLUMNS
+        return [{k: v for k, v in row.items() if k not in skip} for row in csv.DictReader(fh)]
+
+
+def message_bytes(folder: Path) -> list[tuple[int, int]]:
+    """Per round, the whole messages' bytes up and down (``history.csv``)."""
+    with (folder / "history.csv").open() as fh:
+        return [(int(row["message-bytes-up"] or 0), int(row["message-bytes-down"] or 0)) for row in csv.DictReader(fh)]
 
 
 class RegisteringGrid(InProcessGrid):
@@ -158,6 +169,9 @@ def test_two_simulations_with_the_default_config_agree_and_converge(tmp_path):
                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})  # fmt: skip
     rows = history_rows(tmp_path / "a")
     assert rows == history_rows(tmp_path / "b")
+    sizes_a, sizes_b = message_bytes(tmp_path / "a"), message_bytes(tmp_path / "b")
+    assert len(sizes_a) == len(sizes_b) and all(up > 0 and down > 0 for up, down in sizes_a[1:])
+    assert all(abs(a - b) <= MESSAGE_SLACK for pair in zip(sizes_a, sizes_b) for a, b in zip(*pair))
     accuracy = [float(r["accuracy"]) for r in rows[1:]]
     assert len(accuracy) == SimSettings().rounds and {r["diverged"] for r in rows[1:]} == {"0"}
     # 359 test digits: the binomial sd of the accuracy at 0.95 is 0.012, so a model that stays
