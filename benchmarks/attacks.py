@@ -451,7 +451,7 @@ DEFENCES: dict[str, Callable[[], Strategy]] = {
 
 
 # ---------------------------------------------------------------------------------------------- one run
-ADMISSION = AdmissionRules()  # --drift changes the cross-round rule's factors
+ADMISSION = AdmissionRules(cross_round=DriftRule())  # the gate measures the opt-in drift rule; --drift changes it
 
 
 @dataclass

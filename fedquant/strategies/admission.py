@@ -225,7 +225,8 @@ class AdmissionRules:
     cross_round : DriftRule or None
         Lower (clip, reason ``drift``) the weight of a reply whose displacement of the aggregate,
         this round or summed over the node's rounds, exceeds its bound
-        (:mod:`~fedquant.strategies.drift`; default ``DriftRule()``). None: off.
+        (:mod:`~fedquant.strategies.drift`). Default None (off): ``DriftRule()`` turns it on; it
+        misses its attack gate still and costs server time (docs/threat-model.md).
 
     Examples
     --------
@@ -256,7 +257,7 @@ class AdmissionRules:
     warn_rejected_share: float = 0.3
     warn_rule_share: float = 0.05
     persistent_opposition: PersistenceRule | None = PersistenceRule()
-    cross_round: DriftRule | None = DriftRule()
+    cross_round: DriftRule | None = None
 
     def __post_init__(self) -> None:
         names = ("max_weight", "norm_factor", "max_update_norm", "weight_factor", "weight_reject_factor", "clip_factor")

@@ -25,6 +25,7 @@ from fedquant.protocol import KEY_ROLE, STATE_TRANSFORMS_KEY, payload_array, ten
 from fedquant.records import RecordCodec
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, NestedDecodePlan, QuantizedStrategy
+from fedquant.strategies.drift import DriftRule
 from fedquant.wire import payload as payload_module
 from fedquant.wire.payload import read_payload, write_payload
 from tests import flower_fakes as fakes
@@ -208,8 +209,8 @@ def test_one_clients_influence_within_the_rules_is_weight_share_times_norm_bound
     assert deviation > 0.5 * share * rules.clip_factor * reference  # the bound is what it gets, not 0
     assert metrics["clipped-num-examples"] == 1 and metrics["clipped-update-norm"] == 1
     assert metrics["rejected-replies"] == 0
-    # the cross-round rule (on by default) lowers the weight further: its pull is at most 1.5 typical ones
-    arrays, metrics = _round(_wrap(), tamper=tamper)
+    # the cross-round rule (opt-in) lowers the weight further: its pull is at most 1.5 typical ones
+    arrays, metrics = _round(_wrap(admission=AdmissionRules(cross_round=DriftRule())), tamper=tamper)
     moved = {k: arrays[k].numpy().astype(np.float64) - start[k].numpy() for k in poison}
     assert _norm({k: moved[k] - without[k] for k in poison}) < 0.5 * deviation
     assert metrics["clipped-drift"] == 1 and metrics["rejected-replies"] == 0
