@@ -1,73 +1,7 @@
-"""Admission rules: which untrusted replies the server lets into the aggregate, and with what influence.
+"""Admission rules: which untrusted replies reach the aggregate, and with what influence.
 
-A reply that decodes is still untrusted: its metrics steer the weighted average and its update,
-valid bytes and all, can be of any size. :class:`AdmissionRules` holds the checks
-:class:`~fedquant.strategies.QuantizedStrategy` applies to every reply, train and evaluate, on
-top of the payload checks of the codecs. Every rule is on by default and each can be switched
-off on its own. A rule either **rejects** a reply (it is dropped alone, the round goes on) or
-**clips** it (it stays, with a smaller weight or update).
-
-===================  ================================================================  =====================
-reason               rule                                                               switch
-===================  ================================================================  =====================
-``duplicate-node``   two or more replies name the same source node: all of them are    ``reject_duplicates``
-                     dropped (none can be told apart from a forged copy)
-``unexpected-node``  a reply from a node that was not sent a message this round         always on
-``metrics``          not exactly one MetricRecord; a key set other than the round's     ``consistent_metrics``,
-                     (:mod:`~fedquant.strategies.metric_screen`); a value of another    ``finite_metrics``
-                     type than its key carries in the round; NaN/Inf
-``num-examples``     the weight (``num-examples``, or the inner strategy's              ``check_weight``,
-                     ``weighted_by_key``) is missing, a list, not finite, <= 0, above   ``max_weight``,
-                     ``max_weight`` or ``weight_reject_factor`` x the round's           ``weight_reject_factor``,
-                     reference weight (widened by the spread, ``weight_spread``);       ``weight_spread``,
-                     **clipped** to ``weight_factor`` x the                             ``weight_factor``,
-                     reference and to a ``max_weight_share`` of the round's total       ``max_weight_share``
-``payload``          the payload or the arrays do not decode (see the codecs)           always on
-``non-float``        a bool entry differs from the round's majority (or, without one,   ``check_non_float``
-                     from what was sent); integer entries follow the update-norm rule
-                     against their own reference
-``update-norm``      the decoded update's L2 norm exceeds ``norm_factor`` x the         ``norm_factor``,
-                     reference norm (widened to ``exp(norm_spread x s)`` x it, ``s``    ``norm_spread``,
-                     the robust spread of the log norms), or ``max_update_norm``;       ``max_update_norm``,
-                     **clipped** to ``clip_factor`` x the reference above that          ``clip_factor``
-``direction``        the update points against the round's consensus: its cosine with   ``reject_opposing``,
-                     the sum of the first vote's updates (itself included) is below     ``opposing_margin``,
-                     ``-opposing_margin``; or the client's updates have pointed         ``persistent_opposition``
-                     against the round's others persistently across rounds
-``decode-plan``      the decode plan refused the reply (e.g. NDQSG's second group       always on
-                     with no first-group reply to decode against)
-===================  ================================================================  =====================
-
-Rejected replies are logged with the node id and the reason, counted in ``rejected-replies`` and,
-per reason, in ``rejected-<reason>``; clipped ones in ``clipped-<reason>``.
-
-**References a minority cannot move.** Relative bounds are multiples of a reference
-(:class:`MedianReference`): the weighted median of this round's values (the norms of the replies
-decoded so far, across decode groups, one vote each) and the history (the values admitted in the
-previous round and the previous round's reference, together half a round's votes). It stays within
-the range of honest values as long as attackers hold at most half of that pool: with an honest
-history, fewer than 3/4 of the round (at exactly half, the history decides); in the first round
-(no history), a strict minority. The history never outvotes a round that agrees with itself,
-so a single reply per round is its own reference (no relative norm bound there: use
-``max_update_norm`` or Flower's DP clipping). Above that the median is theirs: a majority of zero
-updates gets every honest update rejected, a majority of large ones raises the bound (a warning
-and ``rejected-share`` tell the user when a round rejects much). The reject bounds widen with the
-robust spread of the same pool (median absolute deviation of the log values, :class:`Reference`),
-which a minority moves no further than the spread of the honest values.
-
-**One client's influence on a FedAvg round.** After the rules, a reply's weight share is at most
-``s = min(max_weight_share, f w / (f w + W))`` (``f = weight_factor``, ``w`` the reference weight,
-``W`` the other replies' total) and its update norm at most ``c x r`` (``c = clip_factor``, ``r``
-the reference norm). Its term in the weighted mean of updates is then at most ``s c r``; with
-``n`` equal honest weights ``s = f / (f + n - 1)``: 3/12 = 0.25 for ``n = 10``, so one client adds
-at most ``0.25 x 2 = 0.5`` reference norms, in any direction, per round (see
-``docs/threat-model.md``).
-
-Why clip between ``clip_factor`` and ``norm_factor`` and reject above: an update 10 x the median is
-not what honest training produces (rejecting it costs one reply), one 2-10 x the median may be an
-honest client with more data or steeper loss; clipping it keeps its direction and bounds what a
-liar gains by claiming it. For a stricter, weight-free bound on every client, wrap the inner
-strategy in Flower's ``DifferentialPrivacyServerSideFixedClipping``, which works under this wrapper.
+A rule either rejects a reply (dropped alone) or clips it (kept with a smaller weight or update).
+The rules, their references and what one client can do per round: docs/admission.md.
 """
 
 from __future__ import annotations
@@ -124,112 +58,11 @@ def _positive(name: str, value: object, minimum: float = 0.0, inclusive: bool = 
 
 @dataclass(frozen=True)
 class AdmissionRules:
-    """The checks every reply must pass before it reaches the wrapped strategy, and its bounds.
+    """The checks every reply must pass before it reaches the wrapped strategy, and their bounds.
 
-    Parameters
-    ----------
-    reject_duplicates : bool
-        Drop every reply of a node that replied more than once in a round (default True).
-    consistent_metrics : bool
-        Every reply must carry exactly one MetricRecord with the round's key set (the set a strict
-        majority of replies carry; without one, ``metric_keys`` and the weight key) and values of
-        the type each key carries in the round; odd replies are dropped alone, where Flower's
-        strategies would abort the round or raise (default True).
-    finite_metrics : bool
-        Drop replies with a NaN or Inf metric value (default True).
-    check_weight : bool
-        The weight metric (``num-examples`` or the inner strategy's ``weighted_by_key``) must be
-        present, a single finite number and > 0 (default True).
-    max_weight : float or None
-        Largest accepted weight (default 1e9 examples); None for no cap. The relative bounds
-        below are what limits a client's share of the aggregate.
-    weight_factor : float or None
-        Clip a weight to this multiple of the round's reference weight (default 3); None: off.
-    weight_reject_factor : float or None
-        Drop a reply whose weight exceeds this multiple of the reference weight (default 10): a
-        claim that large is not a client of this federation; clipping it would still hand it
-        ``weight_factor`` times a typical share. Widened by ``weight_spread``. None: off.
-    weight_spread : float or None
-        Widen the weight reject bound to ``exp(weight_spread x s)`` times the reference where that
-        is more than ``weight_reject_factor`` (default 8.0), ``s`` the robust spread of the round's
-        log weights; None: the fixed factor alone. Loose on purpose: LEAF's sizes (lognormal, sigma
-        2, at least 5) put honest clients 80 x a 10-client round's median while ``s`` of such a
-        round is about 0.7, and the weight clip (``weight_factor``, ``max_weight_share``), not
-        this bound, is what limits a client's share.
-    max_weight_share : float or None
-        Clip weights so that no reply holds more than this share of the round's total (default
-        0.5: no single reply outweighs all others); None: off. With ``n`` replies a share below
-        ``1 / n`` is met by equal weights.
-    norm_factor : float or None
-        Drop a decoded update whose L2 norm exceeds this multiple of the reference norm (default
-        10), widened by ``norm_spread``; None switches the rule off.
-    norm_spread : float or None
-        Widen the reject bound to ``exp(norm_spread x s)`` times the reference where that is more
-        than ``norm_factor`` (default 5.0), ``s`` the robust spread of the log norms the
-        reference is taken over (:class:`Reference`): honest norms spread with the clients' data
-        sizes and their distance from the model, far more on non-IID data with LEAF-sized clients
-        than on equal IID ones, and a bound of a fixed factor rejected ~15% of honest replies there.
-        None: the fixed factor alone.
-    norm_per_weight : bool
-        Scale the reject bound of an update (not the clip) by ``max(1, w / w_ref)``, its reply's
-        weight over the round's reference weight (default True): a client with k times the data
-        takes about k times the local steps and moves honestly up to k times further (on Synthetic
-        with LEAF's sizes most clients take one clipped step, norm lr, and the largest 56, where no
-        spread of the norms alone tells them from an attacker). A large weight claim buys no
-        influence: the weight is clipped (``weight_factor``) and the update too (``clip_factor``).
-    clip_factor : float or None
-        Scale down a decoded update whose L2 norm exceeds this multiple of the reference norm to
-        that norm (default 2; keeps its direction); None: off.
-    max_update_norm : float or None
-        Absolute bound on a decoded update's L2 norm (default None: none).
-    reject_opposing : bool
-        Drop an update whose cosine with the round's consensus is below ``-opposing_margin``
-        (default False). The consensus is the sum of the first vote's updates after the norm rule,
-        the update itself included, so a sign-flipped honest update is dropped while an honest one
-        of noise alone passes: an update is dropped only when the others pull against it more than
-        it pulls its own way. Off by default because one round cannot tell a flip from a non-IID
-        honest client: it dropped 16-17% of honest replies on Synthetic at 100 of 1,000 clients
-        (``benchmarks/honest_rejections.py``); ``persistent_opposition`` rejects a flip from its
-        second round instead. Switch it on for IID-like federations to catch a flip in round 1.
-    opposing_margin : float
-        How far below zero the cosine must lie (default 0.05, in ``[0, 1)``): non-IID honest
-        updates nearly orthogonal to the round (cosine -0.004 seen on digits Dirichlet 0.5) pass.
-    check_non_float : bool
-        Bool entries must agree with the round's majority; integer entries are bounded by
-        ``norm_factor``/``clip_factor`` against their own reference (default True).
-    metric_keys : frozenset of str, optional
-        The metric keys clients send, declared (besides the weight key). They win when no key set
-        has a strict majority in a round; without them, the keys a strict majority carries do and
-        other keys are stripped, so exactly half of the clients cannot get the others rejected.
-    list_metrics : frozenset of str
-        Metric keys that may carry lists (default none: every metric must be a number).
-    max_list_length : int
-        Longest accepted list value (default 1024).
-    metric_trim : float
-        The aggregated value of each client metric is kept within the range of the round's
-        values without the ``max(1, floor(metric_trim x n))`` lowest and highest (``n >= 3``), so
-        that many clients cannot move it beyond the honest range (default 0.25).
-    warn_rejected_share : float
-        Log a warning when a round rejects at least this share of its replies (default 0.3); the
-        share is reported as ``rejected-share`` every round.
-    warn_rule_share : float
-        Log a warning when one rule rejects more than this share of a round's replies (default
-        0.05: a rule calibrated on honest spread rejects far less of an honest round, so more
-        means attackers or a rule that does not fit the federation); the largest share one rule
-        rejected is reported as ``rejected-rule-max-share`` every train round.
-    persistent_opposition : PersistenceRule or None
-        Drop (reason ``direction``) the updates of a client whose updates point against the sum of
-        the round's others persistently across rounds: a CUSUM per node id of its leave-one-out
-        cosines (:mod:`~fedquant.strategies.direction`; default ``PersistenceRule()``: allowance
-        0.5, threshold 0.75). None: off.
-    cross_round : DriftRule or None
-        Lower (clip, reason ``drift``) the weight of a reply whose displacement of the aggregate,
-        this round or summed over the node's rounds, exceeds its bound
-        (:mod:`~fedquant.strategies.drift`). Default None (off): ``DriftRule()`` turns it on; it
-        misses its attack gate still and costs server time (docs/threat-model.md).
+    Every rule is on by default and each can be switched off on its own (``None`` or ``False``);
+    :meth:`off` switches all of them off. Each option is described in docs/admission.md.
 
-    Examples
-    --------
     >>> AdmissionRules(norm_factor=5.0, max_weight=None)  # tighter norm bound, no weight cap
     """
 
