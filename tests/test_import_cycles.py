@@ -1,4 +1,7 @@
-"""No import circles inside ``fedquant``: every module can be read after the modules it imports."""
+"""No import circles inside ``fedquant``, counting every import statement (in functions, for annotations).
+
+A circle means neither module can be read without the other: one of them holds a piece of the other.
+"""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class QuantizedStrategy(Strategy):
         self.uplink_bandwidth, self.recorder, self.client_mse = uplink_bandwidth, recorder, settings.client_mse
         self.decode_plan, self.admission = settings.decode_plan, settings.admission
         self.downlink, self.budget = settings.downlink, settings.budget
-        self.stages, self.evaluation, self.bounds, self.recording = build_stages(settings, self.client_seed)
+        self.stages, self.evaluation, self.admitting, self.recording = build_stages(settings, self.client_seed)
         self.secure = settings.secure_aggregation
         self.tensor_policy = settings.tensor_policy
         self.secure_stage = None

@@ -6,10 +6,10 @@ stage      what it does                                          module
 assign     codec setting (decode plan, upload budget) and seed   :mod:`.assignment`
 downlink   the model each client is sent                          :mod:`.sending`
 arrival    bytes of every reply, the mod's own metrics            :mod:`.arrival`
-screen     sender, metrics, weights, integer entries              :mod:`.screening`
-decode     vote groups in the plan's order; admission of each     :mod:`.decoding`, :mod:`.admitting`
+screen     sender; opens the vote; metrics, weights, integers     :mod:`.screening`
+decode     vote groups in the plan's order; the rules judge each  :mod:`.decoding`
 budget     the upload budget learns the reply sizes               :mod:`.budgeting`
-aggregate  the inner strategy, guarded                            :mod:`.aggregation`
+aggregate  weights bounded; the inner strategy, guarded           :mod:`.aggregation`
 record     traffic metrics                                        :mod:`.recording`
 ========== ===================================================== =========================
 

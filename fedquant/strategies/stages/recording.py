@@ -21,9 +21,16 @@ from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 class Recording(RoundStage):
     """Reports ``state.traffic`` under the metric keys (``uplink-bytes``, ``rejected-<reason>``, ...)."""
 
-    def __init__(self, admission: AdmissionRules, with_upload_seconds: bool) -> None:
+    def __init__(
+        self,
+        admission: AdmissionRules,
+        with_upload_seconds: bool,
+        reasons: tuple[str, ...] = REASONS,
+        clip_reasons: tuple[str, ...] = CLIP_REASONS,
+    ) -> None:
         self.admission = admission
         self.with_upload_seconds = with_upload_seconds
+        self.reasons, self.clip_reasons = reasons, clip_reasons
         self.cumulative_uplink_bytes = 0
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
@@ -43,8 +50,8 @@ class Recording(RoundStage):
         own = traffic.metrics(
             self.cumulative_uplink_bytes,
             self.with_upload_seconds,
-            REASONS,
-            CLIP_REASONS,
+            self.reasons,
+            self.clip_reasons,
             self.admission.metric_trim,
         )
         own[REJECTED_RULE_MAX_SHARE] = rule_share
