@@ -19,10 +19,10 @@ from fedquant.strategies.admission import AdmissionRules, weight_key_of
 from fedquant.strategies.decode_plan import DecodePlan
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES
 from fedquant.strategies.inner_guard import guarded_train
+from fedquant.strategies.round import LOG_PREFIX
 from fedquant.strategies.stages import RoundLedger, RoundStage, Settings, TrainRound, build_stages, write_messages
 from fedquant.strategies.stages.decoding import Decoding
 from fedquant.strategies.stages.secure import SecureAggregation
-from fedquant.strategies.stages.state import LOG_PREFIX
 from fedquant.strategies.tensor_policy import TensorPolicy
 
 

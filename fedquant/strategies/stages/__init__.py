@@ -17,9 +17,9 @@ Every stage implements :class:`RoundStage`; all per-round state lives in one
 :class:`TrainRound` kept by a :class:`RoundLedger`.
 """
 
+from fedquant.strategies.round import RoundLedger, TrainRound
 from fedquant.strategies.stages.assignment import write_messages
 from fedquant.strategies.stages.base import RoundStage
 from fedquant.strategies.stages.pipeline import Settings, build_stages
-from fedquant.strategies.stages.state import RoundLedger, TrainRound
 
 __all__ = ["RoundLedger", "RoundStage", "Settings", "TrainRound", "build_stages", "write_messages"]

@@ -16,8 +16,8 @@ from fedquant.strategies.dtypes import restore_dtypes
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg, fedavg_weights, weighted_mean, without_arrays
 from fedquant.strategies.inner_guard import guarded_train, without_zero_norm_updates
 from fedquant.strategies.reply_decoder import decode_threads, float_update
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
 
 class Aggregation(RoundStage):

@@ -21,9 +21,9 @@ from fedquant.strategies.admission import REASON_PAYLOAD, REASON_PLAN, Admission
 from fedquant.strategies.admission.rules.metrics import conform, single_metric_record
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply, decode_threads
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 from fedquant.strategies.side_info import needs_side_info
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
 
 class Decoding(RoundStage):

@@ -14,8 +14,8 @@ from fedquant.strategies.admission import (
     AdmissionRules,
     warn_rule_shares,
 )
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
 
 class Recording(RoundStage):

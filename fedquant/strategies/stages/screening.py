@@ -10,8 +10,8 @@ from flwr.app import Message
 from fedquant.metrics.bandwidth import RoundTraffic
 from fedquant.strategies.admission import REASON_DUPLICATE, REASON_UNEXPECTED, Admission, Vote
 from fedquant.strategies.admission.rules.metrics import single_metric_record, vote_schema
+from fedquant.strategies.round import TrainRound, reject
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import TrainRound, reject
 
 
 class Screening(RoundStage):
