@@ -21,6 +21,7 @@ from fedquant.strategies.admission.reasons import (
     REASON_WEIGHT,
     REASONS,
     REJECTED_RULE_MAX_SHARE,
+    warn_rejections,
     warn_rule_shares,
 )
 from fedquant.strategies.admission.references import MedianReference, Reference, References, weighted_median
@@ -54,6 +55,7 @@ __all__ = [
     "Vote",
     "cap_shares",
     "single_metric_record",
+    "warn_rejections",
     "warn_rule_shares",
     "weight_key_of",
     "weighted_median",

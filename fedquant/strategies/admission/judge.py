@@ -1,7 +1,7 @@
 """A run's admission: the registered rules, built once, asked step by step against the vote and the references.
 
-The round's stages call one method per step (screening: :meth:`Admission.check`,
-:meth:`Admission.screen`, :meth:`Admission.screen_entries`; decoding: :meth:`Admission.judge`,
+The round's stages call one method per step (screening: :meth:`Admission.screen_replies`,
+:meth:`Admission.screen_entries`; decoding: :meth:`Admission.judge`,
 :meth:`Admission.oppose`; aggregation: :meth:`Admission.weigh`, :meth:`Admission.end_round`);
 each asks every rule that judges at that step, in the order of
 :data:`~fedquant.strategies.admission.rules.REGISTERED`, and names the rule in its verdict.
@@ -9,15 +9,17 @@ each asks every rule that judges at that step, in the order of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import numpy as np
 from flwr.app import Message, MetricRecord
 
 from fedquant.strategies.admission import rules as registered
-from fedquant.strategies.admission.reasons import CLIP_REASONS, REASONS
+from fedquant.strategies.admission.reasons import CLIP_REASONS, REASON_DUPLICATE, REASON_UNEXPECTED, REASONS
 from fedquant.strategies.admission.references import References
 from fedquant.strategies.admission.rules.base import Admitted, Problem, Reject, Rule, Setup
+from fedquant.strategies.admission.rules.metrics import single_metric_record, vote_schema
 from fedquant.strategies.admission.rules.norms import clip_update, norm_split
 from fedquant.strategies.admission.rules.weights import weights_of, write_weights
 from fedquant.strategies.admission.settings import AdmissionRules
@@ -72,6 +74,43 @@ class Admission:
         return VoteSums(consensus=bool(self._opposing), weighted=weighted_sum)
 
     # ------------------------------------------------------------------ screening
+    def screen_replies(
+        self, replies: Sequence[Message], expected: Container[int] | None, vote: Vote, reject: Reject
+    ) -> list[Message]:
+        """The replies whose sender and metrics pass; the round's metric schema goes to ``vote.schema``.
+
+        A reply from a node not in ``expected`` (None: any node) or from a node that replied more
+        than once is dropped (``reject(node, problem)``), as is one a rule rejects by its
+        MetricRecord, against the schema the expected nodes' replies vote (:func:`vote_schema`).
+        """
+        rules, kind = self.settings, vote.kind
+        copies = Counter(r.metadata.src_node_id for r in replies)
+        peers = [
+            single_metric_record(r.content)
+            for r in replies
+            if (expected is None or r.metadata.src_node_id in expected) and copies[r.metadata.src_node_id] == 1
+        ]
+        vote.schema = vote_schema(peers, self.weight_key, rules)
+        seen: set[int] = set()
+        passed = []
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            if expected is not None and node_id not in expected:
+                problem = (REASON_UNEXPECTED, f"the node was not sent a {kind} message this round")
+            elif node_id in seen or (rules.reject_duplicates and copies[node_id] > 1):
+                problem = (REASON_DUPLICATE, f"the node sent {copies[node_id]} {kind} replies this round")
+            else:
+                problem = self.check(vote, single_metric_record(reply.content))
+            seen.add(node_id)
+            if problem is None:
+                passed.append(reply)
+            else:
+                reject(node_id, problem)
+        outliers = self.screen(vote, {id(r): single_metric_record(r.content) for r in passed})
+        for reply in [r for r in passed if id(r) in outliers]:
+            reject(reply.metadata.src_node_id, outliers[id(reply)])
+        return [r for r in passed if id(r) not in outliers]
+
     def check(self, vote: Vote, record: MetricRecord | None) -> Problem | None:
         """A reply's MetricRecord, alone: the first rule's problem with it, else None."""
         for rule in self.rules:

@@ -8,6 +8,8 @@ from logging import WARNING
 
 from flwr.supercore import log
 
+from fedquant.strategies.admission.settings import AdmissionRules
+
 REASON_DUPLICATE = "duplicate-node"
 REASON_UNEXPECTED = "unexpected-node"
 REASON_METRICS = "metrics"
@@ -57,3 +59,20 @@ def warn_rule_shares(
                 server_round, reason, count, replies, kind, 100 * count / replies, 100 * limit,
             )  # fmt: skip
     return max(counts.values()) / replies, warned
+
+
+def warn_rejections(admission: AdmissionRules, server_round: int, kind: str, rejected: int, replies: int) -> int:
+    """A warning when admission rejected a large share of a round (``warn_rejected_share``); 1 if logged."""
+    if not replies or rejected < admission.warn_rejected_share * replies:
+        return 0
+    majority = " (a majority: more than half of the round may be attacking, or the rules do not fit it)"
+    log(
+        WARNING,
+        "QuantizedStrategy: round %s: admission rejected %d of %d %s replies%s",
+        server_round,
+        rejected,
+        replies,
+        kind,
+        majority if 2 * rejected > replies else "",
+    )
+    return 1

@@ -12,27 +12,27 @@ from fedquant.metrics.bandwidth import (
     REJECTED_SHARE,
     clipped_reason_key,
 )
-from fedquant.strategies.admission import REASON_WEIGHT, Admission, Vote
+from fedquant.strategies.admission import REASON_WEIGHT, Admission, Vote, warn_rejections
 from fedquant.strategies.admission.rules.base import Admitted
 from fedquant.strategies.admission.rules.metrics import clamp_metrics, conform, single_metric_record
 from fedquant.strategies.inner_guard import guarded_evaluate
-from fedquant.strategies.stages.recording import warn_rejections
-from fedquant.strategies.stages.screening import Screening
+from fedquant.strategies.round import reject
 
 
 class Evaluation:
     """Screens evaluate replies like train replies (sender, metrics, weights) and aggregates the survivors."""
 
-    def __init__(self, strategy: Strategy, admission: Admission, screening: Screening) -> None:
+    def __init__(self, strategy: Strategy, admission: Admission) -> None:
         self.strategy = strategy
         self.admission = admission
-        self.screening = screening
 
     def aggregate(self, server_round: int, replies: list[Message], asked: set[int] | None) -> MetricRecord | None:
         """The aggregated metrics of the replies that pass, with ``rejected-replies`` when any were dropped."""
         content_replies = [r for r in replies if not r.has_error()]
         vote = Vote("evaluate")
-        admitted = self.screening.screen(server_round, content_replies, asked, vote, None)
+        admitted = self.admission.screen_replies(
+            content_replies, asked, vote, lambda node_id, problem: reject(server_round, node_id, problem, None)
+        )
         rules, schema = self.admission.settings, vote.schema
         records = [single_metric_record(r.content) for r in admitted]
         for record in records:

@@ -108,13 +108,12 @@ def build_stages(
     """
     s = settings
     admission = Admission(s.admission, weight_key_of(s.strategy), s.seed)
-    screening = Screening(admission)
     recording = Recording(s.admission, s.uplink_bandwidth is not None, *admission.reported_reasons())
     stages: list[RoundStage] = [
         Assignment(s.codec, s.decode_plan, s.budget, client_seed, s.min_numel, s.client_mse, s.tensor_policy),
         Downlink(s.downlink),
         Arrival(s.uplink_bandwidth),
-        screening,
+        Screening(admission),
         Decoding(s.decode_plan, s.min_numel, admission, aggregates_like_fedavg(s.strategy)),
         *([Budgeting(s.budget)] if s.budget is not None else []),
         Aggregation(s.strategy, admission),
@@ -122,4 +121,4 @@ def build_stages(
         recording,
         *s.extra_stages,
     ]
-    return stages, Evaluation(s.strategy, admission, screening), admission, recording
+    return stages, Evaluation(s.strategy, admission), admission, recording

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from logging import WARNING
-
-from flwr.supercore import log
-
 from fedquant.metrics.bandwidth import RoundTraffic
 from fedquant.strategies.admission import (
     CLIP_REASONS,
     REASONS,
     REJECTED_RULE_MAX_SHARE,
     AdmissionRules,
+    warn_rejections,
     warn_rule_shares,
 )
-from fedquant.strategies.round import LOG_PREFIX, TrainRound
+from fedquant.strategies.round import TrainRound
 from fedquant.strategies.stages.base import RoundStage
 
 
@@ -56,24 +53,6 @@ class Recording(RoundStage):
         )
         own[REJECTED_RULE_MAX_SHARE] = rule_share
         return own
-
-
-def warn_rejections(admission: AdmissionRules, server_round: int, kind: str, rejected: int, replies: int) -> int:
-    """A warning when admission rejected a large share of a round (``warn_rejected_share``); 1 if logged."""
-    if not replies or rejected < admission.warn_rejected_share * replies:
-        return 0
-    majority = " (a majority: more than half of the round may be attacking, or the rules do not fit it)"
-    log(
-        WARNING,
-        "%s: round %s: admission rejected %d of %d %s replies%s",
-        LOG_PREFIX,
-        server_round,
-        rejected,
-        replies,
-        kind,
-        majority if 2 * rejected > replies else "",
-    )
-    return 1
 
 
 def add_client_metrics(values: tuple[float | None, float | None, bool], traffic: RoundTraffic) -> None:
