@@ -9,7 +9,7 @@ import pytest
 from fedquant.strategies.admission import Admission, AdmissionRules, References
 from fedquant.strategies.admission import rules as registered
 from fedquant.strategies.admission.references import NodeMemory
-from fedquant.strategies.admission.rules.base import Rule, Setup
+from fedquant.strategies.admission.rules.base import Rule
 from fedquant.strategies.drift import DriftLedger, DriftRule
 from tests.strategies.test_attacks import ATTACKER, _round, _scaled, _wrap
 
@@ -45,10 +45,6 @@ class TooLarge(Rule):
 
     reason = "too-large"
     limit = 0.0
-
-    @classmethod
-    def build(cls, setup: Setup) -> TooLarge:
-        return cls()
 
     def judge(self, vote, references, decoded, reference, record):
         if decoded.update_norm > self.limit:

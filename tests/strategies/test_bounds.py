@@ -194,6 +194,7 @@ def test_both_cosines_of_an_update_come_from_one_pass_over_it(monkeypatch):
     real = bounds.dot_terms
     monkeypatch.setattr(bounds, "dot_terms", lambda u, c: passes.append(u.size) or real(u, c))
     from fedquant.strategies.admission import Admission, AdmissionRules, Vote
+    from fedquant.strategies.admission.vote import Ballot
     from fedquant.strategies.reply_decoder import DecodedReply
 
     admission = Admission(AdmissionRules(reject_opposing=True), "num-examples")
@@ -202,7 +203,7 @@ def test_both_cosines_of_an_update_come_from_one_pass_over_it(monkeypatch):
     vote = Vote(consensus=consensus, voters=5, squares=squares)
     updates = {k: torch.from_numpy(v.reshape(-1)) for k, v in update.items()}
     reply = DecodedReply(record_name="r", plain={}, plain_values={}, updates=updates, update_norm=1.0)
-    admission.oppose(vote, 3, reply, {k: np.zeros_like(v) for k, v in update.items()}, in_vote=True)
+    admission.oppose(Ballot(vote, 3, reply, {k: np.zeros_like(v) for k, v in update.items()}, in_vote=True))
     assert sorted(passes) == sorted(v.size for v in update.values())  # once per entry, not twice
 
 

@@ -186,19 +186,10 @@ class Admission:
         if self._opposing:
             vote.set_consensus(decoded, received)
 
-    def oppose(
-        self,
-        vote: Vote,
-        node: int,
-        decoded: DecodedReply,
-        received: Mapping[str, np.ndarray],
-        in_vote: bool,
-        terms: Mapping[str, tuple[float, float]] | None = None,
-    ) -> Problem | None:
-        """The first direction rule's problem with an update (``in_vote``: it is in the consensus)."""
-        if not vote.consensus:
+    def oppose(self, ballot: Ballot) -> Problem | None:
+        """The first direction rule's problem with an update against its vote's consensus, else None."""
+        if not ballot.vote.consensus:
             return None
-        ballot = Ballot(vote, node, decoded, received, in_vote, terms)
         for rule in self._opposing:
             if (sentence := rule.oppose(self.references, ballot)) is not None:
                 return rule.reason, sentence

@@ -264,21 +264,21 @@ class Ballot:
         in_vote: bool,
         terms: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
-        self.node, self.in_vote, self.voters = node, in_vote, vote.voters
-        self._vote, self._decoded, self._received, self._terms = vote, decoded, received, terms
+        self.vote, self.node, self.in_vote, self.voters = vote, node, in_vote, vote.voters
+        self._decoded, self._received, self._terms = decoded, received, terms
 
     @property
     def terms(self) -> Mapping[str, tuple[float, float]]:
         """``(<u, c>, <u, u>)`` per entry of the update and the consensus."""
         if self._terms is None:
             self._terms = consensus_terms(
-                float_update(self._decoded, self._received, deferred=True), self._vote.consensus
+                float_update(self._decoded, self._received, deferred=True), self.vote.consensus
             )
         return self._terms
 
     def cosine(self, self_weight: float) -> float | None:
         """The update's cosine with ``consensus + self_weight x update`` (None when either is zero)."""
-        return consensus_cosine({}, self._vote.consensus, self_weight, self._vote.squares, self.terms)
+        return consensus_cosine({}, self.vote.consensus, self_weight, self.vote.squares, self.terms)
 
 
 def _add_update(total: dict[str, np.ndarray], update: Mapping[str, np.ndarray]) -> None:

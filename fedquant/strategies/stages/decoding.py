@@ -19,6 +19,7 @@ from fedquant.codecs.buffers import BufferPool
 from fedquant.metrics.bandwidth import record_numel
 from fedquant.strategies.admission import REASON_PAYLOAD, REASON_PLAN, Admission
 from fedquant.strategies.admission.rules.metrics import conform, single_metric_record
+from fedquant.strategies.admission.vote import Ballot
 from fedquant.strategies.decode_plan import ClientAssignment, DecodedClient, DecodePlan
 from fedquant.strategies.reply_decoder import DecodedReply, RejectedReply, decode_reply, decode_threads
 from fedquant.strategies.round import LOG_PREFIX, TrainRound
@@ -123,7 +124,7 @@ class Decoding(RoundStage):
     def _accept(
         self, state: TrainRound, node_id: int, decoded: DecodedReply, in_vote: bool, terms: dict | None = None
     ) -> None:
-        problem = self.admission.oppose(state.vote, node_id, decoded, state.received(node_id), in_vote, terms)
+        problem = self.admission.oppose(Ballot(state.vote, node_id, decoded, state.received(node_id), in_vote, terms))
         if problem is not None:
             state.reject(node_id, problem)
             return

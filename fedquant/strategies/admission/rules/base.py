@@ -49,10 +49,13 @@ class Rule:
     rejects: bool = True  # reported as rejected-<reason>
     clips: bool = False  # reported as clipped-<reason>
 
+    def __init__(self, setup: Setup) -> None:
+        self.rules, self.weight_key, self.seed = setup.rules, setup.weight_key, setup.seed
+
     @classmethod
     def build(cls, setup: Setup) -> Rule | None:
-        """The rule for a run, or None when ``setup.rules`` switches it off."""
-        raise NotImplementedError
+        """The rule for a run, or None when ``setup.rules`` switches it off (by default always on)."""
+        return cls(setup)
 
     def check(self, vote: Vote, record: MetricRecord | None) -> Problem | None:
         """A reply's MetricRecord, alone, against the round's schema (screening)."""

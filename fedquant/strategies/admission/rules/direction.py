@@ -18,18 +18,15 @@ class Direction(Rule):
 
     reason = REASON_DIRECTION
 
-    def __init__(self, margin: float) -> None:
-        self.margin = margin
-
     @classmethod
     def build(cls, setup: Setup) -> Direction | None:
-        return cls(setup.rules.opposing_margin) if setup.rules.reject_opposing else None
+        return cls(setup) if setup.rules.reject_opposing else None
 
     def wants_terms(self, voters: int) -> bool:
         return True
 
     def oppose(self, references: References, ballot: Ballot) -> str | None:
         cosine = ballot.cosine(0 if ballot.in_vote else 1)
-        if cosine is None or cosine >= -self.margin:
+        if cosine is None or cosine >= -self.rules.opposing_margin:
             return None
         return f"its update points against the round's consensus (cosine {cosine:.3g})"

@@ -12,7 +12,7 @@ from fedquant.strategies.admission.reasons import REASON_DRIFT
 from fedquant.strategies.admission.references import References
 from fedquant.strategies.admission.rules.base import Admitted, Rule, Setup
 from fedquant.strategies.admission.vote import Vote
-from fedquant.strategies.drift import DriftLedger, DriftRule
+from fedquant.strategies.drift import DriftLedger
 
 
 class Drift(Rule):
@@ -22,17 +22,13 @@ class Drift(Rule):
     clips = True
     rejects = False
 
-    def __init__(self, rule: DriftRule, seed: int) -> None:
-        self.rule, self.seed = rule, seed
-
     @classmethod
     def build(cls, setup: Setup) -> Drift | None:
-        rule = setup.rules.cross_round
-        return None if rule is None else cls(rule, setup.seed)
+        return None if setup.rules.cross_round is None else cls(setup)
 
     def ledger(self, references: References) -> DriftLedger:
         """Every node's sketched summed pull, kept across rounds."""
-        return references.kept("drift", lambda: DriftLedger(self.rule, self.seed))
+        return references.kept("drift", lambda: DriftLedger(self.rules.cross_round, self.seed))
 
     def weigh(self, vote: Vote, references: References, admitted: Admitted, weights: Sequence[float]) -> list[float]:
         if admitted.kind != "train" or len(weights) < 2:

@@ -36,7 +36,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from fedquant.metrics.robust import clamp_to_window, finite, is_number
 from fedquant.strategies.admission.reasons import REASON_METRICS, REASON_WEIGHT
-from fedquant.strategies.admission.rules.base import Problem, Rule, Setup
+from fedquant.strategies.admission.rules.base import Problem, Rule
 from fedquant.strategies.admission.rules.weights import problem as weight_problem
 from fedquant.strategies.admission.settings import AdmissionRules
 from fedquant.strategies.admission.vote import MetricSchema, Vote
@@ -47,12 +47,7 @@ class Metrics(Rule):
 
     reason = REASON_METRICS
 
-    def __init__(self, setup: Setup) -> None:
-        self.rules, self.weight_key = setup.rules, setup.weight_key
-
-    @classmethod
-    def build(cls, setup: Setup) -> Metrics:
-        return cls(setup)  # its switches are read record by record (check_record)
+    # always on: its switches are read record by record (check_record)
 
     def check(self, vote: Vote, record: MetricRecord | None) -> Problem | None:
         return check_record(record, vote.schema, self.weight_key, self.rules)

@@ -42,9 +42,6 @@ class NonFloat(Rule):
     reason = REASON_NON_FLOAT
     clips = True
 
-    def __init__(self, setup: Setup) -> None:
-        self.rules = setup.rules
-
     @classmethod
     def build(cls, setup: Setup) -> NonFloat | None:
         return cls(setup) if setup.rules.check_non_float else None

@@ -18,7 +18,7 @@ from flwr.app import MetricRecord
 from fedquant.records import numpy_array
 from fedquant.strategies.admission.reasons import REASON_NORM
 from fedquant.strategies.admission.references import Reference, References, widened
-from fedquant.strategies.admission.rules.base import Rule, Setup
+from fedquant.strategies.admission.rules.base import Rule
 from fedquant.strategies.admission.rules.weights import ratio
 from fedquant.strategies.admission.settings import AdmissionRules
 from fedquant.strategies.admission.vote import Vote
@@ -31,12 +31,7 @@ class Norms(Rule):
     reason = REASON_NORM
     clips = True
 
-    def __init__(self, setup: Setup) -> None:
-        self.rules, self.weight_key = setup.rules, setup.weight_key
-
-    @classmethod
-    def build(cls, setup: Setup) -> Norms:
-        return cls(setup)  # always on: a norm that is not finite is never admitted
+    # always on: a norm that is not finite is never admitted
 
     def reference(self, references: References, norms: Sequence[float]) -> Reference | None:
         """The reference norm (and the spread) given the round's ``norms`` (None when no relative rule is on)."""

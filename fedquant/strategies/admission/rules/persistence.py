@@ -80,17 +80,13 @@ class Persistence(Rule):
 
     reason = REASON_DIRECTION
 
-    def __init__(self, rule: PersistenceRule) -> None:
-        self.rule = rule
-
     @classmethod
     def build(cls, setup: Setup) -> Persistence | None:
-        rule = setup.rules.persistent_opposition
-        return None if rule is None else cls(rule)
+        return None if setup.rules.persistent_opposition is None else cls(setup)
 
     def history(self, references: References) -> DirectionHistory:
         """The CUSUM of every node, kept across rounds."""
-        return references.kept("persistence", lambda: DirectionHistory(self.rule))
+        return references.kept("persistence", lambda: DirectionHistory(self.rules.persistent_opposition))
 
     def wants_terms(self, voters: int) -> bool:
         # with one other update, who opposes whom is undecidable: both would be flagged

@@ -16,7 +16,7 @@ from flwr.app import MetricRecord
 from fedquant.metrics.robust import describe, finite, is_number
 from fedquant.strategies.admission.reasons import DEFAULT_WEIGHT_KEY, REASON_WEIGHT
 from fedquant.strategies.admission.references import Reference, References, widened
-from fedquant.strategies.admission.rules.base import Admitted, Rule, Setup
+from fedquant.strategies.admission.rules.base import Admitted, Rule
 from fedquant.strategies.admission.settings import AdmissionRules
 from fedquant.strategies.admission.vote import Vote
 
@@ -27,12 +27,7 @@ class Weights(Rule):
     reason = REASON_WEIGHT
     clips = True
 
-    def __init__(self, setup: Setup) -> None:
-        self.rules, self.weight_key = setup.rules, setup.weight_key
-
-    @classmethod
-    def build(cls, setup: Setup) -> Weights:
-        return cls(setup)  # always on: its reference is the norm rule's weight ratio too
+    # always on: its reference is the norm rule's weight ratio too
 
     def screen(self, vote: Vote, references: References, records: Mapping[int, MetricRecord]) -> dict[int, str]:
         """Per key, a sentence for the weights above the reject bound; sets ``vote.weight_reference``."""
