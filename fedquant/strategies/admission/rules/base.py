@@ -1,7 +1,8 @@
 """What an admission rule is: the steps of a round it may judge at, each a function of the vote and the references.
 
-A rule overrides the steps it judges at; the others pass everything. :class:`~fedquant.strategies.
-admission.judge.Admission` calls every registered rule at each step, in registration order.
+A rule overrides the steps it judges at; the others pass everything.
+:class:`~fedquant.strategies.admission.judge.Admission` asks every registered rule at each step,
+in registration order.
 """
 
 from __future__ import annotations
