@@ -26,9 +26,8 @@ from fedquant.strategies.admission.reasons import (
 )
 from fedquant.strategies.admission.references import MedianReference, Reference, References, weighted_median
 from fedquant.strategies.admission.rules.metrics import single_metric_record
-from fedquant.strategies.admission.rules.persistence import PersistenceRule
 from fedquant.strategies.admission.rules.weights import cap_shares, weight_key_of
-from fedquant.strategies.admission.settings import AdmissionRules
+from fedquant.strategies.admission.settings import AdmissionRules, PersistenceRule
 from fedquant.strategies.admission.vote import Vote
 
 __all__ = [
