@@ -81,24 +81,26 @@ class DecodedNorms:
         self.rounds: list[list[float]] = []
 
     def __enter__(self) -> DecodedNorms:
-        from fedquant.strategies.influence import InfluenceBounds
+        from fedquant.strategies.admission import Admission
 
-        self._cls, self._judge, self._start = InfluenceBounds, InfluenceBounds.judge_update, InfluenceBounds.start_round
-        rounds, judge, start = self.rounds, self._judge, self._start
+        self._judge, self._sums = Admission.judge, Admission.sums
+        rounds, judge, sums = self.rounds, self._judge, self._sums
 
-        def judge_update(bounds, decoded, *args, **kwargs):
+        def judged(admission, vote, decoded, *args, **kwargs):
             rounds[-1].append(float(decoded.update_norm))
-            return judge(bounds, decoded, *args, **kwargs)
+            return judge(admission, vote, decoded, *args, **kwargs)
 
-        def start_round(bounds):
+        def round_sums(admission, *args, **kwargs):  # one call per train round, before its decoding
             rounds.append([])
-            return start(bounds)
+            return sums(admission, *args, **kwargs)
 
-        InfluenceBounds.judge_update, InfluenceBounds.start_round = judge_update, start_round
+        Admission.judge, Admission.sums = judged, round_sums
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._cls.judge_update, self._cls.start_round = self._judge, self._start
+        from fedquant.strategies.admission import Admission
+
+        Admission.judge, Admission.sums = self._judge, self._sums
 
     def max_ratio(self) -> float:
         """The largest max/median of a round's decoded norms (one reply per round: 1)."""

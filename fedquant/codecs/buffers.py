@@ -3,11 +3,7 @@
 A server decodes every reply of a round into an array of its own and keeps them all until the
 round is aggregated (the direction rules read each update again once the consensus is known).
 Fresh memory can cost more than the decode itself: the first write to each 4 KiB page of a new
-array is a page fault. Filling a fresh 4 MB array (a 1M-parameter update) measured 1.3 ms on
-this project's machine, filling it again 0.14 ms; EDEN's whole decode of it takes about 0.8 ms.
-Arrays above the allocator's mmap threshold (at most 32 MB in glibc) are fresh every time; an
-EDEN round of 10 replies x 25M took 0.83 s without the pool, 0.66 s with it
-(``benchmarks/server_decode.py``).
+array is a page fault (measured: docs/kernels.md, Decode buffers).
 
 :class:`BufferPool` keeps the arrays of a round's decodes and lends them again in the next
 round: within :meth:`BufferPool.lending`, :func:`output_array` takes from the pool instead of

@@ -29,7 +29,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedquant.codecs.kernels.norms import add_scaled, add_scaled_float32
 from fedquant.records import numpy_array
-from fedquant.strategies.admission import single_metric_record
+from fedquant.strategies.admission.rules.metrics import single_metric_record
 from fedquant.strategies.reply_decoder import DecodedReply
 
 
@@ -84,7 +84,7 @@ def weighted_mean(
         than to write.
     summed : mapping of str to numpy.ndarray, optional
         For some encoded entries (flat), ``total`` times ``sum_i shares[i] update_i`` (the vote's
-        running sums, :meth:`~fedquant.strategies.vote_sums.VoteSums.weighted_sum_of`), taken
+        running sums, :meth:`~fedquant.strategies.admission.vote.VoteSums.weighted_sum_of`), taken
         (scaled in place) instead of reading every update again.
     total : float
         What ``summed`` is divided by.

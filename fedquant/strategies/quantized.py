@@ -19,10 +19,10 @@ from fedquant.strategies.admission import AdmissionRules, weight_key_of
 from fedquant.strategies.decode_plan import DecodePlan
 from fedquant.strategies.downlink import DEFAULT_FULL_CODEC, DEFAULT_REFERENCES
 from fedquant.strategies.inner_guard import guarded_train
+from fedquant.strategies.round import LOG_PREFIX
 from fedquant.strategies.stages import RoundLedger, RoundStage, Settings, TrainRound, build_stages, write_messages
 from fedquant.strategies.stages.decoding import Decoding
 from fedquant.strategies.stages.secure import SecureAggregation
-from fedquant.strategies.stages.state import LOG_PREFIX
 from fedquant.strategies.tensor_policy import TensorPolicy
 
 
@@ -125,7 +125,7 @@ class QuantizedStrategy(Strategy):
         self.uplink_bandwidth, self.recorder, self.client_mse = uplink_bandwidth, recorder, settings.client_mse
         self.decode_plan, self.admission = settings.decode_plan, settings.admission
         self.downlink, self.budget = settings.downlink, settings.budget
-        self.stages, self.evaluation, self.bounds, self.recording = build_stages(settings, self.client_seed)
+        self.stages, self.evaluation, self.admitting, self.recording = build_stages(settings, self.client_seed)
         self.secure = settings.secure_aggregation
         self.tensor_policy = settings.tensor_policy
         self.secure_stage = None

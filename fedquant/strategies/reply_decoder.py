@@ -123,7 +123,7 @@ def decode_reply(
         The client's seed for this round.
     squares : callable, optional
         How each decoded update is checked and its squared norm taken (``RecordCodec.decode``'s
-        hook; default its own check), e.g. :meth:`~fedquant.strategies.vote_sums.VoteSums.squares`;
+        hook; default its own check), e.g. :meth:`~fedquant.strategies.admission.vote.VoteSums.squares`;
         it also receives the updates that codecs can defer (``decode(..., defer=True)``).
 
     Raises
@@ -175,3 +175,22 @@ def decode_threads(replies: int) -> Iterator[int]:
     finally:
         if torch.get_num_threads() != torch_threads:
             torch.set_num_threads(torch_threads)
+
+
+def float_update(
+    decoded: DecodedReply, received: Mapping[str, np.ndarray], deferred: bool = False
+) -> dict[str, np.ndarray | DeferredValues]:
+    """The reply's whole float update per entry (float32), in the order sent: the decoded update of
+    the encoded entries (no copy; with ``deferred``, the entries still deferred as they are), ``trained
+    - received`` of the plain ones."""
+    out = {}
+    for name, sent in received.items():
+        if sent.dtype.kind != "f":
+            continue
+        if name in decoded.updates:
+            later = decoded.updates.deferred(name) if deferred and isinstance(decoded.updates, Updates) else None
+            out[name] = later if later is not None else decoded.updates[name].reshape(sent.shape).numpy()
+        else:
+            value = decoded.plain_values[name]
+            out[name] = (value.astype(np.float64) - sent.astype(np.float64)).astype(np.float32)
+    return out

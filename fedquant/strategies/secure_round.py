@@ -17,7 +17,7 @@ from fedquant.secagg.driver import sort_replies, stage_messages
 from fedquant.secagg.groups import GroupedServer
 from fedquant.secagg.messages import CONSISTENCY, ORDER, STAGES
 from fedquant.secagg.wiring import UPDATE_SEGMENT, wire_bytes
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 
 #: How many standard deviations of the decoded mean's error the aggregate-norm check allows.
 ERROR_BOUND_SIGMAS = 4.0

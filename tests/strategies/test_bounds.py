@@ -16,9 +16,12 @@ from fedquant.codecs import available_codecs, get_codec
 from fedquant.codecs.coders.layout import max_body_bytes
 from fedquant.metrics.robust import bounded_mean, describe, trim_count, window
 from fedquant.strategies import AdmissionRules
-from fedquant.strategies.admission import MedianReference, cap_shares
-from fedquant.strategies.metric_screen import check_record, clamp_metrics, conform, vote_schema
-from fedquant.strategies.update_bounds import consensus_cosine, restore_dtypes
+from fedquant.strategies.admission.cosines import consensus_cosine
+from fedquant.strategies.admission.references import MedianReference
+from fedquant.strategies.admission.rules import weights
+from fedquant.strategies.admission.rules.metrics import check_record, clamp_metrics, conform, vote_schema
+from fedquant.strategies.admission.rules.weights import cap_shares
+from fedquant.strategies.dtypes import restore_dtypes
 from fedquant.wire.payload import read_payload
 
 RULES = AdmissionRules()
@@ -138,10 +141,10 @@ def test_cap_shares_water_fills():
 
 def test_bound_weights_clips_to_the_factor_and_the_share():
     rules = AdmissionRules()
-    assert rules.bound_weights([96, 96, 96, 96], 96.0) == [96, 96, 96, 96]  # untouched, types kept
-    out = rules.bound_weights([96, 96, 96, 900], 96.0)
+    assert weights.bounded(rules, [96, 96, 96, 96], 96.0) == [96, 96, 96, 96]  # untouched, types kept
+    out = weights.bounded(rules, [96, 96, 96, 900], 96.0)
     assert out[:3] == [96, 96, 96] and out[3] == pytest.approx(3 * 96)
-    assert rules.weight_outlier(11 * 96, 96.0, W) is not None and rules.weight_outlier(9 * 96, 96.0, W) is None
+    assert weights.outlier(rules, 11 * 96, 96.0, W) is not None and weights.outlier(rules, 9 * 96, 96.0, W) is None
 
 
 # ---------------------------------------------------------------------------------------------- dtypes
@@ -176,7 +179,7 @@ def test_both_cosines_of_an_update_come_from_one_pass_over_it(monkeypatch):
     """With ``reject_opposing`` the direction rules ask two cosines of one update (leave-one-out for the
     CUSUM, with itself for the rejection): from precomputed terms they are the same numbers, and
     ``opposition`` reads the update once."""
-    import fedquant.strategies.update_bounds as bounds
+    import fedquant.strategies.admission.cosines as bounds
 
     rng = np.random.default_rng(4)
     update = {"w": rng.standard_normal((30, 7)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
@@ -190,16 +193,17 @@ def test_both_cosines_of_an_update_come_from_one_pass_over_it(monkeypatch):
     passes = []
     real = bounds.dot_terms
     monkeypatch.setattr(bounds, "dot_terms", lambda u, c: passes.append(u.size) or real(u, c))
-    from fedquant.strategies.admission import AdmissionRules
-    from fedquant.strategies.influence import InfluenceBounds
+    from fedquant.strategies.admission import Admission, AdmissionRules, Vote
+    from fedquant.strategies.admission.vote import Ballot
     from fedquant.strategies.reply_decoder import DecodedReply
 
-    influence = InfluenceBounds(AdmissionRules(reject_opposing=True), "num-examples")
-    assert influence.directions is not None  # the CUSUM's cosine and the rejection's: two asked
-    influence.consensus, influence.voters, influence.consensus_squares = consensus, 5, squares
+    admission = Admission(AdmissionRules(reject_opposing=True), "num-examples")
+    names = [type(rule).__name__ for rule in admission.rules]
+    assert "Persistence" in names and "Direction" in names  # the CUSUM's cosine and the rejection's: two asked
+    vote = Vote(consensus=consensus, voters=5, squares=squares)
     updates = {k: torch.from_numpy(v.reshape(-1)) for k, v in update.items()}
     reply = DecodedReply(record_name="r", plain={}, plain_values={}, updates=updates, update_norm=1.0)
-    influence.opposition(3, reply, {k: np.zeros_like(v) for k, v in update.items()}, in_vote=True)
+    admission.oppose(Ballot(vote, 3, reply, {k: np.zeros_like(v) for k, v in update.items()}, in_vote=True))
     assert sorted(passes) == sorted(v.size for v in update.values())  # once per entry, not twice
 
 
@@ -208,7 +212,7 @@ def test_a_votes_inner_products_come_from_one_pass_over_the_consensus(monkeypatc
     rounding), for plain arrays, an EDEN update its sums' pass wrote out (read with the others, in
     one pass over the consensus) and a QSGD one that is never written (its own pass, from its
     packed symbols); entries the consensus lacks, or of another size, are left out as there."""
-    import fedquant.strategies.update_bounds as bounds
+    import fedquant.strategies.admission.cosines as bounds
 
     n = 50_000
     rng = np.random.default_rng(8)

@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord
 
 from fedquant.clients import quantize_mod
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
-from fedquant.strategies.direction import DirectionHistory, PersistenceRule
+from fedquant.strategies.admission.rules.persistence import DirectionHistory, PersistenceRule
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
 from tests.strategies.test_attacks import SEED, SortedFedAvg, _scaled, _warned
 

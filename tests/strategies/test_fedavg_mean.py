@@ -29,9 +29,9 @@ from fedquant.codecs.quantizers.grid import GridValues
 from fedquant.protocol import payload_array, tensor_seed
 from fedquant.rng import derive_seed
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
+from fedquant.strategies.admission.vote import VoteSums
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg, weighted_mean
 from fedquant.strategies.reply_decoder import DecodedReply
-from fedquant.strategies.vote_sums import VoteSums
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
 
 NUM_NODES = 6

@@ -17,7 +17,9 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedquant.clients import quantize_mod
 from fedquant.strategies import AdmissionRules, QuantizedStrategy
-from fedquant.strategies.admission import MedianReference, Reference, weighted_median
+from fedquant.strategies.admission.references import MedianReference, Reference, weighted_median
+from fedquant.strategies.admission.rules.norms import check_norm, verdict
+from fedquant.strategies.admission.rules.weights import outlier
 from tests.flower_fakes import MIN_NUMEL, InProcessGrid, initial_arrays, make_client_app
 from tests.strategies.test_attacks import SEED, _round, _scaled, _warned, _wrap
 
@@ -64,7 +66,7 @@ def test_the_default_runs_norm_sequence_is_admitted():
     """The norms of the default run's seed 0 (rounds 7-11: the sampled client changes at round 10)."""
     rules, ref = AdmissionRules(), MedianReference()
     for norm in (0.0386, 0.0288, 0.0233, 1.72, 1.75, 0.021, 1.8):
-        assert rules.check_norm(norm, ref.reference([norm])) is None
+        assert check_norm(rules, norm, ref.reference([norm])) is None
         ref.end_round([norm])
 
 
@@ -95,15 +97,15 @@ def test_the_reject_bound_widens_with_honest_spread_only():
     norms = list(rng.lognormal(0.0, 1.0, size=2000))
     ref = MedianReference().reference(norms)
     assert ref.log_spread == pytest.approx(1.0, abs=0.08)
-    widened = sum(rules.check_norm(n, ref) is not None for n in norms) / len(norms)
-    fixed = sum(rules.check_norm(n, ref.value) is not None for n in norms) / len(norms)
+    widened = sum(check_norm(rules, n, ref) is not None for n in norms) / len(norms)
+    fixed = sum(check_norm(rules, n, ref.value) is not None for n in norms) / len(norms)
     assert widened <= 0.005 < fixed
     tight = MedianReference().reference([1.0, 1.05, 0.95, 1.02, 0.98] * 2 + [100.0])
-    assert tight.log_spread < 0.1 and rules.check_norm(9.5, tight) is None
-    assert "exceeds 10 x" in rules.check_norm(100.0, tight)
-    assert rules.weight_outlier(11.0, tight, "num-examples") is not None
-    assert AdmissionRules(norm_spread=None).check_norm(2 * math.exp(3), Reference(1.0, 1.0)) is not None
-    assert AdmissionRules().check_norm(2 * math.exp(3), Reference(1.0, 1.0)) is None
+    assert tight.log_spread < 0.1 and check_norm(rules, 9.5, tight) is None
+    assert "exceeds 10 x" in check_norm(rules, 100.0, tight)
+    assert outlier(rules, 11.0, tight, "num-examples") is not None
+    assert check_norm(AdmissionRules(norm_spread=None), 2 * math.exp(3), Reference(1.0, 1.0)) is not None
+    assert check_norm(AdmissionRules(), 2 * math.exp(3), Reference(1.0, 1.0)) is None
 
 
 # ---------------------------------------------------------------------------------------------- diagnostics
@@ -125,8 +127,8 @@ def test_the_reject_bound_grows_with_the_replys_weight_but_the_clip_does_not():
     norms have no spread), the largest 56 steps; 900 examples against a reference weight of 12 moved
     60 x the reference norm honestly. The bound follows the weight ratio; the clip stays c x r."""
     rules, reference = AdmissionRules(), Reference(0.053, 0.0)
-    assert "exceeds 10 x" in rules.norm_verdict(60 * 0.053, reference)[0]
-    problem, scale = rules.norm_verdict(60 * 0.053, reference, weight_ratio=900 / 12)
+    assert "exceeds 10 x" in verdict(rules, 60 * 0.053, reference)[0]
+    problem, scale = verdict(rules, 60 * 0.053, reference, weight_ratio=900 / 12)
     assert problem is None and scale == pytest.approx(2 / 60)
-    assert rules.norm_verdict(60 * 0.053, reference, weight_ratio=0.1)[0] is not None  # small weights: no tighter
-    assert AdmissionRules(norm_per_weight=False).norm_verdict(3.18, reference, weight_ratio=75)[0] is not None
+    assert verdict(rules, 60 * 0.053, reference, weight_ratio=0.1)[0] is not None  # small weights: no tighter
+    assert verdict(AdmissionRules(norm_per_weight=False), 3.18, reference, weight_ratio=75)[0] is not None

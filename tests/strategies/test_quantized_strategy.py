@@ -147,7 +147,7 @@ def test_fp32_wrapper_matches_unwrapped_strategy(make_strategy):
     assert _arrays_close(plain.arrays, wrapped.arrays, atol=1e-6)
     assert global_loss(wrapped.arrays, NUM_NODES) < 0.95 * global_loss(initial_arrays(), NUM_NODES)
     # Client metrics are FedAvg's weighted mean clamped into the window of the clients' values
-    # (metric_screen.clamp_metrics): with 4 skewed losses the mean can sit just outside [2nd, 3rd].
+    # (admission.rules.metrics.clamp_metrics): with 4 skewed losses the mean can sit just outside [2nd, 3rd].
     assert wrapped.train_metrics_clientapp[3]["train-loss"] == pytest.approx(
         plain.train_metrics_clientapp[3]["train-loss"], rel=1e-2
     )

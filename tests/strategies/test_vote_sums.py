@@ -1,4 +1,4 @@
-"""The first vote's running sums (fedquant/strategies/vote_sums.py): what they hold and when they stand."""
+"""The first vote's running sums (fedquant/strategies/admission/vote.py): what they hold and when they stand."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from fedquant.records import RecordError
-from fedquant.strategies.admission import AdmissionRules
-from fedquant.strategies.influence import InfluenceBounds
-from fedquant.strategies.reply_decoder import DecodedReply
-from fedquant.strategies.update_bounds import consensus_cosine, float_update
-from fedquant.strategies.vote_sums import VoteSums
+from fedquant.strategies.admission.cosines import consensus_cosine
+from fedquant.strategies.admission.vote import Vote, VoteSums
+from fedquant.strategies.reply_decoder import DecodedReply, float_update
 
 SHAPE = (40, 30)
 
@@ -78,11 +76,10 @@ def test_a_reply_refused_halfway_spoils_the_sums_and_an_overflow_is_refused():
 
 def test_the_consensus_from_the_running_sums_is_the_consensus_summed_again():
     received, updates, weights = _setting(6, seed=3)
-    rules = AdmissionRules()
-    fast, slow = InfluenceBounds(rules, "num-examples"), InfluenceBounds(rules, "num-examples")
     sums = VoteSums(consensus=True, weighted=False)
+    fast, slow = Vote(sums=sums), Vote()
     replies = _vote(sums, received, updates, weights)
-    fast.set_consensus(replies, [received] * len(replies), sums)
+    fast.set_consensus(replies, [received] * len(replies))
     slow.set_consensus(replies, [received] * len(replies))
     assert fast.consensus["w"].dtype == np.float32 and slow.consensus["w"].dtype == np.float64
     assert set(fast.consensus) == set(slow.consensus) == {"w", "b"}
@@ -91,11 +88,11 @@ def test_the_consensus_from_the_running_sums_is_the_consensus_summed_again():
         np.testing.assert_allclose(fast.consensus[name], slow.consensus[name], rtol=1e-5, atol=1e-6)
     for reply in replies:  # the direction rules read the same leave-one-out cosines from either
         update = float_update(reply, received)
-        got = [consensus_cosine(update, bounds.consensus, self_weight=-1) for bounds in (fast, slow)]
+        got = [consensus_cosine(update, vote.consensus, self_weight=-1) for vote in (fast, slow)]
         assert got[0] == pytest.approx(got[1], abs=1e-6)
     # a vote that lost a reply to the norm rule is summed again, without it
-    lost = InfluenceBounds(rules, "num-examples")
-    lost.set_consensus(replies[1:], [received] * 5, sums)
+    lost = Vote(sums=sums)
+    lost.set_consensus(replies[1:], [received] * 5)
     want = sum(float_update(r, received)["w"].astype(np.float64) for r in replies[1:])
     np.testing.assert_allclose(lost.consensus["w"], want, rtol=1e-12)
 

@@ -13,12 +13,9 @@
 
 Outputs are allocated by NumPy, not inside kernels
 --------------------------------------------------
-A large array that a kernel allocates (numba's runtime calls ``malloc``; above 32 MiB glibc
-maps fresh memory for every call) is faulted in 4 KiB pages on first write: 2.5 us per page on
-this (virtualized) machine, six times the time of copying the same bytes. NumPy asks the kernel
-for transparent huge pages on arrays of 4 MiB and more (``madvise``), which fault 512 times
-less often. So the Python wrapper of each kernel allocates its outputs with ``np.empty`` and
-the kernel (``*_into``) writes them.
+A large array that a kernel allocates is faulted in 4 KiB pages on first write, where NumPy asks
+for transparent huge pages; so each kernel's Python wrapper allocates its outputs with ``np.empty``
+and the kernel (``*_into``) writes them (measured: docs/kernels.md, Shape of a kernel).
 
 Symbol histograms
 -----------------

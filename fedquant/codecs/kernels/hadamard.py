@@ -14,8 +14,6 @@ orthonormal randomized Hadamard transform ``y = H_k D x / sqrt(L)``:
 counter-based stream of :mod:`fedquant.rng` is set (``i`` the element's position in the laid-out
 tensor; :func:`fedquant.rng.rotation_negative`): the numba kernels hash once per 64 elements and
 shift those bits straight into the floats' sign bits, the torch twin expands the same bits.
-(Payload format 4 and before hashed once per element, two 64-bit multiplies each: the inverse
-block pass over 1M values in blocks of 512, one core, took 0.69 ms then and 0.46 ms now.)
 
 Both paths perform these float32 operations (one multiply, sign flips, the additions of the
 stages in ascending ``h``) on every element, so they give bit-identical results; only the order
@@ -28,13 +26,7 @@ stages while in L1, then written once (:func:`forward_span`, :func:`inverse_span
 check happens there too. Kernels of the quantizers call the same two functions on their own
 chunks (:func:`fusable`): the rotated tensor then never goes to memory at all.
 
-Where the work goes (one core, 25M elements, blocks of 512, before / after this layout): the
-sign hash 7.7 ms (two vectorized 64-bit multiplies per element: the counter term advances by
-an addition), stages ``h = 1, 2, 4`` 3.6 ms (vectorized once the loop counts groups of 8, 41 ms
-before), stages ``h >= 8`` 3.9 ms (vector intrinsics, :func:`_radix2x8`; 8.7 ms when LLVM chose),
-loading and scaling 4.9 ms, the finite check 3.4 ms.
-The whole forward transform into a fresh array took 40 ms instead of 55-60 ms (copy: 13 ms); of
-the 40, about 14 ms are the first touch of the new array's pages.
+Where the time goes: docs/kernels.md (Measurements, Hadamard transform).
 
 Blocks larger than a tile (``rht:max_log2=16``) take two passes over memory:
 

@@ -1,4 +1,4 @@
-"""Aggregation stage: the admitted replies, weights bounded, handed to the inner strategy under a guard."""
+"""Aggregation stage: the admitted replies, weights bounded by the rules, handed to the inner strategy under a guard."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedquant.metrics.bandwidth import AGGREGATION_FAILED, ZERO_NORM_DROPPED
-from fedquant.strategies.admission import REASON_DRIFT, REASON_WEIGHT, AdmissionRules, single_metric_record
-from fedquant.strategies.drift import DriftLedger
+from fedquant.strategies.admission import Admission
+from fedquant.strategies.admission.rules.base import Admitted
+from fedquant.strategies.admission.rules.metrics import clamp_metrics, single_metric_record
+from fedquant.strategies.dtypes import restore_dtypes
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg, fedavg_weights, weighted_mean, without_arrays
-from fedquant.strategies.influence import InfluenceBounds
 from fedquant.strategies.inner_guard import guarded_train, without_zero_norm_updates
-from fedquant.strategies.metric_screen import clamp_metrics, weights_of, write_weights
-from fedquant.strategies.reply_decoder import decode_threads
+from fedquant.strategies.reply_decoder import decode_threads, float_update
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
-from fedquant.strategies.update_bounds import float_update, restore_dtypes
 
 
 class Aggregation(RoundStage):
@@ -30,24 +29,21 @@ class Aggregation(RoundStage):
     any other gets every reply rebuilt as dense arrays, ``received + update``.
     """
 
-    def __init__(
-        self, strategy: Strategy, admission: AdmissionRules, weight_key: str, bounds: InfluenceBounds, seed: int = 0
-    ) -> None:
+    def __init__(self, strategy: Strategy, admission: Admission) -> None:
         self.strategy = strategy
         self.admission = admission
-        self._weight_key = weight_key
-        self.bounds = bounds
         self.from_updates = aggregates_like_fedavg(strategy)
-        rule = admission.cross_round
-        self.drift = None if rule is None else DriftLedger(rule, seed)
 
     def receive(self, state: TrainRound, replies: list[Message]) -> None:
         """Bound the weights, drop zero-norm updates, aggregate, restore dtypes, clamp the metrics."""
-        server_round, admitted, schema = state.server_round, state.admitted, state.schema
+        server_round, admitted, vote = state.server_round, state.admitted, state.vote
         records = [single_metric_record(r.content) for r in admitted]
-        clipped = self.bounds.bound_weights(records, "train")
-        state.traffic.clipped_reasons += [REASON_WEIGHT] * clipped
-        state.traffic.clipped_reasons += [REASON_DRIFT] * self._bound_drift(state, records)
+        nodes = [r.metadata.src_node_id for r in admitted]
+
+        def updates() -> list:
+            return [float_update(state.decoded[id(r)], state.received(n)) for r, n in zip(admitted, nodes, strict=True)]
+
+        state.traffic.clipped_reasons += self.admission.weigh(vote, Admitted("train", records, nodes, updates))
         failed = [r for r in replies if r.has_error()]
         if not admitted:
             log(WARNING, "%s: round %s: no reply survived; keeping the current model", LOG_PREFIX, server_round)
@@ -61,21 +57,11 @@ class Aggregation(RoundStage):
             survivors, state.zero_dropped = without_zero_norm_updates(self.strategy, failed + admitted, state.model)
             arrays, metrics, state.failed = guarded_train(self.strategy, server_round, survivors)
         state.decoded.clear()
-        state.scratch.clear()
-        state.vote_sums = None
+        vote.take_consensus()
+        vote.sums = None
         state.arrays = restore_dtypes(arrays, state.dtypes)
-        state.inner_metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
-
-    def _bound_drift(self, state: TrainRound, records: list) -> int:
-        """Lower the weights the cross-round rule bounds (:mod:`~fedquant.strategies.drift`); how many."""
-        weights = weights_of(records, self._weight_key)
-        if self.drift is None or weights is None or len(weights) < 2:
-            return 0
-        nodes = [r.metadata.src_node_id for r in state.admitted]
-        updates = [
-            float_update(state.decoded[id(r)], state.received(n)) for r, n in zip(state.admitted, nodes, strict=True)
-        ]
-        return write_weights(records, self._weight_key, self.drift.bound(nodes, updates, weights))
+        rules, weight_key = self.admission.settings, self.admission.weight_key
+        state.inner_metrics = clamp_metrics(metrics, records, vote.schema, rules.metric_trim, weight_key)
 
     def _mean_of_updates(
         self, state: TrainRound, failed: list[Message]
@@ -90,10 +76,12 @@ class Aggregation(RoundStage):
         shares = [w / total for w in weights]
         decoded = [state.decoded[id(r)] for r in admitted]
         received = [state.received(r.metadata.src_node_id) for r in admitted]
-        running = None if state.vote_sums is None else state.vote_sums.weighted_sum_of(decoded, weights)
+        running = None if state.vote.sums is None else state.vote.sums.weighted_sum_of(decoded, weights)
         summed, divisor = (None, total) if running is None else running
+        # the consensus buffers (float64) the rules are done with hold the mean's sums
+        scratch = state.vote.take_consensus()
         with decode_threads(len(state.sent)):
-            return weighted_mean(decoded, received, shares, state.scratch, summed, divisor), metrics
+            return weighted_mean(decoded, received, shares, scratch, summed, divisor), metrics
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
         """Whether the inner strategy failed, and how many zero-norm updates it was spared."""

@@ -15,8 +15,8 @@ from fedquant.protocol import (
     METRIC_CLIENT_MSE,
     METRIC_CLIENT_STATE_RESETS,
 )
+from fedquant.strategies.round import TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import TrainRound
 
 
 class Arrival(RoundStage):

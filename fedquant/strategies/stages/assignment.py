@@ -11,8 +11,8 @@ from fedquant.codecs import Codec
 from fedquant.metrics.bandwidth import content_bytes
 from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import DecodePlan
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 from fedquant.strategies.tensor_policy import TensorPolicy
 
 

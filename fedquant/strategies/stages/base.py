@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flwr.app import Message
 
-from fedquant.strategies.stages.state import TrainRound
+from fedquant.strategies.round import TrainRound
 
 
 class RoundStage:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fedquant.strategies.budget import UploadBudget
+from fedquant.strategies.round import TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import TrainRound
 
 
 class Budgeting(RoundStage):

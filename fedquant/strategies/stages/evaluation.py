@@ -12,46 +12,40 @@ from fedquant.metrics.bandwidth import (
     REJECTED_SHARE,
     clipped_reason_key,
 )
-from fedquant.strategies.admission import REASON_WEIGHT, AdmissionRules, single_metric_record
-from fedquant.strategies.influence import InfluenceBounds
+from fedquant.strategies.admission import REASON_WEIGHT, Admission, Vote, warn_rejections
+from fedquant.strategies.admission.rules.base import Admitted
+from fedquant.strategies.admission.rules.metrics import clamp_metrics, conform, single_metric_record
 from fedquant.strategies.inner_guard import guarded_evaluate
-from fedquant.strategies.metric_screen import clamp_metrics, conform
-from fedquant.strategies.stages.recording import warn_rejections
-from fedquant.strategies.stages.screening import Screening
+from fedquant.strategies.round import reject
 
 
 class Evaluation:
     """Screens evaluate replies like train replies (sender, metrics, weights) and aggregates the survivors."""
 
-    def __init__(
-        self,
-        strategy: Strategy,
-        admission: AdmissionRules,
-        weight_key: str,
-        bounds: InfluenceBounds,
-        screening: Screening,
-    ) -> None:
+    def __init__(self, strategy: Strategy, admission: Admission) -> None:
         self.strategy = strategy
         self.admission = admission
-        self._weight_key = weight_key
-        self.bounds = bounds
-        self.screening = screening
 
     def aggregate(self, server_round: int, replies: list[Message], asked: set[int] | None) -> MetricRecord | None:
         """The aggregated metrics of the replies that pass, with ``rejected-replies`` when any were dropped."""
         content_replies = [r for r in replies if not r.has_error()]
-        admitted, schema = self.screening.screen(server_round, content_replies, asked, "evaluate", None)
+        vote = Vote("evaluate")
+        admitted = self.admission.screen_replies(
+            content_replies, asked, vote, lambda node_id, problem: reject(server_round, node_id, problem, None)
+        )
+        rules, schema = self.admission.settings, vote.schema
         records = [single_metric_record(r.content) for r in admitted]
         for record in records:
             conform(record, schema)
-        clipped = self.bounds.bound_weights(records, "evaluate")
+        nodes = [r.metadata.src_node_id for r in admitted]
+        clipped = self.admission.weigh(vote, Admitted("evaluate", records, nodes, list)).count(REASON_WEIGHT)
         survivors = [r for r in replies if r.has_error()] + admitted
         dropped = len(content_replies) - len(admitted)
         metrics, failed = None, False
         if admitted:
             metrics, failed = guarded_evaluate(self.strategy, server_round, survivors)
-            metrics = clamp_metrics(metrics, records, schema, self.admission.metric_trim, self._weight_key)
-        warned = warn_rejections(self.admission, server_round, "evaluate", dropped, len(content_replies))
+            metrics = clamp_metrics(metrics, records, schema, rules.metric_trim, self.admission.weight_key)
+        warned = warn_rejections(rules, server_round, "evaluate", dropped, len(content_replies))
         if dropped or clipped:
             metrics = MetricRecord() if metrics is None else metrics
             metrics[REJECTED_REPLIES] = dropped

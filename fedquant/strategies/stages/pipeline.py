@@ -9,13 +9,11 @@ from flwr.serverapp.strategy import Strategy
 
 from fedquant.codecs import Codec, get_codec
 from fedquant.secagg.config import SecAggConfig
-from fedquant.strategies.admission import AdmissionRules, weight_key_of
+from fedquant.strategies.admission import Admission, AdmissionRules, weight_key_of
 from fedquant.strategies.budget import UploadBudget
 from fedquant.strategies.decode_plan import DecodePlan, default_plan
 from fedquant.strategies.downlink import DownlinkCompressor
 from fedquant.strategies.fedavg_mean import aggregates_like_fedavg
-from fedquant.strategies.influence import InfluenceBounds
-from fedquant.strategies.stages.admitting import Admitting
 from fedquant.strategies.stages.aggregation import Aggregation
 from fedquant.strategies.stages.arrival import Arrival
 from fedquant.strategies.stages.assignment import Assignment
@@ -102,23 +100,25 @@ class Settings:
 
 def build_stages(
     settings: Settings, client_seed: Callable[[int, int], int]
-) -> tuple[list[RoundStage], Evaluation, InfluenceBounds, Recording]:
-    """The train stages in the order a round walks them, the evaluate walk, and the parts both share."""
+) -> tuple[list[RoundStage], Evaluation, Admission, Recording]:
+    """The train stages in the order a round walks them, the evaluate walk, and the parts both share.
+
+    A reply's path from ``aggregate_train`` to the inner strategy is this list: each stage reads
+    and writes the round's state, and the admission rules judge it through ``admission``.
+    """
     s = settings
-    weight_key = weight_key_of(s.strategy)
-    bounds = InfluenceBounds(s.admission, weight_key)
-    screening = Screening(s.admission, weight_key, bounds)
-    recording = Recording(s.admission, s.uplink_bandwidth is not None)
+    admission = Admission(s.admission, weight_key_of(s.strategy), s.seed)
+    recording = Recording(s.admission, s.uplink_bandwidth is not None, *admission.reported_reasons())
     stages: list[RoundStage] = [
         Assignment(s.codec, s.decode_plan, s.budget, client_seed, s.min_numel, s.client_mse, s.tensor_policy),
         Downlink(s.downlink),
         Arrival(s.uplink_bandwidth),
-        screening,
-        Decoding(s.decode_plan, s.min_numel, Admitting(bounds, s.decode_plan, aggregates_like_fedavg(s.strategy))),
+        Screening(admission),
+        Decoding(s.decode_plan, s.min_numel, admission, aggregates_like_fedavg(s.strategy)),
         *([Budgeting(s.budget)] if s.budget is not None else []),
-        Aggregation(s.strategy, s.admission, weight_key, bounds, s.seed),
+        Aggregation(s.strategy, admission),
         ValueBounds(s.tensor_policy),
         recording,
         *s.extra_stages,
     ]
-    return stages, Evaluation(s.strategy, s.admission, weight_key, bounds, screening), bounds, recording
+    return stages, Evaluation(s.strategy, admission), admission, recording

@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-from logging import WARNING
-
-from flwr.supercore import log
-
 from fedquant.metrics.bandwidth import RoundTraffic
 from fedquant.strategies.admission import (
     CLIP_REASONS,
     REASONS,
     REJECTED_RULE_MAX_SHARE,
     AdmissionRules,
+    warn_rejections,
     warn_rule_shares,
 )
+from fedquant.strategies.round import TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
 
 
 class Recording(RoundStage):
     """Reports ``state.traffic`` under the metric keys (``uplink-bytes``, ``rejected-<reason>``, ...)."""
 
-    def __init__(self, admission: AdmissionRules, with_upload_seconds: bool) -> None:
+    def __init__(
+        self,
+        admission: AdmissionRules,
+        with_upload_seconds: bool,
+        reasons: tuple[str, ...] = REASONS,
+        clip_reasons: tuple[str, ...] = CLIP_REASONS,
+    ) -> None:
         self.admission = admission
         self.with_upload_seconds = with_upload_seconds
+        self.reasons, self.clip_reasons = reasons, clip_reasons
         self.cumulative_uplink_bytes = 0
 
     def report(self, state: TrainRound) -> dict[str, int | float]:
@@ -43,30 +47,12 @@ class Recording(RoundStage):
         own = traffic.metrics(
             self.cumulative_uplink_bytes,
             self.with_upload_seconds,
-            REASONS,
-            CLIP_REASONS,
+            self.reasons,
+            self.clip_reasons,
             self.admission.metric_trim,
         )
         own[REJECTED_RULE_MAX_SHARE] = rule_share
         return own
-
-
-def warn_rejections(admission: AdmissionRules, server_round: int, kind: str, rejected: int, replies: int) -> int:
-    """A warning when admission rejected a large share of a round (``warn_rejected_share``); 1 if logged."""
-    if not replies or rejected < admission.warn_rejected_share * replies:
-        return 0
-    majority = " (a majority: more than half of the round may be attacking, or the rules do not fit it)"
-    log(
-        WARNING,
-        "%s: round %s: admission rejected %d of %d %s replies%s",
-        LOG_PREFIX,
-        server_round,
-        rejected,
-        replies,
-        kind,
-        majority if 2 * rejected > replies else "",
-    )
-    return 1
 
 
 def add_client_metrics(values: tuple[float | None, float | None, bool], traffic: RoundTraffic) -> None:

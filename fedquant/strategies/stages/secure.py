@@ -37,11 +37,11 @@ from fedquant.secagg.wiring import (
     grid_record,
     wire_bytes,
 )
+from fedquant.strategies.dtypes import restore_dtypes
 from fedquant.strategies.inner_guard import guarded_train
+from fedquant.strategies.round import LOG_PREFIX, TrainRound
 from fedquant.strategies.secure_round import SecureRound, checked_mean, count_up, round_metrics, round_trip
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import LOG_PREFIX, TrainRound
-from fedquant.strategies.update_bounds import restore_dtypes
 
 
 class SecureAggregation(RoundStage):

@@ -6,8 +6,8 @@ from flwr.app import ArrayRecord, Message
 
 from fedquant.metrics.bandwidth import RoundTraffic, dense_float32_bytes
 from fedquant.strategies.downlink import DownlinkCompressor
+from fedquant.strategies.round import TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import TrainRound
 
 
 class Downlink(RoundStage):

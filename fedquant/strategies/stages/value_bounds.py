@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from flwr.app import Message
 
+from fedquant.strategies.round import TrainRound
 from fedquant.strategies.stages.base import RoundStage
-from fedquant.strategies.stages.state import TrainRound
 from fedquant.strategies.tensor_policy import TensorPolicy
 
 METRIC_CLAMPED = "policy-clamped-values"

@@ -10,11 +10,10 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 
 from fedquant.metrics.bandwidth import RoundTraffic
+from fedquant.strategies.admission.vote import Vote
 from fedquant.strategies.budget import BudgetChoice
 from fedquant.strategies.decode_plan import ClientAssignment
-from fedquant.strategies.metric_screen import MetricSchema
 from fedquant.strategies.reply_decoder import DecodedReply
-from fedquant.strategies.vote_sums import VoteSums
 
 LOG_PREFIX = "QuantizedStrategy"
 
@@ -45,12 +44,10 @@ class TrainRound:
     client_metrics: dict[int, tuple] = field(default_factory=dict)  # id(reply) -> the mod's own entries
     # screening
     screened: dict[int, Message] = field(default_factory=dict)  # node id -> reply, arrival order
-    schema: MetricSchema | None = None
+    vote: Vote | None = None  # the round's vote: its schema and references (screening), sums and consensus
     # decoding and admission
     accepted: dict[int, Message] = field(default_factory=dict)  # id(reply) -> reply, in the order accepted
     decoded: dict[int, DecodedReply] = field(default_factory=dict)  # id(reply) -> its update, as admitted
-    scratch: dict[str, np.ndarray] = field(default_factory=dict)  # float64 buffers admission is done with
-    vote_sums: VoteSums | None = None  # the first vote's running sums (consensus, weighted sum)
     admitted: list[Message] = field(default_factory=list)
     # aggregation
     arrays: ArrayRecord | None = None

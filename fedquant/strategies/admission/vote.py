@@ -1,4 +1,6 @@
-"""The sums a round needs of its first vote's updates, added while each decoded update is in cache.
+"""A round's vote: decoded updates in; running sums, the consensus and the round's references out.
+
+:class:`Vote` is held in the round's state (``TrainRound.vote``) and forgotten with it.
 
 The direction rules need the consensus (the sum of the vote's updates) and a FedAvg-like inner
 strategy needs the weighted sum of the admitted updates. Both would otherwise take a pass of their
@@ -12,21 +14,23 @@ stand only when the vote ends as they assumed:
   the weights they were added with.
 
 Otherwise (a rejected or clipped reply, a reply that failed halfway through its decode) the caller
-sums again from the updates it kept, as before; an attacker can make a round take that slower path,
-never change its result.
+sums again from the updates it kept; an attacker can make a round take that slower path (a float64
+sum where the running one is float32: the two agree to float32 rounding), never change what it sums.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedquant.codecs.deferred import DeferredValues
-from fedquant.codecs.kernels.norms import accumulate_bounded
+from fedquant.codecs.kernels.norms import accumulate_bounded, add_scaled
 from fedquant.records import RecordError, checked_squares
-from fedquant.strategies.reply_decoder import DecodedReply
+from fedquant.strategies.admission.cosines import consensus_cosine, consensus_terms, consensus_terms_many, squares_of
+from fedquant.strategies.reply_decoder import DecodedReply, float_update
 
 _NONE = np.zeros(0, np.float64)
 _NONE32 = np.zeros(0, np.float32)
@@ -168,3 +172,119 @@ class VoteSums:
         if self.weighted is None:
             return self.consensus, float(len(replies))
         return self.weighted, float(sum(weights))
+
+
+@dataclass(frozen=True)
+class MetricSchema:
+    """What every admitted MetricRecord of a round holds.
+
+    Attributes
+    ----------
+    keys : frozenset of str
+        Exactly these keys (after :func:`conform`).
+    lists : dict of str to int
+        The keys sent as lists, with their length; every other key is a number.
+    strict : bool
+        True when a strict majority carried ``keys``: a reply with other keys is rejected. False
+        when no key set had one: extra keys are stripped, missing ones still reject.
+    """
+
+    keys: frozenset[str]
+    lists: dict[str, int] = field(default_factory=dict)
+    strict: bool = True
+
+
+@dataclass
+class Vote:
+    """One round's vote, for the rules to judge by: the first vote's sums and consensus, the round's references.
+
+    ``consensus`` is the sum of the first vote's updates after the norm rule (clipped, so a
+    minority moves it by at most its clipped share), ``voters`` how many it holds, ``squares``
+    ``<c, c>`` of each of its entries; ``schema`` the round's metric keys and ``weight_reference``
+    its reference weight, both from screening.
+    """
+
+    kind: str = "train"
+    sums: VoteSums | None = None
+    schema: MetricSchema | None = None
+    weight_reference: float | None = None
+    consensus: dict[str, np.ndarray] = field(default_factory=dict)
+    voters: int = 0
+    squares: dict[str, float] = field(default_factory=dict)
+
+    def set_consensus(self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]) -> None:
+        """The consensus of the first vote's updates ``decoded`` (as the norm rule left them).
+
+        The running sums give the encoded entries' part when they hold exactly ``decoded`` (nobody
+        rejected or clipped by the norm rule); else every update is summed again.
+        """
+        if not decoded:
+            return
+        sums = self.sums
+        total: dict[str, np.ndarray] = {}
+        if sums is not None and sums.keeps_consensus and sums.holds_exactly(decoded):
+            for reply, sent in zip(decoded, received, strict=True):
+                plain = {k: v for k, v in float_update(reply, sent, deferred=True).items() if k not in reply.updates}
+                _add_update(total, plain)
+            for name, flat in sums.consensus.items():
+                total[name] = flat.reshape(received[0][name].shape)
+        else:
+            for reply, sent in zip(decoded, received, strict=True):
+                _add_update(total, float_update(reply, sent))
+        self.consensus, self.voters = total, len(decoded)
+        self.squares = squares_of(total)
+
+    def terms_of(
+        self, decoded: Sequence[DecodedReply], received: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, tuple[float, float]]]:
+        """Each update's inner products with the consensus, in one pass over the consensus for all."""
+        updates = [float_update(d, r, deferred=True) for d, r in zip(decoded, received, strict=True)]
+        return consensus_terms_many(updates, self.consensus)
+
+    def take_consensus(self) -> dict[str, np.ndarray]:
+        """The consensus buffers (float64), forgotten here: the rules are done with them once the
+        round's replies are admitted, and the weighted mean can reuse their memory."""
+        consensus, self.consensus = self.consensus, {}
+        return consensus
+
+
+class Ballot:
+    """One update as the direction rules judge it against the vote's consensus.
+
+    ``in_vote``: the update is in the consensus (a first-vote reply); its inner products with the
+    consensus are taken once, on first use, for every rule that asks a cosine.
+    """
+
+    def __init__(
+        self,
+        vote: Vote,
+        node: int,
+        decoded: DecodedReply,
+        received: Mapping[str, np.ndarray],
+        in_vote: bool,
+        terms: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        self.vote, self.node, self.in_vote, self.voters = vote, node, in_vote, vote.voters
+        self._decoded, self._received, self._terms = decoded, received, terms
+
+    @property
+    def terms(self) -> Mapping[str, tuple[float, float]]:
+        """``(<u, c>, <u, u>)`` per entry of the update and the consensus."""
+        if self._terms is None:
+            self._terms = consensus_terms(
+                float_update(self._decoded, self._received, deferred=True), self.vote.consensus
+            )
+        return self._terms
+
+    def cosine(self, self_weight: float) -> float | None:
+        """The update's cosine with ``consensus + self_weight x update`` (None when either is zero)."""
+        return consensus_cosine({}, self.vote.consensus, self_weight, self.vote.squares, self.terms)
+
+
+def _add_update(total: dict[str, np.ndarray], update: Mapping[str, np.ndarray]) -> None:
+    """``total += update`` entry by entry, in float64 (the first update is copied in)."""
+    for name, value in update.items():
+        if name in total:
+            add_scaled(total[name].reshape(-1), np.ascontiguousarray(value).reshape(-1), 1.0)
+        else:
+            total[name] = value.astype(np.float64)

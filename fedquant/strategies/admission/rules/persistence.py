@@ -18,41 +18,19 @@ that behaves for ten rounds and then flips is judged as one that flips from the 
 client misses leave its sum unchanged (it cannot reset it by staying away); a rejected update
 still counts. Memory is bounded: at most ``max_clients`` nodes are kept, the least recently seen
 forgotten first (a forgotten node starts again at 0).
+
+Verdict (reason ``direction``), registered in :mod:`~fedquant.strategies.admission.rules`:
+:class:`Persistence`, in the vote after the norm rule, before the one-round direction rule.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class PersistenceRule:
-    """When a client's updates oppose the others' persistently enough to be rejected.
-
-    Parameters
-    ----------
-    allowance : float
-        How far below 0 a cosine must lie to add to the sum (by ``-cos - allowance``); a positive
-        cosine subtracts itself.
-    threshold : float
-        The sum above which the client's updates are rejected (reason ``direction``).
-    max_clients : int
-        How many node ids are remembered (least recently seen are forgotten first).
-    """
-
-    allowance: float = 0.5
-    threshold: float = 0.75
-    max_clients: int = 100_000
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.allowance) and 0 <= self.allowance < 1):
-            raise ValueError(f"allowance must be in [0, 1), got {self.allowance!r}")
-        if not (math.isfinite(self.threshold) and self.threshold > 0):
-            raise ValueError(f"threshold must be finite and > 0, got {self.threshold!r}")
-        if isinstance(self.max_clients, bool) or not isinstance(self.max_clients, int) or self.max_clients < 1:
-            raise ValueError(f"max_clients must be an int >= 1, got {self.max_clients!r}")
+from fedquant.strategies.admission.reasons import REASON_DIRECTION
+from fedquant.strategies.admission.references import NodeMemory, References
+from fedquant.strategies.admission.rules.base import Ballot, Rule, Setup
+from fedquant.strategies.admission.settings import PersistenceRule
 
 
 class DirectionHistory:
@@ -66,7 +44,7 @@ class DirectionHistory:
 
     def __init__(self, rule: PersistenceRule) -> None:
         self.rule = rule
-        self._sums: OrderedDict[int, float] = OrderedDict()
+        self._sums: NodeMemory[float] = NodeMemory(rule.max_clients)
 
     def __len__(self) -> int:
         return len(self._sums)
@@ -88,12 +66,38 @@ class DirectionHistory:
             cosine = -1.0
         cosine = min(1.0, max(-1.0, cosine))
         step = max(0.0, -cosine - self.rule.allowance) - max(0.0, cosine)
-        total = max(0.0, self._sums.pop(node, 0.0) + step)
-        self._sums[node] = total  # most recently seen last
-        while len(self._sums) > self.rule.max_clients:
-            self._sums.popitem(last=False)
+        total = max(0.0, self._sums.get(node, 0.0) + step)
+        self._sums.put(node, total)
         return total
 
     def persistent(self, node: int) -> bool:
         """Whether the node's sum is above the threshold."""
         return self.sum_of(node) > self.rule.threshold
+
+
+class Persistence(Rule):
+    """Rejects the updates of a node whose CUSUM of leave-one-out cosines is above the threshold."""
+
+    reason = REASON_DIRECTION
+
+    @classmethod
+    def build(cls, setup: Setup) -> Persistence | None:
+        return None if setup.rules.persistent_opposition is None else cls(setup)
+
+    def history(self, references: References) -> DirectionHistory:
+        """The CUSUM of every node, kept across rounds."""
+        return references.kept("persistence", lambda: DirectionHistory(self.rules.persistent_opposition))
+
+    def wants_terms(self, voters: int) -> bool:
+        # with one other update, who opposes whom is undecidable: both would be flagged
+        return voters - 1 >= 2
+
+    def oppose(self, references: References, ballot: Ballot) -> str | None:
+        history = self.history(references)
+        if ballot.voters - ballot.in_vote >= 2:
+            others = ballot.cosine(-1 if ballot.in_vote else 0)
+            if others is not None:
+                history.observe(ballot.node, others)
+        if history.persistent(ballot.node):
+            return f"its updates point against the others' persistently (CUSUM {history.sum_of(ballot.node):.3g})"
+        return None

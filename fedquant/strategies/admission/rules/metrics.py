@@ -14,8 +14,8 @@ trusting both: a list under a key the others send as a number raises out of
 2. checks every reply against it (:func:`check_record`): a value of another type, length or kind
    (a string, bytes, a bool, a nested list, a non-number: whatever bypassed ``MetricRecord``'s own
    checks) or a non-finite one rejects that reply alone;
-3. bounds the weights relative to the round (``AdmissionRules.bound_weights``) and writes them into
-   the replies, so the inner strategy aggregates the model and the metrics with bounded weights;
+3. (the weight rule, :mod:`.weights`, bounds the weights relative to the round and writes them into
+   the replies, so the inner strategy aggregates the model and the metrics with bounded weights);
 4. keeps each aggregated client metric, whatever the inner strategy computed, within the range
    of the round's values without the ``t`` lowest and highest (:func:`clamp_metrics`).
 
@@ -30,35 +30,37 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import MetricRecord
+from flwr.app import MetricRecord, RecordDict
 
 from fedquant.metrics.robust import clamp_to_window, finite, is_number
-from fedquant.strategies.admission import REASON_METRICS, REASON_WEIGHT, AdmissionRules
+from fedquant.strategies.admission.reasons import REASON_METRICS, REASON_WEIGHT
+from fedquant.strategies.admission.rules.base import Problem, Rule
+from fedquant.strategies.admission.rules.weights import problem as weight_problem
+from fedquant.strategies.admission.settings import AdmissionRules
+from fedquant.strategies.admission.vote import MetricSchema, Vote
 
-Problem = tuple[str, str]
+
+class Metrics(Rule):
+    """Rejects (reason ``metrics``, or ``num-examples`` for the weight) a MetricRecord off the round's schema."""
+
+    reason = REASON_METRICS
+
+    # always on: its switches are read record by record (check_record)
+
+    def check(self, vote: Vote, record: MetricRecord | None) -> Problem | None:
+        return check_record(record, vote.schema, self.weight_key, self.rules)
 
 
-@dataclass(frozen=True)
-class MetricSchema:
-    """What every admitted MetricRecord of a round holds.
+def single_metric_record(content: RecordDict) -> MetricRecord | None:
+    """The reply's MetricRecord when it holds exactly one, else None.
 
-    Attributes
-    ----------
-    keys : frozenset of str
-        Exactly these keys (after :func:`conform`).
-    lists : dict of str to int
-        The keys sent as lists, with their length; every other key is a number.
-    strict : bool
-        True when a strict majority carried ``keys``: a reply with other keys is rejected. False
-        when no key set had one: extra keys are stripped, missing ones still reject.
+    Read from the content's items: Flower's ``content.metric_records`` builds a view that writes
+    every record back into the content, a cost paid several times per reply and round.
     """
-
-    keys: frozenset[str]
-    lists: dict[str, int] = field(default_factory=dict)
-    strict: bool = True
+    records = [record for record in content.values() if isinstance(record, MetricRecord)]
+    return records[0] if len(records) == 1 else None
 
 
 def vote_schema(records: Sequence[MetricRecord | None], weight_key: str, rules: AdmissionRules) -> MetricSchema | None:
@@ -110,7 +112,7 @@ def check_record(
                 REASON_METRICS,
                 f"MetricRecord keys differ from the round's: missing {sorted(missing)}, extra {sorted(extra)}",
             )
-    problem = rules.weight_problem(record.get(weight_key), weight_key)
+    problem = weight_problem(rules, record.get(weight_key), weight_key)
     if problem is not None:
         return REASON_WEIGHT, problem
     for key, value in record.items():
@@ -150,27 +152,6 @@ def conform(record: MetricRecord, schema: MetricSchema | None) -> list[str]:
     for key in extra:
         del record[key]
     return extra
-
-
-# ---------------------------------------------------------------------------------------------- weights
-def write_weights(records: Sequence[MetricRecord], weight_key: str, bounded: Sequence[float]) -> int:
-    """Write bounded weights into the records; return how many changed (were clipped)."""
-    clipped = 0
-    for record, weight in zip(records, bounded, strict=True):
-        if weight != record[weight_key]:
-            record[weight_key] = float(weight)
-            clipped += 1
-    return clipped
-
-
-def weights_of(records: Sequence[MetricRecord], weight_key: str) -> list[float] | None:
-    """The records' weights, or None when one is not a positive finite number (the weight rule is off)."""
-    if any(r is None for r in records):
-        return None
-    weights = [r.get(weight_key) for r in records]
-    if all(is_number(w) and finite(w) and w > 0 for w in weights):
-        return weights  # type: ignore[return-value]
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- aggregates
