@@ -44,7 +44,10 @@ def test_a_bad_value_is_refused_by_the_check_naming_the_key(key, value, why, cap
     assert why in line, err
 
 
-@pytest.mark.parametrize(("key", "value", "why"), BAD[:2] + BAD[3:5], ids=[f"{k}={v}" for k, v, _ in BAD[:2] + BAD[3:5]])
+NUMBERS = BAD[:2] + BAD[3:5]  # values of the right type, out of range
+
+
+@pytest.mark.parametrize(("key", "value", "why"), NUMBERS, ids=[f"{k}={v}" for k, v, _ in NUMBERS])
 def test_a_bad_value_is_refused_by_the_server_before_round_1(key, value, why, tmp_path):
     from simulations.server_app import run_server
 
