@@ -63,7 +63,6 @@ from simulations.sweep_stats import (
 from simulations.task import limit_threads
 
 RECORDS = "records"
-LOCAL_RAY_ADDRESS = "127.0.0.1"
 # Settings that name where a run is written, not what it computes: not compared on resume.
 _NOT_COMPARED = ("out-dir", "run-name")
 
@@ -673,10 +672,7 @@ def run_sweep(
         server_app=make_sweep_app(plan),
         client_app=client_app,
         num_supernodes=num_supernodes,
-        backend_config={
-            "client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus},
-            "init_args": {"_node_ip_address": LOCAL_RAY_ADDRESS},  # the local Ray listens on loopback only
-        },
+        backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus}},
     )
     return load_sweep(plan)
 
