@@ -7,6 +7,8 @@ at its initial accuracy:
 
 * the federation samples fewer clients per round than the strategy needs (a secure round's
   share threshold, at least 2 share holders);
+* a signed secure round in the simulation engine (:func:`engine_problems`): its virtual nodes
+  hold no identity keys, so every client would refuse every round;
 * the dataset cannot be loaded: a missing package, a local ``hf:`` folder that does not exist,
   a Hub dataset that is neither reachable nor in the local cache (one probe with a short
   timeout instead of the ``datasets`` library's 30 s of retries).
@@ -18,6 +20,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from fedquant.secagg.groups import MIN_GROUP_SIZE
 from simulations import synthetic
 from simulations.data import HF_PREFIX, HUB_DATASETS
 from simulations.settings import SimSettings
@@ -56,13 +59,29 @@ def _secure_round_problem(settings: SimSettings, num_nodes: int) -> str | None:
         return None
     config = settings.secagg_config()
     sampled = sampled_per_round(settings, num_nodes)
+    smallest = sampled // max(1, min(config.groups, sampled // MIN_GROUP_SIZE))  # as split_groups splits them
     k = config.neighbours
-    holders = sampled if k is None or k >= sampled - 1 else k + 1  # each client's share holders, itself included
+    holders = smallest if k is None or k >= smallest - 1 else k + 1  # each client's share holders, itself included
     try:
         config.threshold_for(holders)
     except ValueError as err:
         return str(err)
     return None
+
+
+def engine_problems(settings: SimSettings) -> list[str]:
+    """Why ``settings`` cannot train in Flower's simulation engine (Ray) whatever its size.
+
+    Signed rounds need each node's Ed25519 identity and a directory of its peers' public keys,
+    loaded from node-config files (``fedquant.clients.secure``); the engine's virtual nodes have
+    no node config of their own, so every client would refuse every round.
+    """
+    if settings.secagg and settings.secagg_signed:
+        return ["secagg-signed=True: signed rounds need every SuperNode started with the node-config keys "
+                "secagg-identity-file and secagg-directory-file (flower-supernode --node-config ...); the "
+                "simulation engine's virtual nodes have none, so every client would refuse every round. "
+                "Use it in a deployment, or set secagg-signed=false"]  # fmt: skip
+    return []
 
 
 def dataset_problem(dataset: str, probe_hub: bool = True) -> str | None:
@@ -131,4 +150,4 @@ def feasibility_problems(settings: SimSettings, num_nodes: int, probe_hub: bool 
     return problems + ([data] if data else [])
 
 
-__all__ = ["dataset_problem", "federation_problems", "feasibility_problems", "sampled_per_round"]
+__all__ = ["dataset_problem", "engine_problems", "federation_problems", "feasibility_problems", "sampled_per_round"]

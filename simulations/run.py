@@ -86,9 +86,12 @@ def run_app(
     from flwr.simulation import run_simulation
 
     from simulations.client_app import app as client_app
+    from simulations.feasibility import engine_problems
     from simulations.server_app import make_server_app
 
     settings = check_run_config(run_config, **overrides)
+    if engine_problems(settings):
+        raise RunConfigError(engine_problems(settings))
     if num_supernodes < 1 or num_cpus <= 0 or num_gpus < 0:
         raise RunConfigError([f"num-supernodes={num_supernodes}, num-cpus={num_cpus}, num-gpus={num_gpus}: "
                               "need >= 1 supernode, > 0 CPUs and >= 0 GPUs per client"])  # fmt: skip
@@ -202,7 +205,7 @@ def stop_at_ctrl_c(what: str = "run") -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from flwr.common.config import parse_config_args
 
-    from simulations.feasibility import feasibility_problems
+    from simulations.feasibility import engine_problems, feasibility_problems
     from simulations.federation_check import data_warnings
 
     args = _parse_args(argv)
@@ -222,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_with_flwr(args.run_config + (["overwrite=true"] if args.overwrite else []), args.flwr or None)
     # Before Ray starts: refuse a run that cannot train on this federation (--num-supernodes; with
     # --flwr the federation is Flower's, and the ServerApp refuses it before round 1).
-    problems = feasibility_problems(settings, args.num_supernodes)
+    problems = engine_problems(settings) + feasibility_problems(settings, args.num_supernodes)
     for problem in problems:
         _problem(f"this run cannot train: {problem}")
     if problems:

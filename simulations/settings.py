@@ -78,6 +78,9 @@ class SimSettings:
     secagg_clip: float = 1.0
     secagg_neighbours: int = 0
     secagg_noise_multiplier: float = 0.0
+    secagg_keep: float = 1.0
+    secagg_groups: int = 1
+    secagg_signed: bool = False
     secagg_dropouts: int = 0
     mode: str = "fedavg"
     server_momentum: float = 0.9
@@ -176,6 +179,9 @@ class SimSettings:
             clip=self.secagg_clip,
             neighbours=self.secagg_neighbours or None,
             noise_multiplier=self.secagg_noise_multiplier,
+            keep=self.secagg_keep,
+            groups=self.secagg_groups,
+            signed=self.secagg_signed,
         )
 
     @classmethod

@@ -650,9 +650,10 @@ def run_sweep(
     base = plan.checked_settings()  # fail on a bad setting or codec before Ray starts
     if last_k < 1:
         raise ValueError(f"last-k must be >= 1 (a run shorter than k averages all its rounds), got {last_k}")
-    from simulations.feasibility import dataset_problem, federation_problems
+    from simulations.feasibility import dataset_problem, engine_problems, federation_problems
 
-    cannot = [p for c in dict.fromkeys(codecs) for p in federation_problems(arm_settings(base, c), num_supernodes)]
+    arms = [arm_settings(base, c) for c in dict.fromkeys(codecs)]
+    cannot = [p for arm in arms for p in engine_problems(arm) + federation_problems(arm, num_supernodes)]
     cannot += [p for p in [dataset_problem(base.dataset)] if p]
     if cannot:  # every arm on this federation, and the data, before Ray starts
         raise RunConfigError(cannot)

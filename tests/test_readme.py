@@ -151,6 +151,18 @@ def test_the_secure_aggregation_numbers_are_the_sweeps_and_the_benchmarks():
     assert f"{cnn} bits/param on the CNN and {mlp} on a 1M-parameter MLP" in section
 
 
+def test_the_compressed_secure_numbers_are_the_ray_benchmarks():
+    section = README.split("## Secure aggregation")[1].split("\n## ")[0]
+    measured = (MEASURED / "secagg" / "compressed-sweep.md").read_text()
+    rows = {row[0]: row for row in _table(measured, "| arm | last-5 accuracy |")}
+    secure = next(row for arm, row in rows.items() if arm.startswith("secagg:"))
+    plain = rows["fp32"]
+    assert "\nPASS\n" in measured and secure[3] == "within fp32's spread" and secure[-1] == plain[-1] == "0,1,2"
+    guide = (ROOT / "docs" / "secure-aggregation.md").read_text()
+    for cell in (secure[1], plain[1], secure[2], secure[5].split(" ")[0]):
+        assert cell in section and cell in guide, cell
+
+
 def test_the_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q\n" in ci and "python -m pytest -q                   # full suite" in README

@@ -167,8 +167,9 @@ class SecAggConfig:
         if not isinstance(self.signed, bool):
             out.append(("signed", f"signed must be a bool, got {self.signed!r}"))
         elif self.signed and self.neighbours is not None:
-            out.append(("signed", "signed rounds need neighbours=None: the consistency check counts a majority of "
-                                  "one holder set (use groups to bound the cost instead)"))  # fmt: skip
+            out.append(("signed", "signed rounds need neighbours=None (run config secagg-neighbours=0): the "
+                                  "consistency check counts a majority of one holder set (use groups to bound the "
+                                  "cost instead)"))  # fmt: skip
         return out
 
     def scale_rule(self) -> ScaleRule:
