@@ -12,9 +12,11 @@ Honest clients only: every reply is admitted.
 Targets (issue 23): at most 1.5x FedAvg's time for 100 replies x 1M parameters and 2x for
 10 x 25M, for ``qsgd:levels=16`` and ``eden:bits=2``; ``rht+dqsg:levels=6,coding=entropy`` is
 reported without a target. Exits 1 on a miss. ``--profile`` adds, per setting, the functions
-that take the wrapped strategy's time (cProfile, own time, per core).
+that take the wrapped strategy's time (cProfile, own time, per core). ``--drift on|off`` times the
+wrapped strategy with the cross-round rule on or off (default: the library's ``AdmissionRules()``).
 
     python -m benchmarks.server_decode [--quick] [--repeats 3] [--profile] [--codec SPEC ...] [--source DIR]
+        [--drift on|off]
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Setting:
     target: float
 
 
-def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) -> dict:
+def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, drift: str = "default") -> dict:
     """Build the replies, time both aggregations; runs in a subprocess with its thread settings."""
     import numpy as np
     import torch
@@ -80,7 +82,13 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
 
     def strategy() -> QuantizedStrategy:
         inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
-        return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False)
+        if drift == "default":  # what the checkout's AdmissionRules() does (an older checkout has no DriftRule)
+            return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False)
+        from fedquant.strategies import AdmissionRules
+        from fedquant.strategies.drift import DriftRule
+
+        admission = AdmissionRules(cross_round=DriftRule() if drift == "on" else None)
+        return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False, admission=admission)
 
     wrapped = strategy()
     messages = list(wrapped.configure_train(1, model_record, ConfigRecord({"lr": 0.1}), _Grid()))
@@ -161,7 +169,9 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
     return result
 
 
-def run_setting(spec: str, setting: Setting, threads: int, repeats: int, profile: bool, source: Path) -> dict:
+def run_setting(
+    spec: str, setting: Setting, threads: int, repeats: int, profile: bool, source: Path, drift: str = "default"
+) -> dict:
     """One setting in a fresh process: ``threads`` 1 (per core) or 0 (every core), timing ``source``'s fedquant."""
     env = {**os.environ, "PYTHONPATH": str(source), "FEDQUANT_BENCH_THREADS": str(threads)}
     env.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
@@ -169,7 +179,7 @@ def run_setting(spec: str, setting: Setting, threads: int, repeats: int, profile
         env.setdefault("NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"fedquant-bench-numba-{os.getuid()}"))
     if threads:
         env.update(NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    args = [spec, str(setting.replies), str(setting.numel), str(repeats), "1" if profile else "0"]
+    args = [spec, str(setting.replies), str(setting.numel), str(repeats), "1" if profile else "0", drift]
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)],
         env=env, cwd=source, capture_output=True, text=True, check=False,
@@ -193,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT,
         help="the checkout whose fedquant is timed (default: this one; e.g. /work/main for a baseline)",
     )
+    parser.add_argument("--drift", choices=("on", "off"), default=None,
+                        help="the cross-round rule on or off (default: the library's AdmissionRules())")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec, replies, numel, repeats, profile = json.loads(args.worker)
-        print(json.dumps(_worker(spec, int(replies), int(numel), int(repeats), profile == "1")))
+        spec, replies, numel, repeats, profile, drift = json.loads(args.worker)
+        print(json.dumps(_worker(spec, int(replies), int(numel), int(repeats), profile == "1", drift)))
         return 0
     specs = args.codec or [*TARGETED, *REPORTED]
     settings = [Setting(*s) for s in SETTINGS["quick" if args.quick else "full"]]
@@ -205,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'codec':34} {'replies x numel':>16} {'cores':>5} {'fedavg s':>9} {'wrapped s':>9} {'ratio':>6} "
         f"{'target':>6}  verdict"
     )
+    print(f"cross-round rule: {args.drift or 'the library default'}")
     print(header)
     print("-" * len(header))
     missed = []
@@ -213,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             for threads in (1, 0) if args.all_core else (1,):
                 result = run_setting(
-                    spec, setting, threads, args.repeats, args.profile and threads == 1, args.source.resolve()
-                )
+                    spec, setting, threads, args.repeats, args.profile and threads == 1, args.source.resolve(),
+                    args.drift or "default",
+                )  # fmt: skip
                 ratio = result["wrapped"] / result["fedavg"]
                 targeted = spec in TARGETED
                 ok = ratio <= setting.target or not targeted

@@ -73,7 +73,8 @@ class Aggregation(RoundStage):
             return 0
         nodes = [r.metadata.src_node_id for r in state.admitted]
         updates = [
-            float_update(state.decoded[id(r)], state.received(n)) for r, n in zip(state.admitted, nodes, strict=True)
+            float_update(state.decoded[id(r)], state.received(n), deferred=True)
+            for r, n in zip(state.admitted, nodes, strict=True)
         ]
         return write_weights(records, self._weight_key, self.drift.bound(nodes, updates, weights))
 
