@@ -13,10 +13,11 @@ Targets (issue 23): at most 1.5x FedAvg's time for 100 replies x 1M parameters a
 10 x 25M, for ``qsgd:levels=16`` and ``eden:bits=2``; ``rht+dqsg:levels=6,coding=entropy`` is
 reported without a target. Exits 1 on a miss. ``--profile`` adds, per setting, the functions
 that take the wrapped strategy's time (cProfile, own time, per core). ``--drift on|off`` times the
-wrapped strategy with the cross-round rule on or off (default: the library's ``AdmissionRules()``).
+wrapped strategy with the cross-round rule on or off (default: the library's ``AdmissionRules()``);
+``--cpu-time`` times CPU seconds instead of wall seconds (per core only), for a machine other jobs load.
 
     python -m benchmarks.server_decode [--quick] [--repeats 3] [--profile] [--codec SPEC ...] [--source DIR]
-        [--drift on|off]
+        [--drift on|off] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ REPORTED = ("rht+dqsg:levels=6,coding=entropy",)
 SETTINGS = {"full": ((100, 1_000_000, 1.5), (10, 25_000_000, 2.0)), "quick": ((20, 200_000, 1.5), (4, 2_000_000, 2.0))}
 BIAS_NUMEL = 512  # a small tensor that travels as it is (below min_numel), as a model's biases do
 UPDATE_SCALE = 1e-2
+CLOCK_ENV = "FEDQUANT_BENCH_CLOCK"  # "cpu": the process's CPU time instead of wall time (a loaded machine)
 
 
 @dataclass
@@ -61,6 +63,7 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, dr
     from fedquant.strategies import QuantizedStrategy
 
     threads = int(os.environ.get("FEDQUANT_BENCH_THREADS", "0"))
+    clock = time.process_time if os.environ.get(CLOCK_ENV) == "cpu" else time.perf_counter
     if threads:
         torch.set_num_threads(threads)
     for attr, value in (("run_id", 1), ("node_id", 1), ("task_id", 1)):
@@ -121,13 +124,13 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, dr
         # Fresh reply objects over the same bytes: aggregate_train replaces their records.
         round_replies = [Message(RecordDict(dict(wire[m.metadata.dst_node_id])), reply_to=m) for m in msgs]
         prof = cProfile.Profile() if profile else None
-        start = time.perf_counter()
+        start = clock()
         if prof is not None:
             prof.enable()
         arrays, metrics = wrapped.aggregate_train(1, round_replies)
         if prof is not None:
             prof.disable()
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         if arrays is None or metrics["rejected-replies"]:
             raise RuntimeError(f"{spec}: the wrapped round rejected honest replies: {dict(metrics)}")
         return seconds, prof
@@ -142,9 +145,9 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, dr
             )
             for m in msgs
         ]
-        start = time.perf_counter()
+        start = clock()
         arrays, _ = inner.aggregate_train(1, round_replies)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         assert arrays is not None
         return seconds
 
@@ -170,10 +173,18 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, dr
 
 
 def run_setting(
-    spec: str, setting: Setting, threads: int, repeats: int, profile: bool, source: Path, drift: str = "default"
+    spec: str,
+    setting: Setting,
+    threads: int,
+    repeats: int,
+    profile: bool,
+    source: Path,
+    drift: str = "default",
+    cpu_time: bool = False,
 ) -> dict:
     """One setting in a fresh process: ``threads`` 1 (per core) or 0 (every core), timing ``source``'s fedquant."""
     env = {**os.environ, "PYTHONPATH": str(source), "FEDQUANT_BENCH_THREADS": str(threads)}
+    env[CLOCK_ENV] = "cpu" if cpu_time else "wall"
     env.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
     if source != ROOT:  # numba caches beside the sources: keep another checkout's folder untouched
         env.setdefault("NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"fedquant-bench-numba-{os.getuid()}"))
@@ -203,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT,
         help="the checkout whose fedquant is timed (default: this one; e.g. /work/main for a baseline)",
     )
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU seconds, not wall seconds (per core only; for a loaded machine)")  # fmt: skip
     parser.add_argument("--drift", choices=("on", "off"), default=None,
                         help="the cross-round rule on or off (default: the library's AdmissionRules())")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -217,17 +230,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{'codec':34} {'replies x numel':>16} {'cores':>5} {'fedavg s':>9} {'wrapped s':>9} {'ratio':>6} "
         f"{'target':>6}  verdict"
     )
-    print(f"cross-round rule: {args.drift or 'the library default'}")
+    clock = "CPU seconds, per core only" if args.cpu_time else "wall seconds"
+    print(f"cross-round rule: {args.drift or 'the library default'}; {clock}")
     print(header)
     print("-" * len(header))
     missed = []
     profiles = []
     for setting in settings:
         for spec in specs:
-            for threads in (1, 0) if args.all_core else (1,):
+            for threads in (1, 0) if args.all_core and not args.cpu_time else (1,):
                 result = run_setting(
                     spec, setting, threads, args.repeats, args.profile and threads == 1, args.source.resolve(),
-                    args.drift or "default",
+                    args.drift or "default", args.cpu_time,
                 )  # fmt: skip
                 ratio = result["wrapped"] / result["fedavg"]
                 targeted = spec in TARGETED

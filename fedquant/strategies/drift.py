@@ -170,8 +170,9 @@ class DriftLedger:
             return list(weights)
         sketches = np.stack([self.sketch.of(u) for u in updates])
         offsets = sketches - np.median(sketches, axis=0)  # against a centre a minority cannot move
-        new = sum(node not in self._accounts for node in nodes)
-        pulls, rounds = self._newcomers[0] + new, self._newcomers[1] + 1
+        fresh = np.array([node not in self._accounts for node in nodes])
+        accounts = np.stack([self._summed(node) for node in nodes])
+        pulls, rounds = self._newcomers[0] + int(fresh.sum()), self._newcomers[1] + 1
         w = np.asarray(weights, dtype=np.float64)
         bounded = w.copy()
         for _ in range(3):  # lower weights raise the others' shares: the references follow them
@@ -179,11 +180,10 @@ class DriftLedger:
             typical = float(np.median(np.linalg.norm(asks, axis=1)))
             if not (math.isfinite(typical) and typical > 0):
                 return list(weights)
-            asked = np.linalg.norm([self._summed(node) + ask for node, ask in zip(nodes, asks, strict=True)], axis=1)
-            budget = self.rule.total_factor * max(typical, float(np.median(asked)))
-            budgets = {NEWCOMERS: budget * math.sqrt(max(1.0, pulls / rounds))}  # a random walk of many newcomers
-            bounded = np.minimum(bounded, self._allowed(nodes, offsets, bounded, typical, budget, budgets))
-        if new:
+            budget = self.rule.total_factor * max(typical, float(np.median(np.linalg.norm(accounts + asks, axis=1))))
+            newcomers = budget * math.sqrt(max(1.0, pulls / rounds))  # a random walk of many newcomers
+            bounded = np.minimum(bounded, self._allowed(accounts, fresh, offsets, bounded, typical, budget, newcomers))
+        if fresh.any():
             self._newcomers = [pulls, rounds]
         self._commit(nodes, offsets, bounded)
         return [float(b) if b < float(o) else o for b, o in zip(bounded, weights, strict=True)]
@@ -198,24 +198,27 @@ class DriftLedger:
 
     def _allowed(
         self,
-        nodes: Sequence[int],
+        accounts: np.ndarray,
+        fresh: np.ndarray,
         offsets: np.ndarray,
         w: np.ndarray,
         typical: float,
         budget: float,
-        budgets: Mapping[object, float],
+        newcomers: float,
     ) -> np.ndarray:
+        """The weights at which each reply's pull keeps both bounds (its node's account, and the
+        newcomers' for a node not seen before); a weight that keeps them stands as it is."""
         total = w.sum()
+        dd = np.einsum("ij,ij->i", offsets, offsets)
+        with np.errstate(divide="ignore"):
+            share = np.where(dd > 0, self.rule.round_factor * typical / np.sqrt(dd), np.inf)
+        share = np.minimum(share, _largest_shares(accounts, offsets, dd, budget))
+        if fresh.any():
+            held = self._summed(NEWCOMERS)[None, :]
+            share[fresh] = np.minimum(share[fresh], _largest_shares(held, offsets[fresh], dd[fresh], newcomers))
+        lowered = (dd > 0) & (share < w / total)
         out = w.copy()
-        for i, node in enumerate(nodes):
-            norm = float(np.linalg.norm(offsets[i]))
-            if norm == 0:
-                continue
-            share = self.rule.round_factor * typical / norm
-            for key in self._keys(node):
-                share = min(share, _largest_share(self._summed(key), offsets[i], budgets.get(key, budget)))
-            if share < w[i] / total:  # else the weight stands as it is
-                out[i] = share * (total - w[i]) / (1 - share)
+        out[lowered] = share[lowered] * (total - w[lowered]) / (1 - share[lowered])
         return np.maximum(out, np.finfo(np.float64).tiny)
 
     def _commit(self, nodes: Sequence[int], offsets: np.ndarray, w: np.ndarray) -> None:
@@ -228,10 +231,13 @@ class DriftLedger:
             self._accounts.popitem(last=False)
 
 
-def _largest_share(summed: np.ndarray, d: np.ndarray, budget: float) -> float:
-    """The largest ``s >= 0`` with ``|summed + s d| <= budget`` (0 when none is)."""
-    dd, ad, aa = float(d @ d), float(summed @ d), float(summed @ summed)
+def _largest_shares(summed: np.ndarray, d: np.ndarray, dd: np.ndarray, budget: float) -> np.ndarray:
+    """Per row, the largest ``s >= 0`` with ``|summed + s d| <= budget`` (0 when none is, inf when
+    ``d`` is 0); ``summed`` one row or one per row of ``d``, ``dd`` the rows' ``d @ d``."""
+    summed = np.broadcast_to(summed, d.shape)
+    ad = np.einsum("ij,ij->i", summed, d)
+    aa = np.einsum("ij,ij->i", summed, summed)
     room = ad * ad - dd * (aa - budget * budget)
-    if room <= 0 or dd == 0:
-        return 0.0 if dd else math.inf
-    return max(0.0, (-ad + math.sqrt(room)) / dd)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        largest = np.maximum(0.0, (-ad + np.sqrt(np.maximum(room, 0.0))) / dd)
+    return np.where(dd > 0, np.where(room > 0, largest, 0.0), np.inf)
