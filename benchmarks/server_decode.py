@@ -85,12 +85,18 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, dr
 
     def strategy() -> QuantizedStrategy:
         inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
-        if drift == "default":  # what the checkout's AdmissionRules() does (an older checkout has no DriftRule)
+        setting = drift
+        try:
+            from fedquant.strategies.drift import DriftRule
+        except ImportError:  # a checkout from before the rule: off is its only setting
+            if setting == "on":
+                raise
+            setting = "default"
+        if setting == "default":  # what the checkout's AdmissionRules() does
             return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False)
         from fedquant.strategies import AdmissionRules
-        from fedquant.strategies.drift import DriftRule
 
-        admission = AdmissionRules(cross_round=DriftRule() if drift == "on" else None)
+        admission = AdmissionRules(cross_round=DriftRule() if setting == "on" else None)
         return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False, admission=admission)
 
     wrapped = strategy()
