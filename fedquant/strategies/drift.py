@@ -20,9 +20,9 @@ that stays in one direction is held to what the median client has pulled in all.
 for the first time is charged to a shared newcomers' account as well (its budget grows as a random
 walk of the newcomers it holds), so a client that comes back under a new node id every round is
 held by that account. The rule works on the sketches: its centre is their coordinate-wise
-median, and its norms carry a relative error of about ``sqrt(2 / sketch_size)``. It reads each
-admitted update once more (the values the vote's pass wrote out, or those a deferring codec
-computes again); server costs are measured in docs/threat-model.md.
+median, and its norms carry a relative error of about ``1 / sqrt(2 sketch_size)`` (2% at 1,024).
+It reads each admitted update once more (the values the vote's pass wrote out, or those a
+deferring codec computes again); server costs are measured in docs/threat-model.md.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class DriftRule:
     total_factor : float
         A node's summed displacement is at most this times the root of its rounds' squared typical ones.
     sketch_size : int
-        Buckets of the count sketch kept per node (relative norm error about ``1 / sqrt(sketch_size)``).
+        Buckets of the count sketch kept per node (relative norm error about ``1 / sqrt(2 sketch_size)``).
     max_clients : int
         Node ids remembered; the least recently seen are forgotten first.
     """
@@ -80,7 +80,7 @@ class CountSketch:
     block goes to the buckets cyclically shifted by its own random offset, each value with its own
     random sign (both derived from a seed the clients never see). Two values of one block never
     share a bucket, two of different blocks do with probability ``1 / size``, so a sparse direction
-    is seen exactly and a dense one within about ``sqrt(2 / size)``, as with a hashed count sketch;
+    is seen exactly and a dense one's norm within about ``1 / sqrt(2 size)``, as with a hashed count sketch;
     but a block is two contiguous runs of adds, which vectorize (:func:`_sketch_add`). Memory: one
     sign byte per parameter, kept once per entry layout.
     """
