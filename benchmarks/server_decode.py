@@ -12,9 +12,12 @@ Honest clients only: every reply is admitted.
 Targets (issue 23): at most 1.5x FedAvg's time for 100 replies x 1M parameters and 2x for
 10 x 25M, for ``qsgd:levels=16`` and ``eden:bits=2``; ``rht+dqsg:levels=6,coding=entropy`` is
 reported without a target. Exits 1 on a miss. ``--profile`` adds, per setting, the functions
-that take the wrapped strategy's time (cProfile, own time, per core).
+that take the wrapped strategy's time (cProfile, own time, per core). ``--drift on|off`` times the
+wrapped strategy with the cross-round rule on or off (default: the library's ``AdmissionRules()``);
+``--cpu-time`` times CPU seconds instead of wall seconds (per core only), for a machine other jobs load.
 
     python -m benchmarks.server_decode [--quick] [--repeats 3] [--profile] [--codec SPEC ...] [--source DIR]
+        [--drift on|off] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ REPORTED = ("rht+dqsg:levels=6,coding=entropy",)
 SETTINGS = {"full": ((100, 1_000_000, 1.5), (10, 25_000_000, 2.0)), "quick": ((20, 200_000, 1.5), (4, 2_000_000, 2.0))}
 BIAS_NUMEL = 512  # a small tensor that travels as it is (below min_numel), as a model's biases do
 UPDATE_SCALE = 1e-2
+CLOCK_ENV = "FEDQUANT_BENCH_CLOCK"  # "cpu": the process's CPU time instead of wall time (a loaded machine)
 
 
 @dataclass
@@ -47,7 +51,7 @@ class Setting:
     target: float
 
 
-def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) -> dict:
+def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool, drift: str = "default") -> dict:
     """Build the replies, time both aggregations; runs in a subprocess with its thread settings."""
     import numpy as np
     import torch
@@ -59,6 +63,7 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
     from fedquant.strategies import QuantizedStrategy
 
     threads = int(os.environ.get("FEDQUANT_BENCH_THREADS", "0"))
+    clock = time.process_time if os.environ.get(CLOCK_ENV) == "cpu" else time.perf_counter
     if threads:
         torch.set_num_threads(threads)
     for attr, value in (("run_id", 1), ("node_id", 1), ("task_id", 1)):
@@ -80,7 +85,19 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
 
     def strategy() -> QuantizedStrategy:
         inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=1)
-        return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False)
+        setting = drift
+        try:
+            from fedquant.strategies.drift import DriftRule
+        except ImportError:  # a checkout from before the rule: off is its only setting
+            if setting == "on":
+                raise
+            setting = "default"
+        if setting == "default":  # what the checkout's AdmissionRules() does
+            return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False)
+        from fedquant.strategies import AdmissionRules
+
+        admission = AdmissionRules(cross_round=DriftRule() if setting == "on" else None)
+        return QuantizedStrategy(inner, codec=spec, seed=0, client_mse=False, admission=admission)
 
     wrapped = strategy()
     messages = list(wrapped.configure_train(1, model_record, ConfigRecord({"lr": 0.1}), _Grid()))
@@ -113,13 +130,13 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
         # Fresh reply objects over the same bytes: aggregate_train replaces their records.
         round_replies = [Message(RecordDict(dict(wire[m.metadata.dst_node_id])), reply_to=m) for m in msgs]
         prof = cProfile.Profile() if profile else None
-        start = time.perf_counter()
+        start = clock()
         if prof is not None:
             prof.enable()
         arrays, metrics = wrapped.aggregate_train(1, round_replies)
         if prof is not None:
             prof.disable()
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         if arrays is None or metrics["rejected-replies"]:
             raise RuntimeError(f"{spec}: the wrapped round rejected honest replies: {dict(metrics)}")
         return seconds, prof
@@ -134,9 +151,9 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
             )
             for m in msgs
         ]
-        start = time.perf_counter()
+        start = clock()
         arrays, _ = inner.aggregate_train(1, round_replies)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         assert arrays is not None
         return seconds
 
@@ -161,15 +178,25 @@ def _worker(spec: str, replies: int, numel: int, repeats: int, profile: bool) ->
     return result
 
 
-def run_setting(spec: str, setting: Setting, threads: int, repeats: int, profile: bool, source: Path) -> dict:
+def run_setting(
+    spec: str,
+    setting: Setting,
+    threads: int,
+    repeats: int,
+    profile: bool,
+    source: Path,
+    drift: str = "default",
+    cpu_time: bool = False,
+) -> dict:
     """One setting in a fresh process: ``threads`` 1 (per core) or 0 (every core), timing ``source``'s fedquant."""
     env = {**os.environ, "PYTHONPATH": str(source), "FEDQUANT_BENCH_THREADS": str(threads)}
+    env[CLOCK_ENV] = "cpu" if cpu_time else "wall"
     env.setdefault("FEDQUANT_KERNELS", "numba")  # the compiled kernels, not their twins while a cache warms
     if source != ROOT:  # numba caches beside the sources: keep another checkout's folder untouched
         env.setdefault("NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"fedquant-bench-numba-{os.getuid()}"))
     if threads:
         env.update(NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    args = [spec, str(setting.replies), str(setting.numel), str(repeats), "1" if profile else "0"]
+    args = [spec, str(setting.replies), str(setting.numel), str(repeats), "1" if profile else "0", drift]
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)],
         env=env, cwd=source, capture_output=True, text=True, check=False,
@@ -193,11 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT,
         help="the checkout whose fedquant is timed (default: this one; e.g. /work/main for a baseline)",
     )
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU seconds, not wall seconds (per core only; for a loaded machine)")  # fmt: skip
+    parser.add_argument("--drift", choices=("on", "off"), default=None,
+                        help="the cross-round rule on or off (default: the library's AdmissionRules())")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec, replies, numel, repeats, profile = json.loads(args.worker)
-        print(json.dumps(_worker(spec, int(replies), int(numel), int(repeats), profile == "1")))
+        spec, replies, numel, repeats, profile, drift = json.loads(args.worker)
+        print(json.dumps(_worker(spec, int(replies), int(numel), int(repeats), profile == "1", drift)))
         return 0
     specs = args.codec or [*TARGETED, *REPORTED]
     settings = [Setting(*s) for s in SETTINGS["quick" if args.quick else "full"]]
@@ -205,16 +236,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{'codec':34} {'replies x numel':>16} {'cores':>5} {'fedavg s':>9} {'wrapped s':>9} {'ratio':>6} "
         f"{'target':>6}  verdict"
     )
+    clock = "CPU seconds, per core only" if args.cpu_time else "wall seconds"
+    print(f"cross-round rule: {args.drift or 'the library default'}; {clock}")
     print(header)
     print("-" * len(header))
     missed = []
     profiles = []
     for setting in settings:
         for spec in specs:
-            for threads in (1, 0) if args.all_core else (1,):
+            for threads in (1, 0) if args.all_core and not args.cpu_time else (1,):
                 result = run_setting(
-                    spec, setting, threads, args.repeats, args.profile and threads == 1, args.source.resolve()
-                )
+                    spec, setting, threads, args.repeats, args.profile and threads == 1, args.source.resolve(),
+                    args.drift or "default", args.cpu_time,
+                )  # fmt: skip
                 ratio = result["wrapped"] / result["fedavg"]
                 targeted = spec in TARGETED
                 ok = ratio <= setting.target or not targeted

@@ -2,7 +2,9 @@
 
 import numpy as np
 import pytest
+import torch
 
+from fedquant.codecs.deferred import DeferredValues
 from fedquant.strategies import AdmissionRules
 from fedquant.strategies.drift import CountSketch, DriftLedger, DriftRule
 
@@ -28,12 +30,70 @@ def test_the_sketch_is_linear_and_keeps_norms():
     sketch = CountSketch(1024, seed=7)
     rng = np.random.default_rng(0)
     a, b = {"w": rng.standard_normal(SIZE)}, {"w": rng.standard_normal(SIZE)}
-    np.testing.assert_allclose(sketch.of({"w": a["w"] + 2 * b["w"]}), sketch.of(a) + 2 * sketch.of(b), atol=1e-9)
+    # linear up to the float32 rounding of the values it reads
+    np.testing.assert_allclose(sketch.of({"w": a["w"] + 2 * b["w"]}), sketch.of(a) + 2 * sketch.of(b), atol=1e-5)
     assert np.linalg.norm(sketch.of(a)) == pytest.approx(np.linalg.norm(a["w"]), rel=0.15)
     sparse = np.zeros(SIZE)
     sparse[[3, 1700]] = [5.0, -2.0]  # two coordinates: in different buckets, seen exactly
     assert np.linalg.norm(sketch.of({"w": sparse})) == pytest.approx(np.hypot(5.0, 2.0))
     assert not np.array_equal(CountSketch(1024, seed=8).of(a), sketch.of(a))  # the seed picks the map
+
+
+def test_the_sketch_is_the_blocked_count_sketch_it_describes():
+    """Block ``b`` of ``size`` values goes to the buckets shifted by its own offset, each value signed."""
+    size, numel = 64, 64 * 40 + 17  # a partial last block
+    sketch = CountSketch(size, seed=11)
+    x = np.random.default_rng(3).standard_normal(numel).astype(np.float32)
+    signs, shifts = sketch._layout("w", numel)
+    assert set(np.unique(signs)) == {-1, 1} and shifts.size == 41 and 0 <= shifts.min() and shifts.max() < size
+    i = np.arange(numel)
+    buckets = (i % size + shifts[i // size]) % size
+    expected = np.bincount(buckets, weights=x.astype(np.float64) * signs, minlength=size)
+    np.testing.assert_allclose(sketch.of({"w": x}), expected, rtol=1e-5, atol=1e-5)
+    assert len(set(buckets[:size])) == size  # one block fills every bucket once
+
+
+def test_a_dense_direction_keeps_its_norm_whatever_its_layout():
+    """Mass spread over many blocks, or put on one position of every block, is seen at its norm."""
+    sketch = CountSketch(1024, seed=5)
+    numel = 1024 * 200
+    layouts = [np.random.default_rng(9).standard_normal(numel)]
+    for position in range(10):  # one position of every block: the block shifts spread it over buckets
+        strided = np.zeros(numel)
+        strided[position::1024] = 1.0
+        layouts.append(strided)
+    for x in layouts:
+        assert np.linalg.norm(sketch.of({"w": x})) == pytest.approx(np.linalg.norm(x), rel=0.12)
+
+
+class _Deferred(DeferredValues):
+    """Values a decoder defers: written out by the vote's pass (``written``) or computed on demand."""
+
+    def __init__(self, values: np.ndarray, written: bool) -> None:
+        self.values, self.numel, self.was_written, self.computed = values, values.size, written, 0
+
+    def accumulate(self, base, consensus, weighted, weight, base_bound=None):
+        raise AssertionError("the sketch only reads values")
+
+    def dot_terms(self, consensus):
+        raise AssertionError("the sketch only reads values")
+
+    def written(self):
+        return self.values if self.was_written else None
+
+    def materialize(self):
+        self.computed += 1
+        return torch.from_numpy(self.values.copy())
+
+
+def test_deferred_entries_are_sketched_from_their_values():
+    sketch = CountSketch(256, seed=2)
+    x = np.random.default_rng(4).standard_normal(5000).astype(np.float32)
+    written, computed = _Deferred(x, written=True), _Deferred(x, written=False)
+    expected = sketch.of({"w": x})
+    np.testing.assert_array_equal(sketch.of({"w": written}), expected)
+    np.testing.assert_array_equal(sketch.of({"w": computed}), expected)
+    assert written.computed == 0 and computed.computed == 1
 
 
 def test_a_fixed_push_is_held_to_the_budget_while_an_unbounded_one_grows():

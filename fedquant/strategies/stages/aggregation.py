@@ -41,7 +41,10 @@ class Aggregation(RoundStage):
         nodes = [r.metadata.src_node_id for r in admitted]
 
         def updates() -> list:
-            return [float_update(state.decoded[id(r)], state.received(n)) for r, n in zip(admitted, nodes, strict=True)]
+            return [
+                float_update(state.decoded[id(r)], state.received(n), deferred=True)
+                for r, n in zip(admitted, nodes, strict=True)
+            ]
 
         state.traffic.clipped_reasons += self.admission.weigh(vote, Admitted("train", records, nodes, updates))
         failed = [r for r in replies if r.has_error()]
