@@ -40,8 +40,9 @@ from flwr.app import ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from fedquant.codecs.summable import WEIGHT_SCALE, decode_sum, encode_update, wrapped
+from fedquant.metrics import message_bytes
 from fedquant.secagg import LoopbackGrid, SecAggClient, SecAggConfig, SecAggServer, Segment, run_secure_sum
-from fedquant.secagg.messages import RECORD
+from fedquant.secagg.messages import RECORD, STAGES
 
 TARGET_CNN_BITS = 4.0
 TARGET_LARGE_BITS = 2.5
@@ -91,6 +92,7 @@ class Row:
     error: float = float("nan")
     bits: int = 0
     wraps: int = 0
+    message_up: dict[str, int] | None = None  # stage -> whole replies (fedquant.metrics.messages_bytes)
 
     def up_bits(self) -> float:
         return 8 * sum(self.up.values()) / (self.clients * self.params)
@@ -130,6 +132,9 @@ def fedquant_round(updates: list[torch.Tensor], config: SecAggConfig, dropouts: 
         up[m.content.config_records[RECORD]["stage"]] += wire_bytes(m.content)
     for m in transport.requests:
         down[m.content.config_records[RECORD]["stage"]] += wire_bytes(m.content)
+    whole = defaultdict(int)  # what the app's message-bytes-up counts: metadata and object headers too
+    for m in transport.replies:
+        whole[m.content.config_records[RECORD]["stage"]] += message_bytes(m)
     survivors = [nodes.index(s) for s in result.survivors]
     decoded = decode_sum(result.sums["update"], grid, [7000 + i for i in survivors], len(survivors) * WEIGHT_SCALE)
     true = torch.stack([updates[i] for i in survivors]).mean(0).double()
@@ -137,7 +142,7 @@ def fedquant_round(updates: list[torch.Tensor], config: SecAggConfig, dropouts: 
     wraps = wrapped(sum(encoded[s].integers for s in result.survivors), grid.bits)
     name = name or f"fedquant q={config.bits}"
     name += f", {dropouts} drop" if dropouts else ""
-    return Row(name, dict(up), dict(down), d, n, error, grid.bits, wraps)
+    return Row(name, dict(up), dict(down), d, n, error, grid.bits, wraps, dict(whole))
 
 
 class _LegacyGrid:
@@ -305,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; Flower legacy {rows[-1].up_bits():.2f}" if not args.skip_legacy else ""))
     print(f"compressed: CNN {small.up_bits():.2f} (target <= {TARGET_CNN_BITS:g}), "
           f"1M MLP {big_row.up_bits():.2f} (target <= {TARGET_LARGE_BITS:g}) uplink bits/param, every stage counted")
+    for row in (rows[-3 if not args.skip_legacy else -2], rows[-2 if not args.skip_legacy else -1]):
+        per = " ".join(f"{s} {row.message_up.get(s, 0) // row.clients} B" for s in STAGES)
+        print(f"{row.name}: whole messages as the app's message-bytes-up counts them (metadata and headers too), "
+              f"per client: {per}; {8 * sum(row.message_up.values()) / (row.clients * row.params):.2f} bits/param")
     print(f"wrap-around at q={DEFAULT_BITS} (this round's updates, grid from their mean, growth 2): bits, "
           "measured fraction of coordinates, bound per coordinate")
     for bits, rate, bound in wrap_rates(updates, DEFAULT_BITS, args.seed):

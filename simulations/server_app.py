@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedquant.metrics import messages_bytes
 from fedquant.rng import derive_seed
 from fedquant.strategies import QuantizedStrategy
+from fedquant.strategies.secure_round import MESSAGE_DOWN_PREFIX, MESSAGE_UP_PREFIX
 from simulations.data import load_test_set
 from simulations.divergence import DIVERGED_COLUMN, DivergenceMonitor
 from simulations.feasibility import feasibility_problems
@@ -77,6 +78,8 @@ class SeededFedAvg(FedAvg):
 class RecordingStrategy(QuantizedStrategy):
     """QuantizedStrategy that also records what each client reports about itself.
 
+    Its ``message-bytes-up`` / ``-down`` count the train messages and replies as Flower serialises
+    them, plus, in a secure round, every other stage's (``secagg-message-bytes-*-<stage>``).
     Before the wrapper decodes a round's replies, it reads each reply's ``client-info``
     ConfigRecord (partition id, dataset, partitioning, codec and device the client used) into the
     history, and tells the uplink profile which partition each node holds. Codec seeds derive
@@ -139,6 +142,8 @@ class RecordingStrategy(QuantizedStrategy):
             "node-failures": failed + max(0, sent - len(replies)),  # error replies and missing ones
         }
         arrays, metrics = super().aggregate_train(server_round, replies)
+        wire["message-bytes-up"] += _protocol_bytes(metrics, MESSAGE_UP_PREFIX)
+        wire["message-bytes-down"] += _protocol_bytes(metrics, MESSAGE_DOWN_PREFIX)
         self.last_train_metrics[server_round] = {**(dict(metrics) if metrics is not None else {}), **wire}
         if arrays is not None:
             self.applied_rounds.append(server_round)
@@ -167,6 +172,13 @@ def _inner_strategy(settings: SimSettings, directory: PartitionDirectory, model:
     return FedSGD(**common, learning_rate=settings.learning_rate, momentum=settings.server_momentum,
                   parameter_names=[name for name, _ in model.named_parameters()],
                   clients_per_round=settings.clients_per_round)  # fmt: skip
+
+
+def _protocol_bytes(metrics: MetricRecord | None, prefix: str) -> int:
+    """Whole-message bytes of a secure round's stages besides collect (the train messages counted above)."""
+    if metrics is None:
+        return 0
+    return sum(int(v) for k, v in metrics.items() if k.startswith(prefix) and k != prefix + "collect")
 
 
 def _reported_partition(info: Any) -> int | None:

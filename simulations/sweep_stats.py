@@ -76,7 +76,14 @@ class RunSummary:
     diverged: bool  # still diverged at its last round (the server's check, simulations/divergence.py)
     collapsed_rounds: int  # rounds flagged diverged, recovered from or not
     wall_seconds: float
-    message_bytes: float = math.nan  # the replies as Flower serialises them (nan: stored before it was counted)
+    message_bytes: float = math.nan  # the replies as Flower serialises them (nan: stored before all were counted)
+
+
+def _counts_every_message(row: Mapping[str, Any]) -> bool:
+    """Whether the row's ``message-bytes-up`` counts every message (a secure round stored before its
+    other stages were counted has no ``secagg-message-bytes-up-collect``)."""
+    counted = row.get("message-bytes-up") is not None
+    return counted and ("secagg-sampled" not in row or row.get("secagg-message-bytes-up-collect") is not None)
 
 
 def summarize_run(
@@ -115,7 +122,7 @@ def summarize_run(
         collapsed_rounds=sum(bool(r.get("diverged")) for r in trained),
         wall_seconds=wall,
         message_bytes=sum(float(r["message-bytes-up"]) for r in trained)
-        if all(r.get("message-bytes-up") is not None for r in trained)
+        if all(_counts_every_message(r) for r in trained)
         else math.nan,
     )
 

@@ -13,6 +13,7 @@ from flwr.supercore import log
 
 from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
 from fedquant.metrics.bandwidth import dense_float32_bytes
+from fedquant.metrics.message_bytes import messages_bytes
 from fedquant.secagg.driver import sort_replies, stage_messages
 from fedquant.secagg.groups import GroupedServer
 from fedquant.secagg.messages import CONSISTENCY, ORDER, STAGES
@@ -21,6 +22,9 @@ from fedquant.strategies.round import LOG_PREFIX, TrainRound
 
 #: How many standard deviations of the decoded mean's error the aggregate-norm check allows.
 ERROR_BOUND_SIGMAS = 4.0
+#: Whole-message bytes per stage (``fedquant.metrics.messages_bytes``): prefix + stage.
+MESSAGE_UP_PREFIX = "secagg-message-bytes-up-"
+MESSAGE_DOWN_PREFIX = "secagg-message-bytes-down-"
 #: Per-coordinate variance of one client's rounding, in grid units.
 ROUNDING_VARIANCE = {"dither": 1.0 / 12.0, "stochastic": 1.0 / 4.0}
 
@@ -41,6 +45,8 @@ class SecureRound:
     down: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # stage -> protocol downlink bytes
     model_bytes: int = 0  # the model in the collect requests
     up_of: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # node -> uplink bytes
+    message_up: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # stage -> whole replies
+    message_down: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # stage -> whole requests
     failure: str | None = None
     survivors: int = 0
     dropped_after_sharing: int = 0
@@ -54,7 +60,8 @@ class SecureRound:
 
 
 def round_metrics(state: TrainRound, cumulative: int, ledger, delta: float) -> dict[str, int | float]:
-    """Bytes per protocol stage, bits per parameter with every stage counted, survivors, failure, DP.
+    """Bytes per protocol stage (payload and whole messages), bits per parameter with every stage
+    counted, survivors, failure, DP.
 
     The server sees only the sum, so how often one client's values wrapped cannot be measured here
     (``secagg-wrap-bound`` is the grid's bound on any wrap in the round).
@@ -68,6 +75,8 @@ def round_metrics(state: TrainRound, cumulative: int, ledger, delta: float) -> d
     stages = ORDER if CONSISTENCY in sec.down else STAGES  # the consistency stage of signed rounds
     out: dict[str, int | float] = {f"secagg-uplink-bytes-{stage}": sec.up.get(stage, 0) for stage in stages}
     out.update({f"secagg-downlink-bytes-{stage}": sec.down.get(stage, 0) for stage in stages})
+    out.update({MESSAGE_UP_PREFIX + stage: sec.message_up.get(stage, 0) for stage in stages})
+    out.update({MESSAGE_DOWN_PREFIX + stage: sec.message_down.get(stage, 0) for stage in stages})
     out.update(
         {
             "uplink-bytes": uplink,
@@ -118,6 +127,7 @@ def round_trip(state: TrainRound, sec: SecureRound, timeout: float | None) -> No
     sent = stage_messages(server)
     for message in sent.values():
         sec.down[server.stage] += wire_bytes(message.content)
+    sec.message_down[server.stage] += messages_bytes(sent.values())
     try:
         replies = list(sec.transport.send_and_receive(list(sent.values()), timeout=timeout))
     except Exception as err:  # noqa: BLE001 -- a transport failure is a failed round, not a crashed run
@@ -128,7 +138,8 @@ def round_trip(state: TrainRound, sec: SecureRound, timeout: float | None) -> No
 
 
 def count_up(sec: SecureRound, stage: str, replies: list[Message]) -> None:
-    """Count the uplink bytes of the replies that arrived (accepted or not)."""
+    """Count the uplink bytes of the replies that arrived (accepted or not; whole messages: errors too)."""
+    sec.message_up[stage] += messages_bytes(replies)
     for reply in replies:  # every reply that arrived counts, accepted or not
         if reply.has_error():
             continue

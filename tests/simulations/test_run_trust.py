@@ -10,6 +10,7 @@ The fast tests run the app's ServerApp and ClientApp on the in-process grid of
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -110,6 +111,47 @@ def test_rows_count_message_bytes_and_failures_clients_get_only_their_keys_and_t
     state = torch.load(tmp_path / "bytes" / "model.pt")
     assert set(state) == {"fc.weight", "fc.bias"} or len(state) > 0
     assert all(torch.isfinite(v).all() for v in state.values())
+
+
+class _WireGrid(InProcessGrid):
+    """InProcessGrid that sizes every request and reply as it carries them (before anyone edits
+    them in place): (round, stage, request bytes, reply bytes)."""
+
+    def __init__(self, app, nodes: int) -> None:
+        super().__init__(app, nodes)
+        self.carried: list[tuple[int, str, int, int]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from fedquant.metrics import message_bytes
+        from fedquant.secagg.messages import RECORD
+
+        messages = list(messages)
+        # Messages outside a secure round (the app's partition query) have no protocol record.
+        asked = [(dict(m.content.config_records.get(RECORD, {"round": 0, "stage": m.metadata.message_type})),
+                  message_bytes(m)) for m in messages]  # fmt: skip
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for (record, size), reply in zip(asked, replies):
+            self.carried.append((int(record["round"]), record["stage"], size, message_bytes(reply)))
+        return replies
+
+
+def test_a_secure_round_counts_every_stage_s_messages_both_ways(tmp_path, no_figures):
+    from simulations.client_app import app as client_app
+    from simulations.server_app import run_server
+
+    grid = _WireGrid(client_app, 5)
+    config = {"secagg": True, "fraction_train": 1.0, "secagg_dropouts": 1, **SMALL}  # 1 error reply at collect
+    history = run_server(grid, {}, out_dir=str(tmp_path), run_name="secure-bytes", **config)
+    for row in history.rounds[1:]:
+        carried = [c for c in grid.carried if c[0] == row["round"]]
+        assert {stage for _, stage, _, _ in carried} == {"advertise", "share-keys", "collect", "unmask"}
+        up = sum(reply for *_, reply in carried)  # every reply of every stage, error replies included
+        down = sum(request for _, _, request, _ in carried)
+        assert row["message-bytes-up"] == up > row["uplink-bytes"] > row["secagg-uplink-bytes-collect"]
+        assert row["message-bytes-down"] == down > row["downlink-bytes"] + row["secagg-downlink-bytes"]
+        for way, total in (("up", up), ("down", down)):
+            split = [v for k, v in row.items() if k.startswith(f"secagg-message-bytes-{way}-")]
+            assert len(split) == 4 and all(v > 0 for v in split) and sum(split) == total
 
 
 def test_messages_bytes_counts_a_shared_model_once_per_message():
@@ -253,6 +295,11 @@ def test_the_sweep_table_gives_message_bytes_beside_payload_and_an_honest_last_k
     text = write_results([run], {}, None, {}, tmp_path, title="t", last_k=5).paths["md"].read_text()
     assert "| uplink MB | uplink message MB |" in text and "| 0.003 | 0.012 |" in text
     assert "last-3 accuracy" in text and "last-5" not in text  # three rounds: a last-3 mean
+    # A secure round stored before its other stages were counted: no message bytes, not a low one.
+    secure = [{**r, "secagg-sampled": 2} for r in rows]
+    assert math.isnan(summarize_run("secagg", 0, secure, last_k=5, target=None).message_bytes)
+    counted = [{**r, "secagg-message-bytes-up-collect": 1} for r in secure]
+    assert summarize_run("secagg", 0, counted, last_k=5, target=None).message_bytes == 12000
 
 
 def test_log_axes_label_plain_numbers_that_do_not_collide():

@@ -21,7 +21,7 @@ from flwr.serverapp.strategy import FedAvg
 import fedquant.clients.secure as client_secure
 from fedquant.clients import quantize_mod
 from fedquant.codecs.summable import WEIGHT_SCALE, SumGrid, decode_sum
-from fedquant.metrics import HistoryRecorder
+from fedquant.metrics import HistoryRecorder, message_bytes
 from fedquant.secagg import SecAggConfig
 from fedquant.secagg.messages import MASKED_RECORD, ORDER, RECORD, STAGES
 from fedquant.secagg.wiring import GRID_PREFIX, GRID_RECORD, KEY_DITHER_SEED, UPDATE_SEGMENT, add_flat, float_layout
@@ -276,6 +276,8 @@ def test_history_metrics_count_every_stage_from_real_message_bytes(tmp_path):
     for stage in STAGES:  # every reply of round 2, counted here from its serialized bytes
         want = sum(_wire(m) for s, m in round_two if s == stage and not m.has_error())
         assert result.train_metrics_clientapp[2][f"secagg-uplink-bytes-{stage}"] == want > 0
+        whole = sum(message_bytes(m) for s, m in round_two if s == stage)  # metadata and headers too
+        assert result.train_metrics_clientapp[2][f"secagg-message-bytes-up-{stage}"] == whole > want
     m2 = result.train_metrics_clientapp[2]
     assert m2["cumulative-uplink-bytes"] == result.train_metrics_clientapp[1]["uplink-bytes"] + m2["uplink-bytes"]
     assert m2["secagg-downlink-bytes"] == sum(m2[f"secagg-downlink-bytes-{s}"] for s in STAGES) > 0

@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedquant.metrics.bandwidth import content_bytes
+from fedquant.metrics.message_bytes import messages_bytes
 from fedquant.rng import derive_seed
 from fedquant.secagg.accounting import PrivacyLedger
 from fedquant.secagg.config import SecAggConfig
@@ -104,6 +105,7 @@ class SecureAggregation(RoundStage):
             sec.down["collect"] += wire_bytes(message.content) - model_bytes
             sec.model_bytes += content_bytes(RecordDict({sec.record_name: state.model}))
             state.traffic.downlink_bytes_of[node] = content_bytes(message.content)
+        sec.message_down["collect"] += messages_bytes(sec.sent.values())
         messages.extend(sec.sent.values())
 
     # ------------------------------------------------------------------ receive
