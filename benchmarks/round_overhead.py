@@ -40,6 +40,7 @@ from flwr.simulation import run_simulation
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fedquant.clients import quantize_mod  # noqa: E402
 from fedquant.strategies import QuantizedStrategy  # noqa: E402
+from simulations.loopback import ray_loopback_only  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
 N_SAMPLES, BATCH = 1024, 32
@@ -142,6 +143,7 @@ def main() -> int:
                 if name != "FedAvg":
                     last_metrics.update(dict(result.train_metrics_clientapp[args.rounds]))
 
+    ray_loopback_only()  # Ray's servers on 127.0.0.1, not on every interface
     run_simulation(
         server_app,
         client_app,

@@ -34,7 +34,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RAY_INIT_ARGS = {"_node_ip_address": "127.0.0.1", "include_dashboard": False}
+# ray.init turns a loopback _node_ip_address into the routed one: ray_loopback_only() binds 127.0.0.1.
+RAY_INIT_ARGS = {"include_dashboard": False}
 REGISTRATION_TIMEOUT_S = 600
 
 
@@ -116,6 +117,9 @@ def numba_cache_in_fresh_worker(codec: str, numel: int) -> dict[str, int]:
                 counts["compiled"] += sum(fn.stats.cache_misses.values())
         return counts
 
+    from simulations.loopback import ray_loopback_only
+
+    ray_loopback_only()
     ray.init(**RAY_INIT_ARGS)
     try:
         return ray.get(probe.remote(codec, numel))
@@ -166,6 +170,9 @@ def main() -> int:
     from flwr.server.superlink.fleet.vce import vce_api
 
     dispatch = "fedquant" if getattr(vce_api.add_messages_to_queue, "fedquant_dispatch", False) else "flower"
+    from simulations.loopback import ray_loopback_only
+
+    ray_loopback_only()
     with PeakMemory() as mem:
         run_simulation(server_app, client_app, num_supernodes=args.clients, backend_config=backend)
     total = time.perf_counter() - t0

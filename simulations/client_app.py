@@ -19,11 +19,17 @@ from fedquant.rng import derive_seed
 from fedquant.secagg.messages import RECORD as SECAGG_RECORD
 from simulations import vce_dispatch
 from simulations.data import TensorData, load_partition
+from simulations.loopback import ray_loopback_only
 from simulations.models import build_model
 from simulations.node_directory import is_partition_query, partition_answer
 from simulations.placement import worker_identity
 from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY
 from simulations.task import evaluate, limit_threads, minibatch_gradient_step, pick_device, train
+
+
+# `flwr run` (local simulation federation): Flower's simulation process loads this module before
+# it starts Ray, so Ray listens on loopback only there too (see simulations/loopback.py).
+ray_loopback_only()
 
 
 def secagg_dropout_mod(msg: Message, context: Context, call_next) -> Message:

@@ -210,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flwr.simulation import run_simulation
 
     from simulations.client_app import app as client_app
+    from simulations.loopback import ray_loopback_only
 
     parser = argparse.ArgumentParser(prog="python -m simulations.link_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--variant", action="append", default=None, help="run-config overrides of one run")
@@ -228,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants = args.variant or DEFAULT_VARIANTS
     command = ("python -m simulations.link_sweep " + shlex.join(sys.argv[1:] if argv is None else list(argv))).strip()
     out = args.out.resolve()
+    ray_loopback_only()  # Ray's servers on 127.0.0.1, not on every interface
     run_simulation(
         server_app=make_link_sweep_app(variants, out, command, **overrides),
         client_app=client_app,

@@ -86,6 +86,7 @@ def run_app(
     from flwr.simulation import run_simulation
 
     from simulations.client_app import app as client_app
+    from simulations.loopback import ray_loopback_only
     from simulations.feasibility import engine_problems
     from simulations.server_app import make_server_app
 
@@ -103,6 +104,7 @@ def run_app(
             on_start(history)
 
     config = {k.replace("-", "_"): v for k, v in settings.as_config().items()}
+    ray_loopback_only()  # Ray's servers on 127.0.0.1, not on every interface
     try:
         run_simulation(
             server_app=make_server_app(on_start=record_start, **config),

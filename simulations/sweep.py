@@ -635,6 +635,7 @@ def run_sweep(
     from flwr.simulation import run_simulation
 
     from simulations.client_app import app as client_app
+    from simulations.loopback import ray_loopback_only
 
     plan = SweepPlan(
         tuple(codecs),
@@ -668,6 +669,7 @@ def run_sweep(
                 [c for c in conflicts if c]
                 + [f"{plan.out} holds runs with other settings: use another --out, or --restart to replace them"]
             )
+    ray_loopback_only()  # Ray's servers on 127.0.0.1, not on every interface
     run_simulation(
         server_app=make_sweep_app(plan),
         client_app=client_app,
