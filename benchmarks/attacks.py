@@ -42,12 +42,15 @@ Defences, each inside the wrapper: ``FedAvg``, ``FedMedian``, ``FedTrimmedAvg`` 
 honest update norm of the first rounds; no noise, so that runs repeat).
 
 Cell: L2 distance over the float entries of the final global model from the honest run (all 10
-clients honest) of the same defence with seed 0, and the test accuracy; "counter +x" when the
-BatchNorm counter differs from the honest one. The honest spread of a defence is the largest
-distance between two of its honest runs with seeds 0..S-1 (the seed changes the batch order and
-the codec's randomness, not the data nor the initial model). Gate: every model attack, with one
-attacker, must leave the FedAvg model within FedAvg's honest spread (``sign-flip-new-id``: 1.5 x
-it). ``--drift off`` or ``--drift ROUND,TOTAL`` runs with the cross-round rule off or other factors.
+clients honest) of the same defence with seed 0, the RMS distance of the two models' predicted
+class probabilities on the test set, and the test accuracy; "counter +x" when the BatchNorm
+counter differs from the honest one. The honest spread of a defence is the largest distance
+between two of its honest runs with seeds 0..S-1 (the seed changes the batch order and the
+codec's randomness, not the data nor the initial model). Gate: every model attack, with one
+attacker, must leave the FedAvg model's predictions within FedAvg's honest spread of predictions
+(``sign-flip-new-id``: 1.5 x it); predictions, because the L2 distance also counts directions the
+network ignores (docs/threat-model.md, "Where the distance lies"). ``--drift off`` or
+``--drift ROUND,TOTAL`` runs with the cross-round rule off or other factors.
 
 Run: ``python -m benchmarks.attacks`` (a distance/accuracy run, not a timing: no bench lock; about
 30 minutes on one core of a busy 2-core machine); ``--quick`` (FedAvg, k = 1, 3 honest seeds, a few
@@ -458,6 +461,7 @@ ADMISSION = AdmissionRules(cross_round=DriftRule())  # the gate measures the opt
 class RunResult:
     arrays: ArrayRecord | None = None
     accuracy: float = math.nan
+    probabilities: np.ndarray | None = None  # the final model's softmax on the test set (float64)
     error: str | None = None
     train_metrics: list[dict] = field(default_factory=list)
     eval_metrics: list[dict] = field(default_factory=list)
@@ -500,6 +504,8 @@ def run(task: Task, defence: str, attack: Attack | None, attackers: int, seed: i
     try:
         model.load_arrays(arrays)
         result.accuracy = evaluate(model, task.test)[1]
+        with torch.no_grad():
+            result.probabilities = torch.softmax(model.eval()(task.test.x).double(), dim=1).numpy()
     except Exception as err:  # noqa: BLE001 - a poisoned model may not even load
         result.error = result.error or f"model does not load: {err}"
     result.seconds = time.perf_counter() - start
@@ -517,6 +523,16 @@ def distance(a: ArrayRecord | None, b: ArrayRecord | None) -> float:
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
+def function_distance(a: RunResult, b: RunResult) -> float:
+    """RMS over the test set of the L2 distance between two final models' predicted class
+    probabilities: what the models compute, blind to directions the network ignores (a bias
+    before BatchNorm, a layer's scale that BatchNorm undoes); inf when a model is missing."""
+    if a.probabilities is None or b.probabilities is None:
+        return math.inf
+    gap = float(np.sqrt(np.mean(np.sum((a.probabilities - b.probabilities) ** 2, axis=1))))
+    return gap if math.isfinite(gap) else math.inf
+
+
 def counter_gap(a: ArrayRecord | None, b: ArrayRecord | None) -> float:
     """How far the BatchNorm step counter of ``a`` lies from ``b``'s."""
     if a is None or b is None:
@@ -530,12 +546,20 @@ def spread(honest: list[RunResult]) -> float:
     return max(distance(a.arrays, b.arrays) for i, a in enumerate(honest) for b in honest[i + 1 :])
 
 
+def function_spread(honest: list[RunResult]) -> float:
+    """The honest run-to-run spread of :func:`function_distance`."""
+    return max(function_distance(a, b) for i, a in enumerate(honest) for b in honest[i + 1 :])
+
+
 def _cell(result: RunResult, reference: RunResult) -> str:
     if result.error:
         return "crash"
     gap = counter_gap(result.arrays, reference.arrays)
     extra = f", counter +{gap:.3g}" if gap > 0 else ""
-    return f"{distance(result.arrays, reference.arrays):.3g} / {result.accuracy:.3f}{extra}"
+    return (
+        f"{distance(result.arrays, reference.arrays):.3g} / {function_distance(result, reference):.3g} / "
+        f"{result.accuracy:.3f}{extra}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -568,13 +592,17 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(
         f"digits {args.partitioning}, {NUM_CLIENTS} clients (all every round), {args.rounds} rounds, {CODEC}, "
-        f"default AdmissionRules; cell: distance from the honest seed-0 model / test accuracy"
+        f"default AdmissionRules; cell: L2 distance from the honest seed-0 model / distance of its test-set "
+        "probabilities (RMS) / test accuracy"
     )
     honest = {d: [run(task, d, None, 0, seed, args.rounds) for seed in range(seeds)] for d in defences}
     failed = any(h.error for runs in honest.values() for h in runs)
     print("| attack | k | " + " | ".join(defences) + " |")
     print("|" + "---|" * (2 + len(defences)))
-    cells = [f"{spread(honest[d]):.3g} / {np.mean([h.accuracy for h in honest[d]]):.3f}" for d in defences]
+    cells = [
+        f"{spread(honest[d]):.3g} / {function_spread(honest[d]):.3g} / {np.mean([h.accuracy for h in honest[d]]):.3f}"
+        for d in defences
+    ]
     print(f"| honest spread ({seeds} seeds) | 0 | " + " | ".join(cells) + " |")
     over, metric_rows = [], []
     for attack in attacks:
@@ -591,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (
                     d == "FedAvg"
                     and k == 1
-                    and (r.error or not distance(r.arrays, honest[d][0].arrays) <= attack.gate * spread(honest[d]))
+                    and (r.error or not function_distance(r, honest[d][0]) <= attack.gate * function_spread(honest[d]))
                 ):
                     cell += " **over**" if attack.gated else " (over, not gated)"
                     if attack.gated:
@@ -603,7 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         failed |= any(r.error for _, _, r in metric_rows)
     print(f"\n{time.perf_counter() - start:.0f} s")
     if over:
-        print(f"FAIL: one attacker of {NUM_CLIENTS} moves the FedAvg model beyond the honest spread: {', '.join(over)}")
+        print(
+            f"FAIL: one attacker of {NUM_CLIENTS} moves the FedAvg model's predictions beyond the honest spread: "
+            + ", ".join(over)
+        )
     if failed:
         print("FAIL: a run raised")
     return 1 if over or failed else 0
