@@ -28,7 +28,6 @@ deferring codec computes again); server costs are measured in docs/threat-model.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from numba import njit
 
 from fedquant.codecs.deferred import DeferredValues
 from fedquant.rng import derive_seed
+from fedquant.strategies.node_memory import NodeMemory
 
 NEWCOMERS = "newcomers"
 
@@ -146,12 +146,12 @@ def _sketch_add(x: np.ndarray, signs: np.ndarray, shifts: np.ndarray, out: np.nd
 
 
 class DriftLedger:
-    """Per node id, the sketched sum of its displacements and its budget; one LRU eviction rule."""
+    """Per node id, the sketched sum of its displacements and its budget (a :class:`NodeMemory`)."""
 
     def __init__(self, rule: DriftRule, seed: int) -> None:
         self.rule = rule
         self.sketch = CountSketch(rule.sketch_size, seed)
-        self._accounts: OrderedDict[object, np.ndarray] = OrderedDict()  # node -> sketch of its summed pulls
+        self._accounts: NodeMemory[np.ndarray] = NodeMemory(rule.max_clients)  # node -> sketch of its summed pulls
         self._newcomers = [0, 0]  # replies and rounds charged to the newcomers' account
 
     def __len__(self) -> int:
@@ -189,7 +189,7 @@ class DriftLedger:
         return [float(b) if b < float(o) else o for b, o in zip(bounded, weights, strict=True)]
 
     def _summed(self, key: object) -> np.ndarray:
-        account = self._accounts.get(key)
+        account = self._accounts.get(key, None)
         return np.zeros(self.rule.sketch_size) if account is None else account
 
     def _keys(self, node: object) -> tuple:
@@ -225,10 +225,7 @@ class DriftLedger:
         pulls = (w / w.sum())[:, None] * offsets
         for node, pull in zip(nodes, pulls, strict=True):
             for key in self._keys(node):
-                self._accounts[key] = self._summed(key) + pull
-                self._accounts.move_to_end(key)  # most recently seen last
-        while len(self._accounts) > self.rule.max_clients:
-            self._accounts.popitem(last=False)
+                self._accounts.put(key, self._summed(key) + pull)
 
 
 def _largest_shares(summed: np.ndarray, d: np.ndarray, dd: np.ndarray, budget: float) -> np.ndarray:

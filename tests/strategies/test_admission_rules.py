@@ -8,9 +8,9 @@ import pytest
 
 from fedquant.strategies.admission import Admission, AdmissionRules, References
 from fedquant.strategies.admission import rules as registered
-from fedquant.strategies.admission.references import NodeMemory
 from fedquant.strategies.admission.rules.base import Rule
 from fedquant.strategies.drift import DriftLedger, DriftRule
+from fedquant.strategies.node_memory import NodeMemory
 from tests.strategies.test_attacks import ATTACKER, _round, _scaled, _wrap
 
 

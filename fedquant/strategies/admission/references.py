@@ -2,16 +2,16 @@
 
 Everything a rule carries from one round to the next lives in one :class:`References` store, so
 a run's cross-round state is one object with one eviction rule: a median reference keeps the last
-round only, a per-node memory (:class:`NodeMemory`) the ``max_clients`` nodes seen most recently.
+round only, a per-node memory (:class:`~fedquant.strategies.node_memory.NodeMemory`, the drift
+ledger's too) the ``max_clients`` nodes seen most recently.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -128,37 +128,6 @@ def widened(
     if factor is not None and spread is not None:
         factor = max(factor, math.exp(min(spread * reference.log_spread, 700.0)))
     return reference.value, factor
-
-
-class NodeMemory(Generic[V]):
-    """A value per node id, at most ``max_clients`` of them: the least recently written forgotten first.
-
-    The one eviction rule of admission's per-node memories (persistence's CUSUM, for instance).
-    """
-
-    def __init__(self, max_clients: int) -> None:
-        self.max_clients = max_clients
-        self._values: OrderedDict[object, V] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __contains__(self, node: object) -> bool:
-        return node in self._values
-
-    def __iter__(self) -> Iterator[object]:
-        return iter(self._values)
-
-    def get(self, node: object, default: V) -> V:
-        """The node's value (``default`` when not seen, or forgotten)."""
-        return self._values.get(node, default)
-
-    def put(self, node: object, value: V) -> None:
-        """Write the node's value, now its most recent; forget the oldest beyond ``max_clients``."""
-        self._values.pop(node, None)
-        self._values[node] = value
-        while len(self._values) > self.max_clients:
-            self._values.popitem(last=False)
 
 
 class References:

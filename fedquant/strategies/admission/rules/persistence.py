@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 
 from fedquant.strategies.admission.reasons import REASON_DIRECTION
-from fedquant.strategies.admission.references import NodeMemory, References
+from fedquant.strategies.admission.references import References
 from fedquant.strategies.admission.rules.base import Ballot, Rule, Setup
 from fedquant.strategies.admission.settings import PersistenceRule
+from fedquant.strategies.node_memory import NodeMemory
 
 
 class DirectionHistory:
