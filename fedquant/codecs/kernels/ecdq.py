@@ -146,6 +146,35 @@ def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -
 
 
 # ================================================================ numba kernels (CPU)
+# The kernels that write symbols in table order first gather a chunk's symbols by table in a
+# chunk-sized buffer (L1/L2), then copy each table's run out: scattering straight into the
+# tensor-sized output touches one page per table per symbol, and the TLB misses cost more than
+# the copy (E8: 3.1 ns per symbol against ~1.3, one core).
+@njit(cache=True)
+def local_starts(offsets, sizes, c):
+    """Where chunk ``c``'s run of each table starts in its chunk buffer (tables in order)."""
+    tables = offsets.shape[1]
+    pos = np.empty(tables, np.int64)
+    start = 0
+    for t in range(tables):
+        end = offsets[c + 1, t] if c + 1 < offsets.shape[0] else offsets[0, t] + sizes[t]
+        pos[t] = start
+        start += end - offsets[c, t]
+    return pos
+
+
+@njit(cache=True)
+def copy_out(buf, offsets, ends, c, out):
+    """Copy chunk ``c``'s runs (table ``t``'s ends at ``ends[t]`` in ``buf``) to their places in ``out``."""
+    start = 0
+    for t in range(offsets.shape[1]):
+        dst = out[offsets[c, t] : offsets[c, t] + ends[t] - start]
+        src = buf[start : ends[t]]
+        for k in range(src.size):
+            dst[k] = src[k]
+        start = ends[t]
+
+
 @parallel_kernel
 def norm_and_max(y):
     """``(sum of y**2 in float64, max |y|)`` of float32 ``y``; per-chunk sums added in chunk order."""

@@ -134,8 +134,8 @@ def test_e8_points_are_nearest_and_in_the_lattice(torch_path):
     else:
         m = np.empty(y.size, np.int16)
         coset = np.empty(y.size // 8, np.uint8)
-        e8.lattice(y, 1.0, key, m, coset)
-        m = m.reshape(-1, 8).astype(np.int64)
+        e8.lattice_counts(y, 1.0, key, 0, 0, 1, m, coset)
+        m = e8.natural_order(m).reshape(-1, 8).astype(np.int64)
         z = e8.torch_uniforms(9, y.size, "cpu")[0].numpy().reshape(-1, 8)
     assert (m.sum(1) % 2 == 0).all()  # lambda - coset/2 is in D8
     lam = m + 0.5 * coset[:, None]
