@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, _sum_f64, pack_into, uniform24, unpack_from
+from fedquant.codecs.kernels.common import _U_SCALE, CHUNK, _sum_f64, hash24_run, pack_into, uniform24, unpack_from
 from fedquant.jit import parallel_kernel
 from fedquant.rng import uniform
 
@@ -37,6 +37,7 @@ FINE_BITS = 6
 FINE = 1 << FINE_BITS
 _HALF64 = 0.5
 _FINE32 = np.float32(FINE)
+_BIN_SHIFT = np.uint32(24 - FINE_BITS)  # a 24-bit hash's top FINE_BITS bits: floor(64 v)
 
 
 def num_chunks(n: int) -> int:
@@ -117,6 +118,12 @@ def sum_rows_by(rows: np.ndarray, groups: np.ndarray, count: int) -> np.ndarray:
     if present.size:
         out[present] = np.add.reduceat(rows[order], starts, axis=0)
     return out
+
+
+def fold_signs(log2k: int, space: "ContextSpace | None" = None) -> np.ndarray:
+    """-1 for the folded fine contexts (symbols mirrored), else 1 (int64; the scalar lattice by default)."""
+    _, flipped = (space or SCALAR).tables(log2k)
+    return np.where(flipped, -1, 1).astype(np.int64)
 
 
 def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -> tuple[np.ndarray, np.ndarray]:
@@ -204,6 +211,21 @@ def _dithered(key, i, yi, inv):
     return np.int64(np.rint(np.float64(yi) * inv + u)), np.int64(v * _FINE32), u
 
 
+@njit(cache=True)
+def _chunk_indices(y, inv, key, c0, count, hs, qq):
+    """Dithered indices ``qq[r]`` (int32) of elements ``c0 + r`` and their hashes ``hs[r]``; returns the
+    largest ``|q|``. Loops without table lookups or data-dependent stores: they run on vector lanes."""
+    hash24_run(key, c0, count, hs)
+    ys, hv, qv = y[c0 : c0 + count], hs[:count], qq[:count]
+    top = 0
+    for r in range(count):
+        u = np.float64(np.float32(hv[r]) * _U_SCALE) - _HALF64
+        q = np.int64(np.rint(np.float64(ys[r]) * inv + u))
+        qv[r] = q
+        top = max(top, abs(q))
+    return top
+
+
 @parallel_kernel
 def scan(y, inv, key, hist_half, groups):
     """Largest ``|q|``, fine-bin counts per chunk and, if ``hist_half >= 0``, the histogram of
@@ -221,15 +243,19 @@ def scan(y, inv, key, hist_half, groups):
     span = (chunks + groups - 1) // groups
     for g in prange(groups):
         hist = per_group[g]
+        hs = np.empty(CHUNK, np.uint32)
+        qq = np.empty(CHUNK, np.int32)
         top = 0
         for c in range(g * span, min((g + 1) * span, chunks)):
+            c0 = c * CHUNK
+            count = min(c0 + CHUNK, n) - c0
+            top = max(top, _chunk_indices(y, inv, key, c0, count, hs, qq))
             counts = fine_counts[c]
-            for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-                q, b, _ = _dithered(key, i, y[i], inv)
-                top = max(top, abs(q))
+            for r in range(count):
+                b = hs[r] >> _BIN_SHIFT
                 counts[b] += 1
                 if width:
-                    hist[b, min(max(q + hist_half, 0), width - 1)] += 1
+                    hist[b, min(max(np.int64(qq[r]) + hist_half, 0), width - 1)] += 1
         tops[g] = top
     total = np.zeros((FINE, max(width, 1)), np.int64)
     for g in range(groups):
@@ -238,18 +264,26 @@ def scan(y, inv, key, hist_half, groups):
 
 
 @parallel_kernel
-def order_symbols(y, inv, key, h, table, flipped, offsets, out):
-    """Symbols of float32 ``y`` in table order: element ``i`` of table ``t`` goes to the next slot of
-    ``offsets[chunk, t]`` (``table`` / ``flipped`` per fine bin, :meth:`ContextSpace.tables`)."""
+def order_symbols(y, inv, key, h, table, sign, offsets, sizes, out):
+    """Symbols of float32 ``y`` in table order: ``h + sign[b] q`` of fine bin ``b`` (``sign`` -1 where the
+    context is folded) goes to the next slot of its table (``table`` per fine bin,
+    :meth:`ContextSpace.tables`; ``offsets`` / ``sizes`` from :func:`chunk_offsets`)."""
     n = y.size
     chunks = (n + CHUNK - 1) // CHUNK
     for c in prange(chunks):
-        pos = offsets[c].copy()
-        for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-            q, b, _ = _dithered(key, i, y[i], inv)
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        hs = np.empty(count, np.uint32)
+        qq = np.empty(count, np.int32)
+        _chunk_indices(y, inv, key, c0, count, hs, qq)
+        buf = np.empty(count, out.dtype)
+        pos = local_starts(offsets, sizes, c)
+        for r in range(count):
+            b = hs[r] >> _BIN_SHIFT
             t = table[b]
-            out[pos[t]] = h - q if flipped[b] else h + q
+            buf[pos[t]] = h + sign[b] * np.int64(qq[r])
             pos[t] += 1
+        copy_out(buf, offsets, pos, c, out)
 
 
 @parallel_kernel
@@ -273,28 +307,38 @@ def count_bins(n, key):
     chunks = (n + CHUNK - 1) // CHUNK
     fine_counts = np.zeros((chunks, FINE), np.int64)
     for c in prange(chunks):
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        hs = np.empty(count, np.uint32)
+        hash24_run(key, c0, count, hs)
         counts = fine_counts[c]
-        for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-            counts[np.int64(uniform24(key, i) * _FINE32)] += 1
+        for r in range(count):
+            counts[hs[r] >> _BIN_SHIFT] += 1
     return fine_counts
 
 
 @parallel_kernel(count_arg=7)
-def values_from_tables(symbols, key, step, h, table, flipped, offsets, out):
+def values_from_tables(symbols, key, step, h, table, sign, offsets, out):
     """Estimates ``step * (q - u)`` (float32) from table-ordered ``symbols`` (each ``<= 2h``, checked
-    by the entropy decoder), the inverse of :func:`order_symbols`."""
+    by the entropy decoder), ``q = sign[b] (s - h)``: the inverse of :func:`order_symbols`."""
     n = out.size
     chunks = (n + CHUNK - 1) // CHUNK
     for c in prange(chunks):
         pos = offsets[c].copy()
-        for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-            v = uniform24(key, i)
-            b = np.int64(v * _FINE32)
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        hs = np.empty(count, np.uint32)
+        hash24_run(key, c0, count, hs)
+        qq = np.empty(count, np.int32)
+        for r in range(count):
+            b = hs[r] >> _BIN_SHIFT
             t = table[b]
-            s = np.int64(symbols[pos[t]])
+            qq[r] = sign[b] * (np.int64(symbols[pos[t]]) - h)
             pos[t] += 1
-            q = h - s if flipped[b] else s - h
-            out[i] = np.float32(step * (np.float64(q) - (np.float64(v) - _HALF64)))
+        dst = out[c0 : c0 + count]
+        for r in range(count):
+            u = np.float64(np.float32(hs[r]) * _U_SCALE) - _HALF64
+            dst[r] = np.float32(step * (np.float64(qq[r]) - u))
 
 
 @parallel_kernel(count_arg=2)

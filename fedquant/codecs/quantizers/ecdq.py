@@ -498,10 +498,10 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             hist = hist[:, half - h : half + h + 1]
             log2k = choose_contexts(hist, SCALAR)
             counts = SCALAR.folded(hist, log2k)
-        table, flipped = SCALAR.tables(log2k)
+        table, _ = SCALAR.tables(log2k)
         offsets, sizes = chunk_offsets(fine_counts, table, SCALAR.num_tables(log2k))
         symbols = np.empty(n, _symbol_dtype(2 * h + 1))
-        kernels.order_symbols(y, inv, key, h, table, flipped, offsets, symbols)
+        kernels.order_symbols(y, inv, key, h, table, kernels.fold_signs(log2k), offsets, sizes, symbols)
         stream: list[np.ndarray] = []
         write_stage(stream, symbols, sizes, 2 * h + 1, counts)
         return self._side(h, log2k), stream
@@ -617,10 +617,10 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             bad = kernels.values_from_packed(read_packed(body, n, width, "indices"), width, out, key, step, h)
             _refuse(bad, "indices beyond the declared range")
             return torch.from_numpy(out)
-        table, flipped = SCALAR.tables(log2k)
+        table, _ = SCALAR.tables(log2k)
         offsets, sizes = chunk_offsets(kernels.count_bins(n, key), table, SCALAR.num_tables(log2k))
         symbols = read_stage(body, sizes, 2 * h + 1)
-        kernels.values_from_tables(symbols, key, step, h, table, flipped, offsets, out)
+        kernels.values_from_tables(symbols, key, step, h, table, kernels.fold_signs(log2k), offsets, out)
         return torch.from_numpy(out)
 
     def _z_read_torch(self, body: BodyReader, n: int, seed: int, step: float, h: int, log2k: int) -> torch.Tensor:
