@@ -276,6 +276,29 @@ def test_kernels_and_torch_twin_write_the_same_bytes_and_values(spec, n):
     assert torch.equal(kernel.decode(payload, seed=11), twin.decode(payload, seed=11))
 
 
+def test_e8_counts_again_when_its_histogram_bound_was_too_wide(monkeypatch):
+    """The E8 encoder sizes its histogram from ``max |y| / step`` before it knows ``h``; when that bound
+    is beyond ``HIST_MAX_H`` but ``h`` is not, it counts again, and writes the torch twin's bytes."""
+    x = gaussian(PARALLEL_MIN + 24, 8)
+    calls = []
+    fused = e8.lattice_counts
+
+    def counted(*args):
+        calls.append(args[4])  # the histogram's width
+        return fused(*args)
+
+    monkeypatch.setattr(e8, "lattice_counts", counted)
+    recounted = 0
+    for bound in range(12, 30):
+        monkeypatch.setitem(ecdq.HIST_MAX_H, "e8", bound)
+        calls.clear()
+        kernel, twin = get_codec("ecdq:bits=4.0,lattice=e8"), get_codec("ecdq:bits=4.0,lattice=e8")
+        twin.force_torch = True
+        assert kernel.encode(x, seed=4) == twin.encode(x, seed=4)
+        recounted += len(calls) == 2 and calls[0] == 0 and calls[1] > 0
+    assert recounted  # some bound fell between h and the a-priori bound
+
+
 @pytest.mark.parametrize("spec", ["ecdq:bits=1.0", "ecdq:bits=2.0,lattice=z"])
 def test_thread_count_does_not_change_the_bytes(spec):
     import numba
