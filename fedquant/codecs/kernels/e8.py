@@ -40,7 +40,7 @@ from fedquant.codecs.kernels.common import (
     uniform24,
     unpack_from,
 )
-from fedquant.codecs.kernels.ecdq import FINE, ContextSpace, copy_out, local_starts
+from fedquant.codecs.kernels.ecdq import FINE, ContextSpace, copy_in, copy_out, local_starts
 from fedquant.jit import parallel_kernel
 from fedquant.rng import uniform
 
@@ -281,8 +281,8 @@ def count_first(coset, key, n):
     return fine_counts
 
 
-@parallel_kernel(count_arg=7)
-def place_first(symbols, coset, key, h, table, base, sign, offsets, m):
+@parallel_kernel(count_arg=8)
+def place_first(symbols, coset, key, h, table, base, sign, offsets, sizes, m):
     """``m`` of the first seven coordinates from their table-ordered coded symbols (``s = base[f] +
     sign[f] code``, :func:`folding`); returns the fine-context counts per chunk of the eighth
     coordinates (their parity follows from the seven) and the number of symbols beyond ``2h - b``."""
@@ -291,10 +291,11 @@ def place_first(symbols, coset, key, h, table, base, sign, offsets, m):
     fine_counts = np.zeros((chunks, _SIZE), np.int64)
     bad = np.zeros(chunks, np.int64)
     for c in prange(chunks):
-        pos = offsets[c].copy()
         counts = fine_counts[c]
         c0 = c * CHUNK
         count = min(c0 + CHUNK, n) - c0
+        buf = np.empty(count, symbols.dtype)
+        pos = copy_in(symbols, offsets, sizes, c, buf)
         hs = np.empty(count, np.uint32)
         hash24_run(key, c0, count, hs)
         over = 0
@@ -305,7 +306,7 @@ def place_first(symbols, coset, key, h, table, base, sign, offsets, m):
             for k in range(7):
                 f = (b * FINE + np.int64(hs[8 * j + k] >> _BIN_SHIFT)) * 2
                 t = table[f]
-                code = np.int64(symbols[pos[t]])
+                code = np.int64(buf[pos[t]])
                 pos[t] += 1
                 over += code > top
                 r = base[f] + sign[f] * code - h + 1
@@ -317,19 +318,21 @@ def place_first(symbols, coset, key, h, table, base, sign, offsets, m):
     return fine_counts, bad.sum()
 
 
-@parallel_kernel(count_arg=8)
-def finish(symbols, coset, key, h, step, table, base, sign, offsets, m, out):
+@parallel_kernel(count_arg=9)
+def finish(symbols, coset, key, h, step, table, base, sign, offsets, sizes, m, out):
     """The eighth coordinates from their coded symbols, then ``step (lambda - z)`` of every coordinate
     (float32 into ``out``); returns the number of symbols beyond ``2h - b`` or of the wrong parity."""
     n = m.size
     chunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(chunks, np.int64)
     for c in prange(chunks):
-        pos = offsets[c].copy()
         c0 = c * CHUNK
         count = min(c0 + CHUNK, n) - c0
+        buf = np.empty(count // 8, symbols.dtype)
+        pos = copy_in(symbols, offsets, sizes, c, buf)
         hs = np.empty(count, np.uint32)
         hash24_run(key, c0, count, hs)
+        half = np.empty(count, np.float64)
         over = 0
         for j in range(count // 8):
             b = np.int64(coset[c0 // 8 + j])
@@ -339,17 +342,24 @@ def finish(symbols, coset, key, h, step, table, base, sign, offsets, m, out):
                 parity += np.int64(m[i0 + k])
             f = ((2 + b) * FINE + np.int64(hs[8 * j + 7] >> _BIN_SHIFT)) * 2 + ((parity + h - 1) & 1)
             t = table[f]
-            code = np.int64(symbols[pos[t]])
+            code = np.int64(buf[pos[t]])
             pos[t] += 1
             r = base[f] + sign[f] * code - h + 1
             over += (code > 2 * h - b) | ((r - parity) & 1)
             m[i0 + 7] = r
-            half = 0.5 * b
             for k in range(8):
-                z = _TWO * np.float64(np.float32(hs[8 * j + k]) * _U_SCALE)
-                out[i0 + k] = np.float32(step * ((np.float64(m[i0 + k]) + half) - z))
+                half[8 * j + k] = 0.5 * b
+        _values(m[c0 : c0 + count], half, hs, step, out[c0 : c0 + count])
         bad[c] = over
     return bad.sum()
+
+
+@njit(cache=True)
+def _values(m, half, hs, step, out):
+    """``float32(step ((m + coset / 2) - 2 v))`` of a chunk, on vector lanes (``half``: coset / 2 per element)."""
+    for r in range(out.size):
+        z = _TWO * np.float64(np.float32(hs[r]) * _U_SCALE)
+        out[r] = np.float32(step * ((np.float64(m[r]) + half[r]) - z))
 
 
 @parallel_kernel(count_arg=3)

@@ -126,6 +126,28 @@ def fold_signs(log2k: int, space: "ContextSpace | None" = None) -> np.ndarray:
     return np.where(flipped, -1, 1).astype(np.int64)
 
 
+@njit(cache=True)
+def _offsets(fine_counts, table, num_tables):
+    """:func:`chunk_offsets` in one kernel."""
+    chunks = fine_counts.shape[0]
+    per_table = np.zeros((chunks, num_tables), np.int64)
+    for c in range(chunks):
+        for f in range(fine_counts.shape[1]):
+            per_table[c, table[f]] += fine_counts[c, f]
+    sizes = np.zeros(num_tables, np.int64)
+    for c in range(chunks):
+        sizes += per_table[c]
+    offsets = np.empty((chunks, num_tables), np.int64)
+    start = 0
+    for t in range(num_tables):
+        pos = start
+        for c in range(chunks):
+            offsets[c, t] = pos
+            pos += per_table[c, t]
+        start += sizes[t]
+    return offsets, sizes
+
+
 def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each chunk's symbols of each table start in the table-ordered stream.
 
@@ -145,11 +167,7 @@ def chunk_offsets(fine_counts: np.ndarray, table: np.ndarray, num_tables: int) -
     sizes : np.ndarray
         int64 ``(tables,)``: symbols per table (the tables follow each other in order).
     """
-    per_table = sum_rows_by(fine_counts.T, table, num_tables).T
-    sizes = per_table.sum(0)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    before = np.cumsum(per_table, axis=0) - per_table
-    return np.ascontiguousarray(before + starts[None, :]), sizes
+    return _offsets(np.ascontiguousarray(fine_counts, np.int64), np.ascontiguousarray(table, np.int64), int(num_tables))
 
 
 # ================================================================ numba kernels (CPU)
@@ -167,6 +185,20 @@ def local_starts(offsets, sizes, c):
         end = offsets[c + 1, t] if c + 1 < offsets.shape[0] else offsets[0, t] + sizes[t]
         pos[t] = start
         start += end - offsets[c, t]
+    return pos
+
+
+@njit(cache=True)
+def copy_in(symbols, offsets, sizes, c, buf):
+    """Chunk ``c``'s run of each table from the table-ordered ``symbols`` into ``buf``, tables in order
+    (the decoders' mirror of :func:`copy_out`); returns where each run starts in ``buf``."""
+    pos = local_starts(offsets, sizes, c)
+    for t in range(offsets.shape[1]):
+        end = offsets[c + 1, t] if c + 1 < offsets.shape[0] else offsets[0, t] + sizes[t]
+        src = symbols[offsets[c, t] : end]
+        dst = buf[pos[t] : pos[t] + src.size]
+        for k in range(src.size):
+            dst[k] = src[k]
     return pos
 
 
@@ -317,23 +349,24 @@ def count_bins(n, key):
     return fine_counts
 
 
-@parallel_kernel(count_arg=7)
-def values_from_tables(symbols, key, step, h, table, sign, offsets, out):
+@parallel_kernel(count_arg=8)
+def values_from_tables(symbols, key, step, h, table, sign, offsets, sizes, out):
     """Estimates ``step * (q - u)`` (float32) from table-ordered ``symbols`` (each ``<= 2h``, checked
     by the entropy decoder), ``q = sign[b] (s - h)``: the inverse of :func:`order_symbols`."""
     n = out.size
     chunks = (n + CHUNK - 1) // CHUNK
     for c in prange(chunks):
-        pos = offsets[c].copy()
         c0 = c * CHUNK
         count = min(c0 + CHUNK, n) - c0
+        buf = np.empty(count, symbols.dtype)
+        pos = copy_in(symbols, offsets, sizes, c, buf)
         hs = np.empty(count, np.uint32)
         hash24_run(key, c0, count, hs)
         qq = np.empty(count, np.int32)
         for r in range(count):
             b = hs[r] >> _BIN_SHIFT
             t = table[b]
-            qq[r] = sign[b] * (np.int64(symbols[pos[t]]) - h)
+            qq[r] = sign[b] * (np.int64(buf[pos[t]]) - h)
             pos[t] += 1
         dst = out[c0 : c0 + count]
         for r in range(count):

@@ -620,7 +620,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         table, _ = SCALAR.tables(log2k)
         offsets, sizes = chunk_offsets(kernels.count_bins(n, key), table, SCALAR.num_tables(log2k))
         symbols = read_stage(body, sizes, 2 * h + 1)
-        kernels.values_from_tables(symbols, key, step, h, table, kernels.fold_signs(log2k), offsets, out)
+        kernels.values_from_tables(symbols, key, step, h, table, kernels.fold_signs(log2k), offsets, sizes, out)
         return torch.from_numpy(out)
 
     def _z_read_torch(self, body: BodyReader, n: int, seed: int, step: float, h: int, log2k: int) -> torch.Tensor:
@@ -656,10 +656,10 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         offsets, sizes = chunk_offsets(e8.count_first(coset, key, n), table, tables)
         first = read_stage(body, sizes[: tables // 2], 2 * h + 1)
         m = np.empty(n, np.int16)
-        fine_last, bad = e8.place_first(first, coset, key, h, table, base, sign, offsets, m)
+        fine_last, bad = e8.place_first(first, coset, key, h, table, base, sign, offsets, sizes, m)
         offsets, sizes = chunk_offsets(fine_last, table, tables)
         last = read_stage(body, sizes[tables // 2 :], 2 * h + 1)
-        bad += e8.finish(last, coset, key, h, step, table, base, sign, offsets, m, out)
+        bad += e8.finish(last, coset, key, h, step, table, base, sign, offsets, sizes, m, out)
         _refuse(bad, "symbols beyond the declared range or of the wrong parity")
         return torch.from_numpy(out)
 
