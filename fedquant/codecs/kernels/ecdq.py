@@ -30,7 +30,7 @@ import torch
 from numba import njit, prange
 
 from fedquant.codecs.kernels.common import _U_SCALE, CHUNK, _sum_f64, hash24_run, pack_into, uniform24, unpack_from
-from fedquant.jit import parallel_kernel
+from fedquant.jit import parallel_kernel, with_twin
 from fedquant.rng import uniform
 
 FINE_BITS = 6
@@ -126,6 +126,16 @@ def fold_signs(log2k: int, space: "ContextSpace | None" = None) -> np.ndarray:
     return np.where(flipped, -1, 1).astype(np.int64)
 
 
+def _offsets_twin(fine_counts, table, num_tables):
+    """:func:`_offsets` in NumPy (while the kernel cache is cold: the torch paths call it too)."""
+    per_table = sum_rows_by(fine_counts.T, table, num_tables).T
+    sizes = per_table.sum(0)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    before = np.cumsum(per_table, axis=0) - per_table
+    return np.ascontiguousarray(before + starts[None, :]), sizes
+
+
+@with_twin(_offsets_twin)
 @njit(cache=True)
 def _offsets(fine_counts, table, num_tables):
     """:func:`chunk_offsets` in one kernel."""

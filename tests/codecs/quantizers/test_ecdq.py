@@ -442,3 +442,16 @@ def test_decoding_with_another_seed_is_refused_or_wrong_but_finite():
     except PayloadError:
         return
     assert bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("tables", [1, 7, 128])
+def test_chunk_offsets_kernel_matches_its_twin(tables):
+    from fedquant.codecs.kernels import ecdq as kernels
+
+    rng = np.random.default_rng(tables)
+    fine = rng.integers(0, 50, (37, 512))
+    fine[:, rng.integers(0, 512, 40)] = 0  # contexts absent from every chunk
+    table = rng.integers(0, tables, 512)
+    got, want = kernels._offsets.kernel(fine, table, tables), kernels._offsets.twin(fine, table, tables)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert int(got[1].sum()) == int(fine.sum())
