@@ -6,10 +6,10 @@ whole-tensor torch QSGD (rand + floor + compare, int8 levels, no bit packing) as
 line, and every codec setting of :mod:`benchmarks.specs`. Everything is measured twice: **per
 core** (numba kernels and torch on one thread, as ``NUMBA_NUM_THREADS=1`` and
 ``torch.set_num_threads(1)`` give; the process's CPU time) and **all cores** (the process's
-default threads; wall time), each against the copy timed in the same thread setting. Each time is the best over ``--rounds``
-rounds through all jobs (copy included), each round timing at least ``--repeats`` calls (more
-for short calls, up to ``--budget`` seconds): on a shared machine the minimum is the least
-disturbed run, and rounds keep a burst of load from spoiling a whole row. Columns: ``us/call``
+default threads; wall time), each against the copy timed in the same thread setting. Each time
+is the best over ``--rounds`` rounds through all jobs (copy included), each round timing at
+least ``--repeats`` calls (more for short calls, up to ``--budget`` seconds): on a shared
+machine the minimum is the least disturbed run, and rounds keep a burst of load from spoiling a whole row. Columns: ``us/call``
 and ``x copy`` (the codec's time as a multiple of the copy's best time) per core and all cores;
 ``dec x lent``: the decode per core into memory a :class:`~fedquant.codecs.buffers.BufferPool`
 lends again each call, as the server's decoding stage decodes (a new tensor's first touch, page
