@@ -9,8 +9,9 @@ core** (numba kernels and torch on one thread, as ``NUMBA_NUM_THREADS=1`` and
 default threads; wall time), each against the copy timed in the same thread setting. Each time
 is the best over ``--rounds`` rounds through all jobs (copy included), each round timing at
 least ``--repeats`` calls (more for short calls, up to ``--budget`` seconds): on a shared
-machine the minimum is the least disturbed run, and rounds keep a burst of load from spoiling a whole row. Columns: ``us/call``
-and ``x copy`` (the codec's time as a multiple of the copy's best time) per core and all cores;
+machine the minimum is the least disturbed run, and rounds keep a burst of load from spoiling
+a whole row. Columns: ``us/call`` and ``x copy`` (the codec's time as a multiple of the copy's
+best time) per core and all cores;
 ``dec x lent``: the decode per core into memory a :class:`~fedquant.codecs.buffers.BufferPool`
 lends again each call, as the server's decoding stage decodes (a new tensor's first touch, page
 by page, is left out; the copy writes into memory it touched before too); ``peak MiB``: extra

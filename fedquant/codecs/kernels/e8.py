@@ -230,7 +230,8 @@ def order_kmajor(m, coset, key, h, table, base, sign, offsets, sizes, out):
         # otherwise alias in the store buffer (4K aliasing; 4.2 against 1.5 ns per symbol).
         ff = np.empty((8, blocks + _PAD), np.uint16)
         sv = np.empty((8, blocks + _PAD), np.uint16)
-        _contexts_kmajor(m[c0 : c0 + count].reshape(8, blocks), coset[c0 // 8 : c0 // 8 + blocks], key, c0, h - 1, h - 1, ff, sv)
+        mk = m[c0 : c0 + count].reshape(8, blocks)
+        _contexts_kmajor(mk, coset[c0 // 8 : c0 // 8 + blocks], key, c0, h - 1, h - 1, ff, sv)
         buf = np.empty(count, out.dtype)
         pos = local_starts(offsets, sizes, c)
         for j in range(blocks):

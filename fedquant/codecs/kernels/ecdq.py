@@ -120,7 +120,7 @@ def sum_rows_by(rows: np.ndarray, groups: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-def fold_signs(log2k: int, space: "ContextSpace | None" = None) -> np.ndarray:
+def fold_signs(log2k: int, space: ContextSpace | None = None) -> np.ndarray:
     """-1 for the folded fine contexts (symbols mirrored), else 1 (int64; the scalar lattice by default)."""
     _, flipped = (space or SCALAR).tables(log2k)
     return np.where(flipped, -1, 1).astype(np.int64)
