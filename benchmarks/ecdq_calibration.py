@@ -52,8 +52,9 @@ def e8_model_rate(c: float, n: int, seed: int = 11) -> float:
     key = kernel_key(seed)
     m = np.empty(n, np.int16)
     coset = np.empty(n // 8, np.uint8)
-    h = (int(e8.lattice(y, 1.0 / c, key, m, coset)) + 1) // 2
-    _, hist = e8.contexts_and_histogram(m, coset, key, h, True, 4)
+    off = int(np.abs(y).max() / c) + 4
+    top, counts, hist = e8.lattice_counts(y, 1.0 / c, key, off, 2 * off + 1, 4, m, coset)
+    _, hist = e8.symbol_parity(counts, hist, (int(top) + 1) // 2, off)
     tables = min(coded_bits(e8.E8.folded(hist, k)) for k in range(FINE_BITS + 1))
     return (entropy_bits(np.bincount(coset, minlength=2)) + tables) / n
 

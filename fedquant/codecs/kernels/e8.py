@@ -28,8 +28,19 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from fedquant.codecs.kernels.common import CHUNK, pack_into, uniform24, unpack_from
-from fedquant.codecs.kernels.ecdq import FINE, ContextSpace
+from fedquant.codecs.kernels.common import (
+    _GAMMA,
+    _SHIFT_U,
+    _U_SCALE,
+    CHUNK,
+    counter,
+    hash24_run,
+    mix64,
+    pack_into,
+    uniform24,
+    unpack_from,
+)
+from fedquant.codecs.kernels.ecdq import FINE, ContextSpace, copy_in, copy_out, local_starts
 from fedquant.jit import parallel_kernel
 from fedquant.rng import uniform
 
@@ -39,205 +50,317 @@ SECOND_MOMENT = 929 / 12960
 E8 = ContextSpace(groups=2, cosets=2, parities=2)
 _FINE32 = np.float32(FINE)
 _TWO = 2.0
+_BLOCKS = CHUNK // 8
+_EIGHT_GAMMA = np.uint64((8 * int(_GAMMA)) % (1 << 64))
+_SIZE = E8.size
+_PAD = 40
+_BIN_SHIFT = np.uint32(24 - 6)  # a 24-bit hash's top FINE_BITS bits: floor(64 v)
 
 
 # ================================================================ numba kernels (CPU)
-@njit(cache=True, inline="always")
-def _nearest_coset(t, shift, out):
-    """Nearest point of ``D8 + shift`` to ``t`` (8 float64): its integer part ``t - shift`` rounded
-    into ``out``; returns the squared distance."""
-    total = 0
-    worst = -1.0
-    wi = 0
+# ---------------------------------------------------------------- the fused encoder pass
+# A chunk's blocks are held coordinate-major ("k-major": coordinate k of block j at k * blocks + j)
+# in the scratch and in ``m``, so that the nearest-point search runs one block per vector lane.
+@njit(cache=True)
+def _dither_kmajor(y, inv, key, c0, blocks, t):
+    """``t[k, j] = y[c0 + 8j + k] inv + 2 v`` (float64, the kernel's order of operations)."""
     for k in range(8):
-        a = t[k] - shift
-        r = np.rint(a)
-        out[k] = r
-        total += np.int64(r)
-        e = abs(a - r)
-        if e > worst:
-            worst = e
-            wi = k
-    if total & 1:
-        a = t[wi] - shift
-        out[wi] = out[wi] + 1.0 if a >= out[wi] else out[wi] - 1.0
-    d = 0.0
-    for k in range(8):
-        e = (t[k] - shift) - out[k]
-        d += e * e
-    return d
+        z0 = counter(key, c0 + k)
+        ys = y[c0 + k : c0 + 8 * blocks : 8]
+        row = t[k]
+        for j in range(blocks):
+            v = np.float32(mix64(z0 + np.uint64(j) * _EIGHT_GAMMA) >> _SHIFT_U) * _U_SCALE
+            row[j] = np.float64(ys[j]) * inv + _TWO * np.float64(v)
 
 
-@njit(cache=True, inline="always")
-def _fine_context(k, b, v, s):
-    """Fine context (:data:`E8`) of coordinate ``k`` of a block of coset ``b``, uniform ``v``, symbol ``s``."""
-    last = k == 7
-    group = 1 if last else 0
-    parity = (s & 1) if last else 0
-    return ((group * 2 + b) * FINE + np.int64(v * _FINE32)) * 2 + parity
+@njit(cache=True)
+def _nearest_kmajor(t, blocks, mk, coset):
+    """Nearest E8 points of the k-major dithered blocks ``t``: ``mk[k, j]`` (``lambda - coset / 2``) and
+    ``coset[j]``; returns ``max |2 lambda - 2|``.
+
+    Per coset ``D8 + shift``: round ``t - shift``; on an odd sum, move the first coordinate of largest
+    rounding error the other way; the squared distance summed coordinate by coordinate (the torch
+    twin's order). Branch-free, so that the loop over blocks runs on vector lanes."""
+    top = 0
+    for j in range(blocks):
+        d0 = d1 = 0.0
+        w0 = w1 = 0
+        m0 = m1 = 0.0
+        for s in range(2):
+            shift = 0.5 * s
+            total = 0
+            worst = -1.0
+            wi = 0
+            aw = rw = 0.0
+            for k in range(8):
+                a = t[k, j] - shift
+                r = np.rint(a)
+                total += np.int64(r)
+                e = abs(a - r)
+                better = e > worst
+                worst = e if better else worst
+                wi = k if better else wi
+                aw = a if better else aw
+                rw = r if better else rw
+            moved = (rw + 1.0 if aw >= rw else rw - 1.0) if total & 1 else rw
+            d = 0.0
+            for k in range(8):
+                a = t[k, j] - shift
+                e = a - (moved if k == wi else np.rint(a))
+                d += e * e
+            if s == 0:
+                d0, w0, m0 = d, wi, moved
+            else:
+                d1, w1, m1 = d, wi, moved
+        b = 1 if d1 < d0 else 0
+        shift = 0.5 * b
+        wi = w1 if b else w0
+        mv = m1 if b else m0
+        coset[j] = b
+        for k in range(8):
+            r = np.int64(mv if k == wi else np.rint(t[k, j] - shift))
+            mk[k, j] = r
+            top = max(top, abs(2 * r + b - 2))
+    return top
+
+
+@njit(cache=True)
+def _count_chunk(mk, coset, key, c0, off, width, ff, sv, counts, hist):
+    """Fine-context counts of a chunk into ``counts`` and, if ``width``, the histogram of (fine context,
+    ``m + off``) into ``hist``; the eighth coordinate's parity bit is that of ``m`` (:func:`lattice_counts`)."""
+    blocks = mk.shape[1]
+    _contexts_kmajor(mk, coset, key, c0, 0, off, ff, sv)
+    for k in range(8):
+        frow, srow = ff[k], sv[k]
+        for j in range(blocks):
+            f = frow[j]
+            counts[f] += 1
+            if width:
+                hist[f, min(np.int64(srow[j]), width - 1)] += 1
 
 
 @parallel_kernel
-def lattice(y, inv, key, m, coset):
-    """Nearest E8 points of the dithered blocks of float32 ``y`` (``y.size`` a multiple of 8): ``m``
-    (int16, ``lambda - coset / 2``) and ``coset`` (uint8 per block); returns ``max |2 lambda - 2|``."""
+def lattice_counts(y, inv, key, off, width, groups, m, coset):
+    """The fused first pass of E8's encoder: nearest points, fine-context counts and histogram.
+
+    ``m`` (int16, ``lambda - coset / 2``) is written k-major per chunk (:func:`kmajor_index`),
+    ``coset`` per block. Returns ``(max |2 lambda - 2|, fine_counts (chunks, E8.size), hist)``:
+    the eighth coordinate's context carries the parity of ``m``, not yet of its symbol
+    ``m + h - 1`` (``h`` is known at the end: :func:`symbol_parity`), and, if ``width``, ``hist``
+    counts (fine context, ``m + off``), ``width = 2 off + 1`` columns (``off`` bounds ``|m| + 1``).
+    """
     n = y.size
     chunks = (n + CHUNK - 1) // CHUNK
-    tops = np.zeros(chunks, np.int64)
-    for c in prange(chunks):
-        t = np.empty(8, np.float64)
-        lo = np.empty(8, np.float64)
-        hi = np.empty(8, np.float64)
-        top = 0
-        for j in range(c * CHUNK // 8, min(c * CHUNK + CHUNK, n) // 8):
-            i0 = 8 * j
-            for k in range(8):
-                t[k] = np.float64(y[i0 + k]) * inv + _TWO * np.float64(uniform24(key, i0 + k))
-            d0 = _nearest_coset(t, 0.0, lo)
-            d1 = _nearest_coset(t, 0.5, hi)
-            b = 1 if d1 < d0 else 0
-            coset[j] = b
-            for k in range(8):
-                r = np.int64(hi[k] if b else lo[k])
-                m[i0 + k] = r
-                top = max(top, abs(2 * r + b - 2))
-        tops[c] = top
-    return tops.max() if chunks else 0
-
-
-@parallel_kernel
-def contexts_and_histogram(m, coset, key, h, with_hist, groups):
-    """Fine-context counts per chunk ``(chunks, E8.size)`` and, if ``with_hist``, the histogram of
-    ``(fine context, s)`` ``(E8.size, 2h + 1)`` of the symbols ``s = m + h - 1``."""
-    n = m.size
-    chunks = (n + CHUNK - 1) // CHUNK
-    width = 2 * h + 1 if with_hist else 1
-    per_group = np.zeros((groups, 512, width), np.int64)
-    fine_counts = np.zeros((chunks, 512), np.int64)
+    per_group = np.zeros((groups, _SIZE, max(width, 1)), np.int64)
+    fine_counts = np.zeros((chunks, _SIZE), np.int64)
+    tops = np.zeros(groups, np.int64)
     span = (chunks + groups - 1) // groups
     for g in prange(groups):
-        hist = per_group[g]
+        t = np.empty((8, _BLOCKS), np.float64)
+        ff = np.empty((8, _BLOCKS + _PAD), np.uint16)
+        sv = np.empty((8, _BLOCKS + _PAD), np.uint16)
+        top = 0
         for c in range(g * span, min((g + 1) * span, chunks)):
-            counts = fine_counts[c]
-            for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-                s = np.int64(m[i]) + h - 1
-                f = _fine_context(i & 7, np.int64(coset[i >> 3]), uniform24(key, i), s)
-                counts[f] += 1
-                if with_hist:
-                    hist[f, s] += 1
-    total = np.zeros((512, width), np.int64)
+            c0 = c * CHUNK
+            blocks = (min(c0 + CHUNK, n) - c0) // 8
+            mk = m[c0 : c0 + 8 * blocks].reshape(8, blocks)
+            cs = coset[c0 // 8 : c0 // 8 + blocks]
+            _dither_kmajor(y, inv, key, c0, blocks, t)
+            top = max(top, _nearest_kmajor(t, blocks, mk, cs))
+            _count_chunk(mk, cs, key, c0, off, width, ff, sv, fine_counts[c], per_group[g])
+        tops[g] = top
+    total = np.zeros((_SIZE, max(width, 1)), np.int64)
     for g in range(groups):
         total += per_group[g]
-    return fine_counts, total
+    return (tops.max() if groups else 0), fine_counts, total
+
+
+def natural_order(m: np.ndarray) -> np.ndarray:
+    """:func:`lattice_counts`'s k-major ``m`` in element order (for tests and tools)."""
+    out = np.empty_like(m)
+    for c0 in range(0, m.size, CHUNK):
+        blocks = (min(c0 + CHUNK, m.size) - c0) // 8
+        out[c0 : c0 + 8 * blocks] = m[c0 : c0 + 8 * blocks].reshape(8, blocks).T.reshape(-1)
+    return out
+
+
+def symbol_parity(fine_counts: np.ndarray, hist: np.ndarray | None, h: int, off: int):
+    """:func:`lattice_counts`'s counts with the eighth coordinate's parity bit that of its symbol
+    ``s = m + h - 1``, and its histogram as (fine context, ``s``) ``(E8.size, 2h + 1)``."""
+    if (h - 1) & 1:
+        swap = np.arange(E8.size)
+        last = swap >= E8.size // 2  # group 1: the eighth coordinates
+        swap[last] ^= 1
+        fine_counts = fine_counts[:, swap]
+        hist = None if hist is None else hist[swap]
+    if hist is not None:
+        hist = np.ascontiguousarray(hist[:, off - h + 1 : off + h + 2])
+    return fine_counts, hist
+
+
+@njit(cache=True)
+def _contexts_kmajor(mk, coset, key, c0, shift, vshift, ff, sv):
+    """Fine context ``ff[k, j]`` (:data:`E8`, the eighth coordinate's parity that of ``m + shift``) and
+    ``sv[k, j] = m + vshift`` of every coordinate of a chunk's k-major ``mk`` (contiguous rows, no table
+    lookups: LLVM keeps gathers out of vector loops on this CPU, so the lookups come later)."""
+    blocks = mk.shape[1]
+    for k in range(8):
+        z0 = counter(key, c0 + k)
+        last = np.int64(k == 7)
+        row, frow, srow = mk[k], ff[k], sv[k]
+        for j in range(blocks):
+            fine = np.int64((mix64(z0 + np.uint64(j) * _EIGHT_GAMMA) >> _SHIFT_U) >> _BIN_SHIFT)
+            r = np.int64(row[j])
+            frow[j] = ((last * 2 + np.int64(coset[j])) * FINE + fine) * 2 + ((r + shift) & last)
+            srow[j] = r + vshift
 
 
 @parallel_kernel
-def order_symbols(m, coset, key, h, table, flipped, offsets, out):
-    """Coded symbols (``s``, or ``2h - b - s`` in folded contexts) in table order."""
+def order_kmajor(m, coset, key, h, table, base, sign, offsets, sizes, out):
+    """Coded symbols in table order, from k-major ``m``: ``base[f] + sign[f] s`` for symbol ``s = m + h - 1``
+    of fine context ``f`` (``s``, or ``2h - b - s`` where the context is folded). ``sizes``: symbols per
+    table (:func:`~fedquant.codecs.kernels.ecdq.chunk_offsets`)."""
     n = m.size
     chunks = (n + CHUNK - 1) // CHUNK
     for c in prange(chunks):
-        pos = offsets[c].copy()
-        for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-            b = np.int64(coset[i >> 3])
-            s = np.int64(m[i]) + h - 1
-            f = _fine_context(i & 7, b, uniform24(key, i), s)
-            t = table[f]
-            out[pos[t]] = 2 * h - b - s if flipped[f] else s
-            pos[t] += 1
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        blocks = count // 8
+        # Rows padded past 4 KiB apart: reading eight rows a coordinate at a time would
+        # otherwise alias in the store buffer (4K aliasing; 4.2 against 1.5 ns per symbol).
+        ff = np.empty((8, blocks + _PAD), np.uint16)
+        sv = np.empty((8, blocks + _PAD), np.uint16)
+        mk = m[c0 : c0 + count].reshape(8, blocks)
+        _contexts_kmajor(mk, coset[c0 // 8 : c0 // 8 + blocks], key, c0, h - 1, h - 1, ff, sv)
+        buf = np.empty(count, out.dtype)
+        pos = local_starts(offsets, sizes, c)
+        for j in range(blocks):
+            for k in range(8):
+                f = ff[k, j]
+                t = table[f]
+                buf[pos[t]] = base[f] + sign[f] * np.int64(sv[k, j])
+                pos[t] += 1
+        copy_out(buf, offsets, pos, c, out)
+
+
+def folding(h: int, log2k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(base, sign)`` per fine context: a symbol ``s`` is coded as ``base + sign s`` (:func:`order_kmajor`)."""
+    _, flipped = E8.tables(log2k)
+    return np.where(flipped, 2 * h - E8.coset(), 0).astype(np.int64), np.where(flipped, -1, 1).astype(np.int64)
+
+
+@parallel_kernel
+def pack_kmajor(m, coset, h, width, out):
+    """Symbols ``m + h - 1`` of k-major ``m`` packed at ``width`` bits in element order."""
+    n = m.size
+    chunks = (n + CHUNK - 1) // CHUNK
+    for c in prange(chunks):
+        lo = c * CHUNK
+        hi = min(lo + CHUNK, n)
+        blocks = (hi - lo) // 8
+        codes = np.empty(hi - lo, np.uint16)
+        for r in range(hi - lo):
+            codes[r] = np.int64(m[lo + (r & 7) * blocks + (r >> 3)]) + h - 1
+        pack_into(codes, hi - lo, width, out, (lo * width) // 8)
 
 
 @parallel_kernel(count_arg=2)
 def count_first(coset, key, n):
     """Fine-context counts per chunk of the first seven coordinates of each block (decoder, stage 2)."""
     chunks = (n + CHUNK - 1) // CHUNK
-    fine_counts = np.zeros((chunks, 512), np.int64)
+    fine_counts = np.zeros((chunks, _SIZE), np.int64)
     for c in prange(chunks):
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        hs = np.empty(count, np.uint32)
+        hash24_run(key, c0, count, hs)
         counts = fine_counts[c]
-        for i in range(c * CHUNK, min(c * CHUNK + CHUNK, n)):
-            if i & 7 != 7:
-                counts[_fine_context(i & 7, np.int64(coset[i >> 3]), uniform24(key, i), 0)] += 1
+        for j in range(count // 8):
+            b = np.int64(coset[c0 // 8 + j]) * FINE
+            for k in range(7):
+                counts[(b + np.int64(hs[8 * j + k] >> _BIN_SHIFT)) * 2] += 1
     return fine_counts
 
 
-@parallel_kernel(count_arg=7)
-def place_first(symbols, coset, key, h, table, flipped, offsets, m):
-    """``m`` of the first seven coordinates from their table-ordered coded symbols; returns the
-    fine-context counts per chunk of the eighth coordinates (their parity follows from the seven)
-    and the number of symbols beyond ``2h - b``."""
+@parallel_kernel(count_arg=8)
+def place_first(symbols, coset, key, h, table, base, sign, offsets, sizes, m):
+    """``m`` of the first seven coordinates from their table-ordered coded symbols (``s = base[f] +
+    sign[f] code``, :func:`folding`); returns the fine-context counts per chunk of the eighth
+    coordinates (their parity follows from the seven) and the number of symbols beyond ``2h - b``."""
     n = m.size
     chunks = (n + CHUNK - 1) // CHUNK
-    fine_counts = np.zeros((chunks, 512), np.int64)
+    fine_counts = np.zeros((chunks, _SIZE), np.int64)
     bad = np.zeros(chunks, np.int64)
     for c in prange(chunks):
-        pos = offsets[c].copy()
         counts = fine_counts[c]
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        buf = np.empty(count, symbols.dtype)
+        pos = copy_in(symbols, offsets, sizes, c, buf)
+        hs = np.empty(count, np.uint32)
+        hash24_run(key, c0, count, hs)
         over = 0
-        for j in range(c * CHUNK // 8, min(c * CHUNK + CHUNK, n) // 8):
-            b = np.int64(coset[j])
+        for j in range(count // 8):
+            b = np.int64(coset[c0 // 8 + j])
+            top = 2 * h - b
             parity = 0
             for k in range(7):
-                i = 8 * j + k
-                f = _fine_context(k, b, uniform24(key, i), 0)
+                f = (b * FINE + np.int64(hs[8 * j + k] >> _BIN_SHIFT)) * 2
                 t = table[f]
-                code = np.int64(symbols[pos[t]])
+                code = np.int64(buf[pos[t]])
                 pos[t] += 1
-                over += 1 if code > 2 * h - b else 0
-                s = 2 * h - b - code if flipped[f] else code
-                r = s - h + 1
-                m[i] = r
+                over += code > top
+                r = base[f] + sign[f] * code - h + 1
+                m[c0 + 8 * j + k] = r
                 parity += r
-            s_last = (parity & 1) + h - 1  # the parity of the eighth symbol, m_8 = sum of the others mod 2
-            counts[_fine_context(7, b, uniform24(key, 8 * j + 7), s_last)] += 1
+            # the eighth symbol's parity: m_8 = sum of the others mod 2
+            counts[((2 + b) * FINE + np.int64(hs[8 * j + 7] >> _BIN_SHIFT)) * 2 + ((parity + h - 1) & 1)] += 1
         bad[c] = over
     return fine_counts, bad.sum()
 
 
-@parallel_kernel(count_arg=8)
-def finish(symbols, coset, key, h, step, table, flipped, offsets, m, out):
+@parallel_kernel(count_arg=9)
+def finish(symbols, coset, key, h, step, table, base, sign, offsets, sizes, m, out):
     """The eighth coordinates from their coded symbols, then ``step (lambda - z)`` of every coordinate
     (float32 into ``out``); returns the number of symbols beyond ``2h - b`` or of the wrong parity."""
     n = m.size
     chunks = (n + CHUNK - 1) // CHUNK
     bad = np.zeros(chunks, np.int64)
     for c in prange(chunks):
-        pos = offsets[c].copy()
+        c0 = c * CHUNK
+        count = min(c0 + CHUNK, n) - c0
+        buf = np.empty(count // 8, symbols.dtype)
+        pos = copy_in(symbols, offsets, sizes, c, buf)
+        hs = np.empty(count, np.uint32)
+        hash24_run(key, c0, count, hs)
+        half = np.empty(count, np.float64)
         over = 0
-        for j in range(c * CHUNK // 8, min(c * CHUNK + CHUNK, n) // 8):
-            b = np.int64(coset[j])
-            i0 = 8 * j
+        for j in range(count // 8):
+            b = np.int64(coset[c0 // 8 + j])
+            i0 = c0 + 8 * j
             parity = 0
             for k in range(7):
                 parity += np.int64(m[i0 + k])
-            v = uniform24(key, i0 + 7)
-            f = _fine_context(7, b, v, (parity & 1) + h - 1)
+            f = ((2 + b) * FINE + np.int64(hs[8 * j + 7] >> _BIN_SHIFT)) * 2 + ((parity + h - 1) & 1)
             t = table[f]
-            code = np.int64(symbols[pos[t]])
+            code = np.int64(buf[pos[t]])
             pos[t] += 1
-            s = 2 * h - b - code if flipped[f] else code
-            r = s - h + 1
-            over += 1 if code > 2 * h - b or (r - parity) & 1 else 0
+            r = base[f] + sign[f] * code - h + 1
+            over += (code > 2 * h - b) | ((r - parity) & 1)
             m[i0 + 7] = r
-            half = 0.5 * b
             for k in range(8):
-                z = _TWO * np.float64(uniform24(key, i0 + k))
-                out[i0 + k] = np.float32(step * ((np.float64(m[i0 + k]) + half) - z))
+                half[8 * j + k] = 0.5 * b
+        _values(m[c0 : c0 + count], half, hs, step, out[c0 : c0 + count])
         bad[c] = over
     return bad.sum()
 
 
-@parallel_kernel
-def pack(m, coset, h, width, out):
-    """Symbols ``m + h - 1`` packed at ``width`` bits (the cosets go separately, one bit per block)."""
-    n = m.size
-    chunks = (n + CHUNK - 1) // CHUNK
-    for c in prange(chunks):
-        lo = c * CHUNK
-        hi = min(lo + CHUNK, n)
-        codes = np.empty(hi - lo, np.uint16)
-        for i in range(lo, hi):
-            codes[i - lo] = np.int64(m[i]) + h - 1
-        pack_into(codes, hi - lo, width, out, (lo * width) // 8)
+@njit(cache=True)
+def _values(m, half, hs, step, out):
+    """``float32(step ((m + coset / 2) - 2 v))`` of a chunk, on vector lanes (``half``: coset / 2 per element)."""
+    for r in range(out.size):
+        z = _TWO * np.float64(np.float32(hs[r]) * _U_SCALE)
+        out[r] = np.float32(step * ((np.float64(m[r]) + half[r]) - z))
 
 
 @parallel_kernel(count_arg=3)

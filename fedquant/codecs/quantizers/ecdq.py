@@ -264,12 +264,18 @@ def choose_contexts(hist: np.ndarray, space: ContextSpace) -> int:
 
 
 # ---------------------------------------------------------------- stages of tables on the wire
-def write_stage(parts: list[np.ndarray], symbols: np.ndarray, sizes: np.ndarray, alphabet: int) -> None:
-    """Append a stage: the uint32 lengths of its non-empty tables, then their sections."""
+def write_stage(
+    parts: list[np.ndarray], symbols: np.ndarray, sizes: np.ndarray, alphabet: int, counts: np.ndarray | None = None
+) -> None:
+    """Append a stage: the uint32 lengths of its non-empty tables, then their sections.
+
+    ``counts`` (``(tables, alphabet)``, optional): each table's exact histogram, when the encoder's
+    own pass took it (the entropy coder then skips its histogram pass)."""
     sections, start = [], 0
-    for size in sizes:
+    for t, size in enumerate(sizes):
         if size:
-            sections.append(entropy_encode(symbols[start : start + size], alphabet))
+            given = None if counts is None else counts[t]
+            sections.append(entropy_encode(symbols[start : start + size], alphabet, counts=given))
         start += size
     parts.append(np.array([s.size for s in sections], "<u4").view(np.uint8))
     parts.extend(sections)
@@ -278,7 +284,7 @@ def write_stage(parts: list[np.ndarray], symbols: np.ndarray, sizes: np.ndarray,
 def read_stage(body: BodyReader, sizes: np.ndarray, alphabet: int) -> np.ndarray:
     """The symbols of a stage (tables of ``sizes`` symbols, in order), each checked by the entropy decoder."""
     lengths = body.take_array("<u4", int(np.count_nonzero(sizes)), "table lengths").astype(np.int64)
-    out = np.empty(int(sizes.sum()), np.uint16)
+    out = np.empty(int(sizes.sum()), _symbol_dtype(alphabet))
     start, k = 0, 0
     for size in sizes:
         if size:
@@ -466,7 +472,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         if self.lattice_for(n) == "z":
             side, stream = (self._z_kernel if kernel else self._z_torch)(y, float(maxabs), inv, seed)
         else:
-            side, stream = (self._e8_kernel if kernel else self._e8_torch)(y, inv, seed)
+            side, stream = self._e8_kernel(y, float(maxabs), inv, seed) if kernel else self._e8_torch(y, inv, seed)
         return Quantized([np.array([step], np.float32), *side], stream=stream)
 
     def _side(self, h: int, log2k: int) -> list[np.ndarray]:
@@ -487,13 +493,17 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             out = np.zeros(packed_size(n, width), np.uint8)
             kernels.pack(y, inv, key, h, width, out)
             return self._side(h, 0), [out]
-        log2k = choose_contexts(hist[:, half - h : half + h + 1], SCALAR) if half >= 0 else 0
-        table, flipped = SCALAR.tables(log2k)
+        log2k, counts = 0, None
+        if half >= 0:
+            hist = hist[:, half - h : half + h + 1]
+            log2k = choose_contexts(hist, SCALAR)
+            counts = SCALAR.folded(hist, log2k)
+        table, _ = SCALAR.tables(log2k)
         offsets, sizes = chunk_offsets(fine_counts, table, SCALAR.num_tables(log2k))
-        symbols = np.empty(n, np.uint16)
-        kernels.order_symbols(y, inv, key, h, table, flipped, offsets, symbols)
+        symbols = np.empty(n, _symbol_dtype(2 * h + 1))
+        kernels.order_symbols(y, inv, key, h, table, kernels.fold_signs(log2k), offsets, sizes, symbols)
         stream: list[np.ndarray] = []
-        write_stage(stream, symbols, sizes, 2 * h + 1)
+        write_stage(stream, symbols, sizes, 2 * h + 1, counts)
         return self._side(h, log2k), stream
 
     def _z_torch(self, flat: torch.Tensor, maxabs: float, inv: float, seed: int):
@@ -516,27 +526,36 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         write_stage(stream, symbols, sizes, 2 * h + 1)
         return self._side(h, log2k), stream
 
-    def _e8_kernel(self, y: np.ndarray, inv: float, seed: int):
+    def _e8_kernel(self, y: np.ndarray, maxabs: float, inv: float, seed: int):
         key = kernel_key(seed)
         y = _padded8(y)
         n = y.size
-        m = np.empty(n, np.int16)
+        m = np.empty(n, np.int16)  # k-major per chunk (e8.lattice_counts)
         coset = np.empty(n // 8, np.uint8)
-        h = (int(e8.lattice(y, inv, key, m, coset)) + 1) // 2
+        off = int(maxabs * inv) + 4  # |lambda_k - t_k| <= 1 and 0 <= t_k - y_k inv < 2: bounds |m| + 1 and h + 1
+        width = 2 * off + 1 if self._histogram_bound(off, "e8") else 0
+        groups = max(1, min(HIST_GROUPS["e8"], kernels.num_chunks(n)))
+        top, fine_counts, hist = e8.lattice_counts(y, inv, key, off, width, groups, m, coset)
+        h = (int(top) + 1) // 2
         if self.coding == "fixed":
             width = bit_width(2 * h + 1)
             out = np.zeros(packed_size(n, width), np.uint8)
-            e8.pack(m, coset, h, width, out)
+            e8.pack_kmajor(m, coset, h, width, out)
             return self._side(h, 0), [pack_bits(coset, 1), out]
-        with_hist = self._histogram_bound(h, "e8")
-        groups = max(1, min(HIST_GROUPS["e8"], kernels.num_chunks(n)))
-        fine_counts, hist = e8.contexts_and_histogram(m, coset, key, h, with_hist, groups)
-        log2k = choose_contexts(hist, e8.E8) if with_hist and n else 0
+        with_hist = self._histogram_bound(h, "e8") and n > 0
+        if with_hist and not width:  # the a-priori bound was too wide; h is within it: count again
+            off = h + 1
+            _, fine_counts, hist = e8.lattice_counts(y, inv, key, off, 2 * off + 1, groups, m, coset)
+        fine_counts, hist = e8.symbol_parity(fine_counts, hist if with_hist else None, h, off)
+        log2k, counts = 0, None
+        if with_hist:
+            log2k = choose_contexts(hist, e8.E8)
+            counts = e8.E8.folded(hist, log2k)
         table, flipped = e8.E8.tables(log2k)
         offsets, sizes = chunk_offsets(fine_counts, table, e8.E8.num_tables(log2k))
-        symbols = np.empty(n, np.uint16)
-        e8.order_symbols(m, coset, key, h, table, flipped, offsets, symbols)
-        return self._side(h, log2k), _e8_stages(coset, symbols, sizes, h)
+        symbols = np.empty(n, _symbol_dtype(2 * h + 1))
+        e8.order_kmajor(m, coset, key, h, table, *e8.folding(h, log2k), offsets, sizes, symbols)
+        return self._side(h, log2k), _e8_stages(coset, symbols, sizes, h, counts)
 
     def _e8_torch(self, flat: torch.Tensor, inv: float, seed: int):
         y = _padded8(flat)
@@ -598,10 +617,10 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             bad = kernels.values_from_packed(read_packed(body, n, width, "indices"), width, out, key, step, h)
             _refuse(bad, "indices beyond the declared range")
             return torch.from_numpy(out)
-        table, flipped = SCALAR.tables(log2k)
+        table, _ = SCALAR.tables(log2k)
         offsets, sizes = chunk_offsets(kernels.count_bins(n, key), table, SCALAR.num_tables(log2k))
         symbols = read_stage(body, sizes, 2 * h + 1)
-        kernels.values_from_tables(symbols, key, step, h, table, flipped, offsets, out)
+        kernels.values_from_tables(symbols, key, step, h, table, kernels.fold_signs(log2k), offsets, sizes, out)
         return torch.from_numpy(out)
 
     def _z_read_torch(self, body: BodyReader, n: int, seed: int, step: float, h: int, log2k: int) -> torch.Tensor:
@@ -631,15 +650,16 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             _refuse(bad, "indices beyond the declared range or blocks of odd sum")
             return torch.from_numpy(out)
         coset = read_stage(body, np.array([blocks], np.int64), 2)
-        table, flipped = e8.E8.tables(log2k)
+        table, _ = e8.E8.tables(log2k)
+        base, sign = e8.folding(h, log2k)
         tables = e8.E8.num_tables(log2k)
         offsets, sizes = chunk_offsets(e8.count_first(coset, key, n), table, tables)
         first = read_stage(body, sizes[: tables // 2], 2 * h + 1)
         m = np.empty(n, np.int16)
-        fine_last, bad = e8.place_first(first, coset, key, h, table, flipped, offsets, m)
+        fine_last, bad = e8.place_first(first, coset, key, h, table, base, sign, offsets, sizes, m)
         offsets, sizes = chunk_offsets(fine_last, table, tables)
         last = read_stage(body, sizes[tables // 2 :], 2 * h + 1)
-        bad += e8.finish(last, coset, key, h, step, table, flipped, offsets, m, out)
+        bad += e8.finish(last, coset, key, h, step, table, base, sign, offsets, sizes, m, out)
         _refuse(bad, "symbols beyond the declared range or of the wrong parity")
         return torch.from_numpy(out)
 
@@ -701,15 +721,24 @@ def _padded8(y):
     return torch.cat([y, y.new_zeros(pad)])
 
 
-def _e8_stages(coset: np.ndarray, symbols: np.ndarray, sizes: np.ndarray, h: int) -> list[np.ndarray]:
-    """The three stages of E8's entropy-coded section: cosets, coordinates 1-7, coordinate 8."""
+def _e8_stages(
+    coset: np.ndarray, symbols: np.ndarray, sizes: np.ndarray, h: int, counts: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """The three stages of E8's entropy-coded section: cosets, coordinates 1-7, coordinate 8
+    (``counts``: each table's histogram, if the encoder took them)."""
     stream: list[np.ndarray] = []
     tables = sizes.size
     write_stage(stream, coset, np.array([coset.size], np.int64), 2)
     first = int(sizes[: tables // 2].sum())
-    write_stage(stream, symbols[:first], sizes[: tables // 2], 2 * h + 1)
-    write_stage(stream, symbols[first:], sizes[tables // 2 :], 2 * h + 1)
+    half = (None, None) if counts is None else (counts[: tables // 2], counts[tables // 2 :])
+    write_stage(stream, symbols[:first], sizes[: tables // 2], 2 * h + 1, half[0])
+    write_stage(stream, symbols[first:], sizes[tables // 2 :], 2 * h + 1, half[1])
     return stream
+
+
+def _symbol_dtype(alphabet: int) -> type:
+    """Bytes for alphabets up to 256: the entropy coder's vector rounds take uint8 symbols only."""
+    return np.uint8 if alphabet <= 256 else np.uint16
 
 
 def _refuse(bad: int, what: str) -> None:

@@ -134,8 +134,8 @@ def test_e8_points_are_nearest_and_in_the_lattice(torch_path):
     else:
         m = np.empty(y.size, np.int16)
         coset = np.empty(y.size // 8, np.uint8)
-        e8.lattice(y, 1.0, key, m, coset)
-        m = m.reshape(-1, 8).astype(np.int64)
+        e8.lattice_counts(y, 1.0, key, 0, 0, 1, m, coset)
+        m = e8.natural_order(m).reshape(-1, 8).astype(np.int64)
         z = e8.torch_uniforms(9, y.size, "cpu")[0].numpy().reshape(-1, 8)
     assert (m.sum(1) % 2 == 0).all()  # lambda - coset/2 is in D8
     lam = m + 0.5 * coset[:, None]
@@ -274,6 +274,29 @@ def test_kernels_and_torch_twin_write_the_same_bytes_and_values(spec, n):
     payload = kernel.encode(x, seed=11)
     assert twin.encode(x, seed=11) == payload
     assert torch.equal(kernel.decode(payload, seed=11), twin.decode(payload, seed=11))
+
+
+def test_e8_counts_again_when_its_histogram_bound_was_too_wide(monkeypatch):
+    """The E8 encoder sizes its histogram from ``max |y| / step`` before it knows ``h``; when that bound
+    is beyond ``HIST_MAX_H`` but ``h`` is not, it counts again, and writes the torch twin's bytes."""
+    x = gaussian(PARALLEL_MIN + 24, 8)
+    calls = []
+    fused = e8.lattice_counts
+
+    def counted(*args):
+        calls.append(args[4])  # the histogram's width
+        return fused(*args)
+
+    monkeypatch.setattr(e8, "lattice_counts", counted)
+    recounted = 0
+    for bound in range(12, 30):
+        monkeypatch.setitem(ecdq.HIST_MAX_H, "e8", bound)
+        calls.clear()
+        kernel, twin = get_codec("ecdq:bits=4.0,lattice=e8"), get_codec("ecdq:bits=4.0,lattice=e8")
+        twin.force_torch = True
+        assert kernel.encode(x, seed=4) == twin.encode(x, seed=4)
+        recounted += len(calls) == 2 and calls[0] == 0 and calls[1] > 0
+    assert recounted  # some bound fell between h and the a-priori bound
 
 
 @pytest.mark.parametrize("spec", ["ecdq:bits=1.0", "ecdq:bits=2.0,lattice=z"])
@@ -419,3 +442,16 @@ def test_decoding_with_another_seed_is_refused_or_wrong_but_finite():
     except PayloadError:
         return
     assert bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("tables", [1, 7, 128])
+def test_chunk_offsets_kernel_matches_its_twin(tables):
+    from fedquant.codecs.kernels import ecdq as kernels
+
+    rng = np.random.default_rng(tables)
+    fine = rng.integers(0, 50, (37, 512))
+    fine[:, rng.integers(0, 512, 40)] = 0  # contexts absent from every chunk
+    table = rng.integers(0, tables, 512)
+    got, want = kernels._offsets.kernel(fine, table, tables), kernels._offsets.twin(fine, table, tables)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert int(got[1].sum()) == int(fine.sum())
