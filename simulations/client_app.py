@@ -26,7 +26,6 @@ from simulations.placement import worker_identity
 from simulations.settings import CLIENT_INFO_KEY, FEDERATION_KEY
 from simulations.task import evaluate, limit_threads, minibatch_gradient_step, pick_device, train
 
-
 # `flwr run` (local simulation federation): Flower's simulation process loads this module before
 # it starts Ray, so Ray listens on loopback only there too (see simulations/loopback.py).
 ray_loopback_only()

@@ -86,8 +86,8 @@ def run_app(
     from flwr.simulation import run_simulation
 
     from simulations.client_app import app as client_app
-    from simulations.loopback import ray_loopback_only
     from simulations.feasibility import engine_problems
+    from simulations.loopback import ray_loopback_only
     from simulations.server_app import make_server_app
 
     settings = check_run_config(run_config, **overrides)
