@@ -185,10 +185,9 @@ def collect_rounds(
                 x = updates[p][k]
                 y = torch.stack(decoded[k]).mean(0)
                 pairs[k] = (x, y)
-                step = _steps(x, levels, bucket_size)
-                keep = step > 0
-                sq += float(((x - y)[keep] / step[keep]).double().pow(2).sum())
-                count += int(keep.sum())
+                pair_sq, pair_count = spread_sums(x, y, levels, bucket_size)
+                sq += pair_sq
+                count += pair_count
                 tensor_seed = derive_seed(seed, server_round, int(p), k)
                 decoded[k].append(dqsg.decode(dqsg.encode(x, tensor_seed), tensor_seed))
             record.p2.append(pairs)
@@ -232,6 +231,14 @@ def spreads_of(rounds: list[RoundUpdates], levels: int, bucket_size: int) -> lis
         estimated = max((spread_in_steps(u, levels, bucket_size, dqsg_levels=levels) for u in big), default=0.0)
         out.append(RoundSpread(r.server_round, r.accuracy, estimated, r.measured))
     return out
+
+
+def spread_sums(x: torch.Tensor, y: torch.Tensor, levels: int, bucket_size: int) -> tuple[float, int]:
+    """Sum of ``((x - y) / Delta1)**2`` over the coordinates whose fine step ``Delta1`` (NDQSG's, of
+    ``x``) is not 0, and their count: the RMS spread in fine steps is ``sqrt(sum / count)``."""
+    step = _steps(x, levels, bucket_size)
+    keep = step > 0
+    return float(((x - y)[keep] / step[keep]).double().pow(2).sum()), int(keep.sum())
 
 
 def _steps(x: torch.Tensor, levels: int, bucket_size: int) -> torch.Tensor:

@@ -193,10 +193,9 @@ def _nested_round(server_round, grads, names, dqsg, rng, seed):
         for k in names:
             x = grads[p][k]
             client[k] = (x, torch.stack(decoded[k]).mean(0))
-            step = pairs._steps(x, dqsg.levels, dqsg.bucket_size)
-            keep = step > 0
-            sq += float(((x - client[k][1])[keep] / step[keep]).double().pow(2).sum())
-            count += int(keep.sum())
+            pair_sq, pair_count = pairs.spread_sums(x, client[k][1], dqsg.levels, dqsg.bucket_size)
+            sq += pair_sq
+            count += pair_count
             s = derive_seed(seed, server_round, int(p), k)
             decoded[k].append(dqsg.decode(dqsg.encode(x, s), s))
         record.p2.append(client)
@@ -260,13 +259,19 @@ def nested_bits(rounds, coding: str) -> dict[str, tuple[float, float, float, flo
     return out
 
 
-def nesting_by_batch(seed: int, rounds_at_32, grad_rounds: int, warm: int) -> dict[int, tuple[float, ...]]:
+def nesting_by_batch(
+    seed: int, rounds_at_32, fixed_at_32: dict, grad_rounds: int, warm: int
+) -> dict[int, tuple[float, ...]]:
     """Per worker batch in :data:`BATCHES`: (P2's spread around P1's mean in fine steps, the variance
-    rule's nested share, the authors' (3, 3) MSE over DQSG's and its saving at equal MSE), fixed coding."""
+    rule's nested share, the authors' (3, 3) MSE over DQSG's and its saving at equal MSE), fixed coding.
+    Batch 32's rounds and :func:`nested_bits` result are the caller's (already measured)."""
     out = {}
     for batch in BATCHES:
-        rounds = rounds_at_32 if batch == 32 else collect_gradient_rounds(seed, grad_rounds, warm, batch=batch)[1]
-        bits = nested_bits(rounds, "fixed")
+        if batch == 32:
+            rounds, bits = rounds_at_32, fixed_at_32
+        else:
+            rounds = collect_gradient_rounds(seed, grad_rounds, warm, batch=batch)[1]
+            bits = nested_bits(rounds, "fixed")
         spread = float(np.mean([r.measured for r in rounds]))
         out[batch] = (spread, bits["variance 0.01"][3], bits["authors (3,3)"][1], bits["authors (3,3)"][2])
     return out
@@ -499,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         stats["dqsg-error"].append(dqsg_error_statistics(gradients, seed))
         for coding in ("fixed", "entropy"):
             stats[f"nested-{coding}"].append(nested_bits(rounds, coding))
-        stats["nested-by-batch"].append(nesting_by_batch(seed, rounds, grad_rounds, warm))
+        stats["nested-by-batch"].append(nesting_by_batch(seed, rounds, stats["nested-fixed"][-1], grad_rounds, warm))
         print(f"[seed_claims] gradient statistics, seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
     acc: dict[str, list[dict]] = {}
     for seed in seeds:

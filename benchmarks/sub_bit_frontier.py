@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import torch
 
+from benchmarks.rate_distortion import shannon_unbiased
 from fedquant.codecs import get_codec
 
 N = 1 << 20
@@ -25,10 +26,6 @@ SEEDS = (0, 1, 2)
 TARGET = 1.6
 DIRECT = [f"{family}:bits={b}" for family in ("ecdq", "eden") for b in (0.25, 0.5, 0.75)]
 KEEP = (0.5, 0.65, 0.75)  # subsample fractions at 0.5 bits
-
-
-def shannon_unbiased(bits: float) -> float:
-    return 4.0**-bits / (1.0 - 4.0**-bits)
 
 
 def subsample_vnmse(codec_vnmse: float, keep: float) -> float:
