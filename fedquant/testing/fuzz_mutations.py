@@ -59,6 +59,8 @@ def families() -> list[str]:
     specs += ["eden:bits=1.5", "eden:bits=0.5"]
     # ECDQ's E8 lattice (lattice=auto takes the scalar one for tensors this small), also at a wide alphabet.
     specs += ["ecdq:coding=entropy,lattice=e8", "ecdq:coding=fixed,lattice=e8", "ecdq:bits=6,coding=entropy,lattice=e8"]
+    # ECDQ below one bit: a shared-seed subsample of the coordinates (the decoder rebuilds the mask).
+    specs += ["ecdq:bits=0.5,coding=entropy,keep=0.65", "ecdq:bits=0.5,coding=fixed,keep=0.65,lattice=e8"]
     return specs
 
 

@@ -53,6 +53,11 @@ Wire layout (body)::
     fixed:      E8 only: uint8[packed_size(blocks, 1)] cosets;
                 uint8[packed_size(n, bit_width(2h + 1))] symbols, LSB first
 
+Below one bit, ``keep=p`` quantizes only a shared-seed subsample of the rotated coordinates (a
+fraction ``p``, the mask from a stream of its own: :mod:`~fedquant.codecs.quantizers.subsample`), as
+above at ``bits / p`` bits per kept coordinate, and the decoder scales them by ``1 / p``: vNMSE
+``(1 + D) / p - 1``. The body is that of the kept coordinates, in order; nothing else is sent.
+
 E8 works on blocks of 8: a rotated tensor of 1, 2 or 4 elements is padded with zeros to 8 inside
 the quantizer. The step keeps ``h <= H_MAX`` (an input whose largest rotated coordinate exceeds
 about ``H_MAX c`` times the RMS gets a larger step, and a larger error). Implementations: numba
@@ -79,6 +84,7 @@ from fedquant.codecs.kernels import ecdq as kernels
 from fedquant.codecs.kernels.common import kernel_key
 from fedquant.codecs.kernels.ecdq import SCALAR, ContextSpace, chunk_offsets
 from fedquant.codecs.params import Param
+from fedquant.codecs.quantizers import subsample
 from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, SideField
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
@@ -323,6 +329,12 @@ class ECDQQuantizer(BitsLadder, Quantizer):
     coding : {"entropy", "fixed"}
         ``entropy`` (default) codes the symbols with one table per dither context; ``fixed`` packs
         them at ``bit_width(2h + 1)`` bits (same values, many more bits).
+    keep : float, optional
+        Below one bit: send a shared-seed subsample of this fraction of the rotated coordinates,
+        at ``bits / keep`` bits per kept coordinate (``bits`` stays the whole tensor's rate), and
+        decode the kept values scaled by ``1 / keep``, zeros elsewhere
+        (:mod:`~fedquant.codecs.quantizers.subsample`). Unbiased, vNMSE ``(1 + D) / keep - 1``
+        for the kept coordinates' ``D``. None (default) or 1: every coordinate, today's bytes.
 
     Notes
     -----
@@ -334,6 +346,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
     params: ClassVar[dict[str, Param]] = {
         "bits": Param(float, 1.0, "target bits per coordinate on Gaussian data, real in (0, 8]", 0.0, MAX_BITS),
         "lattice": Param(str, "auto", "e8 (blocks of 8), z (scalar) or auto (e8 for large tensors)", choices=LATTICES),
+        "keep": Param(float, None, "fraction of the rotated coordinates sent, real in (0, 1]", subsample.MIN_KEEP, 1.0),
     }
     codings = ("entropy", "fixed")
     implied_transforms: ClassVar[tuple[str, ...]] = ("rht",)
@@ -345,12 +358,35 @@ class ECDQQuantizer(BitsLadder, Quantizer):
     def _validate(self) -> None:
         if not self.bits > 0:
             raise ValueError(f"ecdq: parameter 'bits' must be > 0 (bits per coordinate), got {self.bits!r}")
-        if self.lattice == "e8" and self.bits < E8_RATES[-1][1]:
+        if self.keep == 1.0:  # every coordinate: the spec (and the bytes) of no subsample
+            object.__setattr__(self, "keep", None)
+            self._config["keep"] = None
+        rate = self.coded_bits
+        if self.keep is not None and rate > MAX_BITS:
+            raise ValueError(
+                f"ecdq: parameter 'keep' must be >= bits / {MAX_BITS:g} = {self.bits / MAX_BITS:.4g} (bits / keep, the"
+                f" rate of the kept coordinates, is at most {MAX_BITS:g}), got {self.keep!r}"
+            )
+        if self.lattice == "e8" and rate < E8_RATES[-1][1]:
             raise ValueError(
                 f"ecdq: lattice=e8 reaches {E8_RATES[-1][1]:.2f} bits at the least; use lattice=z for bits={self.bits}"
+                + (f", keep={self.keep}" if self.keep is not None else "")
             )
-        kinds = (self.lattice,) if self.lattice != "auto" else ("z", "e8") if self.bits >= E8_MIN_BITS else ("z",)
-        self.constants = {k: step_constant(self.bits, k) for k in kinds}  # the step constant c per lattice
+        kinds = (self.lattice,) if self.lattice != "auto" else ("z", "e8") if rate >= E8_MIN_BITS else ("z",)
+        self.constants = {k: step_constant(rate, k) for k in kinds}  # the step constant c per lattice
+
+    @property
+    def coded_bits(self) -> float:
+        """Bits per coded coordinate: ``bits``, or ``bits / keep`` on the kept coordinates of a subsample."""
+        return self.bits if self.keep is None else self.bits / self.keep
+
+    def kept_count(self, numel: int) -> int:
+        """The expected number of coded coordinates of a rotated tensor of ``numel`` (all without ``keep``)."""
+        return numel if self.keep is None else round(subsample.probability(self.keep) * numel)
+
+    def _subsampled(self, kept_error: float) -> float:
+        """vNMSE of the tensor when its kept coordinates have ``kept_error``: ``(1 + D) / p - 1``."""
+        return kept_error if self.keep is None else (1 + kept_error) / subsample.probability(self.keep) - 1
 
     def lattice_for(self, n: int) -> str:
         """The lattice a rotated tensor of ``n`` elements is quantized on (``auto``: by rate and size)."""
@@ -359,12 +395,13 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         return "e8" if "e8" in self.constants and n >= E8_MIN_NUMEL else "z"
 
     # ------------------------------------------------------------------ declarations
-    def vnmse(self, n: int = E8_MIN_NUMEL) -> float:
-        """Error variance per coordinate over ``||y||^2 / n`` for a rotated tensor of ``n`` elements:
-        ``G c**2``, exact for every input whose largest rotated coordinate is below about ``H_MAX c``
-        times the RMS (beyond, the step grows)."""
-        kind = self.lattice_for(n)
-        return SECOND_MOMENT[kind] * self.constants[kind] ** 2
+    def vnmse(self, n: int | None = None) -> float:
+        """Error variance per coordinate over ``||y||^2 / n`` for a rotated tensor of ``n`` elements
+        (default: a large one): ``G c**2``, exact for every input whose largest rotated coordinate is
+        below about ``H_MAX c`` times the RMS (beyond, the step grows); with ``keep``, ``(1 + G c**2) / keep - 1``
+        in expectation over the mask."""
+        kind = self.lattice_for(self.kept_count(n)) if n is not None else "e8" if "e8" in self.constants else "z"
+        return self._subsampled(SECOND_MOMENT[kind] * self.constants[kind] ** 2)
 
     def error_bound(self, numel: int) -> float:
         """``omega``, the largest ``E||Q(x) - x||^2 / ||x||^2`` over every ``x`` of ``numel`` elements.
@@ -374,19 +411,22 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         float32 rounding of the step. The first term holds for tensors below about
         ``1e9 c**2`` elements.
         """
-        kind = self.lattice_for(numel)
-        return SECOND_MOMENT[kind] * max(self.constants[kind] ** 2, numel / (H_MAX - 4) ** 2) * (1 + 2.0**-20)
+        kinds = (self.lattice_for(numel),) if self.keep is None else tuple(self.constants)  # the mask sets the lattice
+        kept = max(SECOND_MOMENT[k] * max(self.constants[k] ** 2, numel / (H_MAX - 4) ** 2) for k in kinds)
+        return self._subsampled(kept * (1 + 2.0**-20))
 
     def expected_error(self, flat: torch.Tensor) -> float:
         """Exact for this (rotated) input: ``G n step**2 / ||x||**2`` with the step the encoder will use
-        (the error is independent of the input; 0 for a zero tensor)."""
+        (the error is independent of the input; 0 for a zero tensor). With ``keep``: ``(1 + that) / p - 1``,
+        the expectation over the mask (the step taken from the whole tensor's RMS)."""
         n = flat.numel()
         if self.uses_kernels(flat):
             sumsq, maxabs = kernels.norm_and_max(np.ascontiguousarray(flat.numpy()))
         else:
             sumsq, maxabs = kernels.torch_norm_and_max(flat)
-        step, _ = self.step_for(float(sumsq), float(maxabs), n)
-        return SECOND_MOMENT[self.lattice_for(n)] * n * step * step / float(sumsq) if step else 0.0
+        kind = self.lattice_for(self.kept_count(n))
+        step, _ = self.step_for(float(sumsq), float(maxabs), n, kind)
+        return self._subsampled(SECOND_MOMENT[kind] * n * step * step / float(sumsq)) if step else 0.0
 
     def num_symbols(self) -> int:
         return 0  # the alphabet is the tensor's own (2h + 1), in its own symbol section
@@ -421,6 +461,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         is set for) plus, per stage, one count table of the ``2h + 1`` symbols.
         """
         side = sum(f.count * np.dtype(f.dtype).itemsize for f in self.side_fields(numel))
+        numel = self.kept_count(numel)
         if numel == 0:
             return side
         kind = self.lattice_for(numel)
@@ -431,19 +472,21 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             return side + cosets + packed_size(n, bit_width(2 * h + 1))
         stages = [(n // 8, 2), (n - n // 8, 2 * h + 1), (n // 8, 2 * h + 1)] if kind == "e8" else [(n, 2 * h + 1)]
         tables = sum(_table_bits(count, alphabet) for count, alphabet in stages)
-        return side + math.ceil((n * self.bits + tables) / 8)
+        return side + math.ceil((n * self.coded_bits + tables) / 8)
 
     # ------------------------------------------------------------------ the step
-    def step_for(self, sumsq: float, maxabs: float, n: int) -> tuple[float, float]:
+    def step_for(self, sumsq: float, maxabs: float, n: int, kind: str | None = None) -> tuple[float, float]:
         """``(step, 1 / step)`` as float64 values of the float32 step sent; ``(0, 0)`` for a zero tensor.
 
-        ``c`` (of the tensor's lattice) times the RMS, rounded to float32, at least ``maxabs / (H_MAX - 4)`` so that
-        ``h <= H_MAX``. ValueError if the decoded values could overflow float32.
+        ``c`` (of the tensor's lattice, or of ``kind``) times the RMS, rounded to float32, at least
+        ``maxabs / (H_MAX - 4)`` so that ``h <= H_MAX``. ValueError if the decoded values (with
+        ``keep``: times ``1 / p``) could overflow float32.
         """
         if n == 0 or maxabs == 0:
             return 0.0, 0.0
-        step = self.constants[self.lattice_for(n)] * math.sqrt(sumsq / n)
-        if step > FLOAT32_MAX or maxabs + 3 * step > FLOAT32_MAX:
+        step = self.constants[kind or self.lattice_for(n)] * math.sqrt(sumsq / n)
+        limit = FLOAT32_MAX if self.keep is None else FLOAT32_MAX * subsample.probability(self.keep)
+        if step > FLOAT32_MAX or maxabs + 3 * step > limit:
             raise ValueError("ecdq.encode: values within a few steps of the float32 range cannot be quantized")
         step = float(np.float32(step))
         floor = maxabs / (H_MAX - 4)
@@ -451,7 +494,7 @@ class ECDQQuantizer(BitsLadder, Quantizer):
             rounded = np.float32(floor)
             step = float(rounded if float(rounded) >= floor else np.nextafter(rounded, np.float32(np.inf)))
         step = max(step, _TINY32)
-        if not math.isfinite(step) or maxabs + 3 * step > FLOAT32_MAX:
+        if not math.isfinite(step) or maxabs + 3 * step > limit:
             raise ValueError("ecdq.encode: values within a few steps of the float32 range cannot be quantized")
         return step, 1.0 / step
 
@@ -460,8 +503,10 @@ class ECDQQuantizer(BitsLadder, Quantizer):
 
     # ------------------------------------------------------------------ encode
     def quantize(self, flat: torch.Tensor, seed: int, packed_width: int | None) -> Quantized:
-        n = flat.numel()
         kernel = self.uses_kernels(flat)
+        if self.keep is not None:  # the kept coordinates, in order; the dither is theirs (positions 0..m-1)
+            flat = flat[subsample.kept_mask(seed, flat.numel(), self.keep, kernel=kernel, device=flat.device)]
+        n = flat.numel()
         if kernel:
             y = np.ascontiguousarray(flat.numpy())
             sumsq, maxabs = kernels.norm_and_max(y)
@@ -586,8 +631,13 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         raise NotImplementedError("ecdq decodes its own symbol section (read_stream)")
 
     def max_stream_bytes(self, numel: int) -> int:
+        """With ``keep``, any count up to ``numel`` may be kept, on either lattice the rate allows."""
+        kinds = (self.lattice_for(numel),) if self.keep is None else tuple(self.constants)
+        return max(self._max_stream_bytes(numel, kind) for kind in kinds)
+
+    def _max_stream_bytes(self, numel: int, kind: str) -> int:
         width = bit_width(2 * H_MAX + 1)
-        if self.lattice_for(numel) == "z":
+        if kind == "z":
             symbols, tables, fixed = numel, SCALAR.num_tables(kernels.FINE_BITS), packed_size(numel, width)
         else:  # a coset stage of one symbol per block, then the 8 coordinates of every block
             n, blocks = -(-numel // 8) * 8, -(-numel // 8)
@@ -599,6 +649,13 @@ class ECDQQuantizer(BitsLadder, Quantizer):
         return 4 * sections + max_entropy_bytes(symbols, 2 * H_MAX + 1, sections)
 
     def read_stream(self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int) -> torch.Tensor:
+        if self.keep is None:
+            return self._read_coded(side, body, numel, seed)
+        mask = subsample.kept_mask(seed, numel, self.keep, kernel=self.uses_kernels())
+        return subsample.expand(self._read_coded(side, body, int(mask.sum()), seed), mask, self.keep)
+
+    def _read_coded(self, side: list[np.ndarray], body: BodyReader, numel: int, seed: int) -> torch.Tensor:
+        """The ``numel`` coded values (every coordinate, or the kept ones)."""
         step = float(side[0][0])
         h = int(side[1][0])
         log2k = int(side[2][0]) if self.coding == "entropy" else 0

@@ -455,3 +455,109 @@ def test_chunk_offsets_kernel_matches_its_twin(tables):
     got, want = kernels._offsets.kernel(fine, table, tables), kernels._offsets.twin(fine, table, tables)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     assert int(got[1].sum()) == int(fine.sum())
+
+
+# ---------------------------------------------------------------- below one bit: the shared-seed subsample
+def test_keep_one_writes_the_bytes_of_no_subsample():
+    x = gaussian(5000, 3)
+    for spec in ("ecdq:bits=0.5", "ecdq:bits=2.0,lattice=e8,coding=fixed"):
+        plain, kept = get_codec(spec), get_codec(spec + ",keep=1")
+        assert kept.spec == plain.spec and kept.encode(x, seed=2) == plain.encode(x, seed=2)
+    assert get_codec("ecdq:keep=0.5").spec == "rht+ecdq:bits=1.0,coding=entropy,keep=0.5,lattice=auto"
+
+
+def test_keep_sends_the_masked_coordinates_scaled_and_zeros_elsewhere():
+    from fedquant.codecs.quantizers import subsample
+
+    n, keep = 1 << 14, 0.3
+    x = gaussian(n, 5)
+    codec = bare(bits=0.6, keep=keep, lattice="z")
+    y = codec.decode(codec.encode(x, seed=7), seed=7)
+    mask = subsample.kept_mask(7, n, keep, kernel=False)
+    assert torch.equal(mask, subsample.kept_mask(7, n, keep, kernel=True))
+    assert abs(int(mask.sum()) - keep * n) < 4 * math.sqrt(n * keep * (1 - keep))
+    assert not y[~mask].any() and bool(y[mask].any())
+    # the kept values are ECDQ's at bits / keep, scaled: the same dither on the kept coordinates
+    inner = bare(bits=0.6 / keep, lattice="z")
+    want = inner.decode(inner.encode(x[mask], seed=7), seed=7) / subsample.probability(keep)
+    torch.testing.assert_close(y[mask], want, rtol=1e-6, atol=0)
+    # the mask's stream is not the dither's: another seed, another mask
+    assert not torch.equal(mask, subsample.kept_mask(8, n, keep, kernel=False))
+
+
+@pytest.mark.parametrize("spec", ["ecdq:bits=0.5,keep=0.65", "ecdq:bits=0.25,keep=0.4,lattice=z"])
+def test_keep_vnmse_is_the_subsample_formula(spec):
+    n = 1 << 16
+    codec = get_codec(spec)
+    quantizer = codec.quantizer
+    x = student_t3(n, 2)
+    errs = [float((codec.decode(codec.encode(x, seed=s), seed=s) - x).double().square().sum()) for s in range(4)]
+    measured = np.mean(errs) / float(x.double().square().sum())
+    inner = ECDQQuantizer(bits=quantizer.coded_bits, lattice=quantizer.lattice_for(quantizer.kept_count(n)))
+    formula = (1 + inner.vnmse()) / quantizer.keep - 1
+    assert quantizer.vnmse(n) == pytest.approx(formula, rel=1e-6)
+    assert measured == pytest.approx(formula, rel=0.02)
+    rotated = codec.wire_transforms[0].forward(x, 0)
+    assert quantizer.expected_error(rotated) == pytest.approx(formula, rel=0.01)
+    assert measured <= 1.02 * quantizer.error_bound(n)  # a bound on the expectation; the mask scatters ~0.5%
+    big = 1 << 20  # where count tables are a small part (the size model's estimate holds to ~1%)
+    sent = len(codec.encode(gaussian(big, 1), seed=1))
+    assert quantizer.bits - 0.005 < 8 * sent / big < quantizer.bits + 0.02  # the whole tensor's rate
+    assert codec.predict_bytes(big) == pytest.approx(sent, rel=0.01)
+
+
+def test_keep_is_unbiased_by_averaging_seeded_decodes():
+    x = gaussian(4096, 77)
+    x[5] = 30.0
+    assert 0.85 < _mean_error_ratio(get_codec("ecdq:bits=0.5,keep=0.5"), x, 300) < 1.15
+
+
+@pytest.mark.parametrize("spec", ["ecdq:bits=0.5,keep=0.65", "ecdq:bits=1.0,keep=0.5,coding=fixed,lattice=e8"])
+@pytest.mark.parametrize("n", [0, 1, 5, 9, 3000, PARALLEL_MIN + 24])
+def test_keep_kernels_and_torch_twin_write_the_same_bytes_and_values(spec, n):
+    test_kernels_and_torch_twin_write_the_same_bytes_and_values(spec, n)
+
+
+@cuda
+def test_keep_cuda_torch_path_writes_the_cpu_kernel_bytes():
+    test_cuda_torch_path_writes_the_cpu_kernel_bytes("ecdq:bits=0.5,keep=0.65")
+
+
+def test_keep_on_tiny_tensors_and_odd_shapes():
+    codec = get_codec("ecdq:bits=0.2,keep=0.1")
+    for x in (torch.zeros(0), torch.ones(1), torch.ones(3, 5, 7), torch.zeros(2, 0, 3), gaussian(9, 1).view(3, 3)):
+        for seed in range(6):  # some keep no coordinate at all
+            y = codec.decode(codec.encode(x, seed=seed), seed=seed, shape=x.shape)
+            assert y.shape == x.shape and bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("ecdq:keep=0", "keep"),
+        ("ecdq:keep=-0.5", "keep"),
+        ("ecdq:keep=1.5", "keep"),
+        ("ecdq:keep=nan", "keep"),
+        ("ecdq:keep=x", "keep"),
+        ("ecdq:bits=2,keep=0.2", "keep"),  # 10 bits per kept coordinate
+        ("ecdq:bits=0.3,keep=0.9,lattice=e8", "lattice=z"),
+    ],
+)
+def test_bad_keep_values_are_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        get_codec(spec)
+
+
+def test_keep_in_a_forged_payload_spec_is_refused():
+    codec = get_codec("ecdq:bits=0.5,keep=0.5")
+    p = read_payload(codec.encode(gaussian(1000, 1), seed=1))
+    for keep in ("0.25", "0", "2"):
+        forged = write_payload(p.spec.replace("keep=0.5", f"keep={keep}"), p.dtype, p.shape, [bytes(p.body)])
+        with pytest.raises(PayloadError):
+            codec.decode(forged, seed=1)
+
+
+def test_keep_refuses_values_that_would_overflow_once_scaled():
+    codec = bare(bits=0.5, keep=0.5, lattice="z")
+    with pytest.raises(ValueError, match="float32 range"):
+        codec.encode(torch.full((64,), 2e38), seed=1)
