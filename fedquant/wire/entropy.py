@@ -59,7 +59,9 @@ __all__ = [
     "choose_layout",
     "empirical_entropy_bits",
     "entropy_decode",
+    "entropy_decode_runs",
     "entropy_encode",
+    "entropy_encode_runs",
     "quantize_counts",
     "symbol_counts",
 ]
@@ -328,6 +330,13 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
         symbols = _to_host(flat, num_symbols)
     elif _is_tensor(symbols):
         symbols = symbols.numpy()
+    plan = _plan(symbols, num_symbols, counts)
+    return plan if isinstance(plan, np.ndarray) else encode_section(*plan)
+
+
+def _plan(symbols, num_symbols: int, counts) -> np.ndarray | tuple:
+    """:func:`entropy_encode` up to the rANS coder: its bytes when no rANS section follows (no
+    symbols, or one distinct), else :func:`encode_section`'s arguments."""
     canon, checked = _canonical(symbols, num_symbols)
     n = int(canon.size)
     if n > MAX_COUNT:
@@ -348,7 +357,79 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
     else:  # the table covers every value the symbols hold: checked by the histogram, or here
         top = int(present[-1]) if checked or counts_given is None else max(int(present[-1]), int(canon.max()))
         rows = top + 1
-    return encode_section(canon, present, freq, layout, header, rows)
+    return canon, present, freq, layout, header, rows
+
+
+def entropy_encode_runs(symbols: np.ndarray, sizes, num_symbols: int, counts=None) -> list[np.ndarray]:
+    """:func:`entropy_encode` of each run of ``symbols`` (runs of ``sizes`` symbols, in order; row
+    ``t`` of ``counts``, if given, the histogram of run ``t``): the same bytes, one array per run.
+
+    With uint8 symbols the one-lane rans32 blocks of all runs are coded together, four in one
+    loop (:func:`fedquant.wire.rans.encode_one_lane32`): a lone state's chain of dependent
+    multiplications leaves most of a core idle (docs/ENTROPY_CODER.md).
+    """
+    from fedquant.jit import use_twin
+
+    sizes = np.asarray(sizes, np.int64)
+    flat = np.asarray(symbols).reshape(-1)
+    together = flat.dtype == np.uint8 and num_symbols <= 256 and flat.flags.c_contiguous and not use_twin(flat)
+    out: list[np.ndarray | None] = []
+    pending = []  # (run, symbols start, present, freq, layout, header)
+    start = 0
+    for t, size in enumerate(sizes):
+        run = flat[start : start + size]
+        plan = _plan(run, num_symbols, None if counts is None else counts[t])
+        if isinstance(plan, np.ndarray):
+            out.append(plan)
+        elif together and plan[3].coder == "rans32" and plan[3].lanes == 1:
+            pending.append((len(out), start, *plan[1:5]))
+            out.append(None)
+        else:
+            out.append(encode_section(*plan))
+        start += size
+    if pending:
+        _encode_one_lane_runs(flat, sizes, pending, out)
+    return out
+
+
+def _encode_one_lane_runs(flat: np.ndarray, sizes: np.ndarray, pending: list, out: list) -> None:
+    """Code the pending one-lane rans32 runs of :func:`entropy_encode_runs` together into ``out``."""
+    from fedquant.wire import rans
+
+    rows, tables, where = [], [], []
+    room = 0
+    for index, start, present, freq, layout, header in pending:
+        n = int(sizes[index])
+        block, ends = _section_room(n, layout, 16)
+        tables.append(rans.encoder_table32(np.ascontiguousarray(present, np.int64), freq, 256, layout.precision))
+        first = len(rows)
+        for b in range(ends.size):
+            lo = start + b * block
+            rows.append(
+                (
+                    lo,
+                    min(lo + block, start + n),
+                    len(tables) - 1,
+                    layout.precision,
+                    room + (ends[b - 1] if b else 0),
+                    room + ends[b],
+                )
+            )
+        where.append((index, header, layout, first, len(rows)))
+        room += int(ends[-1])
+    seg = np.array(rows, np.int64).reshape(-1, 6)
+    order = np.argsort(seg[:, 1] - seg[:, 0], kind="stable")  # blocks of like lengths side by side
+    words = _scratch_words(room, np.uint16)
+    starts = np.empty(seg.shape[0], np.int64)
+    ok = np.zeros(seg.shape[0], np.bool_)
+    sorted_starts = np.empty_like(starts)
+    sorted_ok = np.zeros_like(ok)
+    rans.encode_one_lane32(flat, np.ascontiguousarray(seg[order]), np.stack(tables), words, sorted_starts, sorted_ok)
+    starts[order], ok[order] = sorted_starts, sorted_ok
+    if not ok.all():
+        raise ValueError("the symbols hold a value that counts= says is absent (or beyond num_symbols)")
+    for index, header, layout, first, last in where:
+        out[index] = _assembled(header, layout, words, starts[first:last], seg[first:last, 5])
 
 
 def encode_section(
@@ -378,12 +459,8 @@ def encode_section(
         raise ValueError(f"invalid layout {layout} for {present.size} symbols")
     if b is not None and not (MIN_BLOCK_LOG2 <= b <= MAX_BLOCK_LOG2 and n > 1 << b):
         raise ValueError(f"invalid layout {layout} for {n} symbols")
-    block = n if b is None else 1 << b
-    num_blocks = -(-n // block)
-    sizes = np.full(num_blocks, block, np.int64)
-    sizes[-1] = n - block * (num_blocks - 1)
-    # Each symbol adds at most P + 0.2 bits to the state (rans.py): room for any valid block.
-    ends = np.cumsum(sizes * (p + 1) // word_bits + 2 * lanes + 8)
+    block, ends = _section_room(n, layout, word_bits)
+    num_blocks = ends.size
     # uint8 symbols always get every row: the vector encoder reads a row per symbol unchecked.
     rows = 256 if symbols.itemsize == 1 else 65536 if rows is None else rows
     syms = np.ascontiguousarray(present, np.int64)
@@ -399,8 +476,26 @@ def encode_section(
         rans.encode_blocks(symbols, block, lanes, table, out, ends, starts, ok)
     if not ok.all():
         raise ValueError("the symbols hold a value that counts= says is absent (or beyond num_symbols)")
+    return _assembled(header, layout, out, starts, ends)
+
+
+def _section_room(n: int, layout: Layout, word_bits: int) -> tuple[int, np.ndarray]:
+    """``(block, ends)``: symbols per block and where each block's room of words ends."""
+    b, p, lanes = layout.block_log2, layout.precision, layout.lanes
+    block = n if b is None else 1 << b
+    num_blocks = -(-n // block)
+    sizes = np.full(num_blocks, block, np.int64)
+    sizes[-1] = n - block * (num_blocks - 1)
+    # Each symbol adds at most P + 0.2 bits to the state (rans.py): room for any valid block.
+    return block, np.cumsum(sizes * (p + 1) // word_bits + 2 * lanes + 8)
+
+
+def _assembled(header: np.ndarray, layout: Layout, out: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The section's bytes: ``header``, the rANS header and the blocks' words ``out[starts[b]:ends[b]]``."""
+    p, lanes, b = layout.precision, layout.lanes, layout.block_log2
+    word_bits = _CODERS[layout.coder][0]
     lengths = ends - starts
-    flags = (p - 1) | (_RANS32 if coder == "rans32" else 0) | (_MULTI_BLOCK if b else 0)
+    flags = (p - 1) | (_RANS32 if layout.coder == "rans32" else 0) | (_MULTI_BLOCK if b else 0)
     head = [header, np.array([flags, lanes.bit_length() - 1], np.uint8)]
     if b is not None:
         head += [np.array([b], np.uint8), lengths[:-1].astype("<u4").view(np.uint8)]
@@ -461,6 +556,13 @@ def entropy_decode(data, count: int, num_symbols: int) -> np.ndarray:
         If the table is malformed or inconsistent with ``count`` and ``num_symbols``, the header
         or the block lengths are invalid, or the rANS words are truncated, extended or corrupt.
     """
+    plan = _decode_plan(data, count, num_symbols)
+    return plan if isinstance(plan, np.ndarray) else _decode_blocks(*plan)
+
+
+def _decode_plan(data, count: int, num_symbols: int) -> np.ndarray | tuple:
+    """:func:`entropy_decode` up to the rANS decoder: the symbols when no rANS section follows, else
+    :func:`_decode_blocks`'s arguments (the table and the section's header checked)."""
     _check_num_symbols(num_symbols)
     if not 0 <= count <= MAX_COUNT:
         raise ValueError(f"count must be in 0..{MAX_COUNT}, got {count}")
@@ -494,7 +596,72 @@ def entropy_decode(data, count: int, num_symbols: int) -> np.ndarray:
             raise PayloadError(f"entropy-coded section of one distinct symbol has {rest.size} trailing bytes")
         return np.full(count, symbols[0], dtype)
     layout, words, offsets = _read_section(rest, count, k, counts)
-    return _decode_blocks(words, offsets, count, layout, symbols.astype(dtype), counts, dtype)
+    return words, offsets, count, layout, symbols.astype(dtype), counts, dtype
+
+
+def entropy_decode_runs(sections, counts, num_symbols: int, out: np.ndarray, error: Exception | None = None) -> None:
+    """:func:`entropy_decode` of each section (``sections[t]``, of ``counts[t]`` symbols) into
+    consecutive runs of ``out``; the same symbols, and the same error as decoding them in turn
+    (the first bad section's; else ``error``, what ended the list of sections, if given).
+
+    With uint8 symbols the one-lane rans32 blocks are decoded together, four in one loop
+    (:func:`fedquant.wire.rans.decode_one_lane32`).
+    """
+    from fedquant.jit import use_twin
+
+    together = out.dtype == np.uint8 and not use_twin(int(sum(counts)))
+    pending = []  # (words, offsets, out start, count, layout, present, counts)
+    start = 0
+    try:
+        for data, count in zip(sections, counts, strict=True):
+            plan = _decode_plan(data, int(count), num_symbols)
+            if isinstance(plan, np.ndarray):
+                out[start : start + count] = plan
+            elif together and plan[3].coder == "rans32" and plan[3].lanes == 1:
+                words, offsets, _, layout, present, freqs, _ = plan
+                pending.append((words, offsets, start, int(count), layout, present, freqs))
+            else:
+                out[start : start + count] = _decode_blocks(*plan)
+            start += int(count)
+    except PayloadError:
+        _decode_one_lane_runs(pending, out)  # an earlier section's error comes first
+        raise
+    _decode_one_lane_runs(pending, out)
+    if error is not None:
+        raise error
+
+
+def _decode_one_lane_runs(pending: list, out: np.ndarray) -> None:
+    """Decode the pending one-lane rans32 sections of :func:`entropy_decode_runs` together; PayloadError
+    for the first that fails."""
+    from fedquant.wire import rans
+
+    if not pending:
+        return
+    rows, freq_offsets, symbols, spans = [], [], [], []
+    base = 0
+    for table, (_, offsets, start, count, layout, present, counts) in enumerate(pending):
+        p = layout.precision
+        block = count if layout.block_log2 is None else 1 << layout.block_log2
+        f, y = rans.direct_table(present, quantize_counts(counts, count, p), p)
+        freq_offsets.append(np.pad(f, (0, (1 << MAX_PRECISION32) - f.size)))
+        symbols.append(np.pad(y, (0, (1 << MAX_PRECISION32) - y.size)))
+        first = len(rows)
+        for b in range(offsets.size - 1):
+            lo = start + b * block
+            rows.append((base + offsets[b], base + offsets[b + 1], lo, min(lo + block, start + count), table, p))
+        spans.append((first, len(rows)))
+        base += int(offsets[-1])
+    words = np.concatenate([w for w, *_ in pending])
+    seg = np.array(rows, np.int64).reshape(-1, 6)
+    order = np.argsort(seg[:, 3] - seg[:, 2], kind="stable")  # blocks of like lengths side by side
+    status = np.zeros(seg.shape[0], np.int64)
+    sorted_status = np.zeros_like(status)
+    tables = np.stack(freq_offsets), np.stack(symbols)
+    rans.decode_one_lane32(words, np.ascontiguousarray(seg[order]), *tables, out, sorted_status)
+    status[order] = sorted_status
+    for first, last in spans:
+        _checked_status(status[first:last], out)
 
 
 def _read_section(rest: np.ndarray, count: int, k: int, counts: np.ndarray) -> tuple[Layout, np.ndarray, np.ndarray]:

@@ -702,6 +702,81 @@ def encode_blocks32(symbols, block, lanes, table, precision, out, ends, starts, 
 
 
 @njit(cache=True, nogil=True)
+def _finish_lane32(symbols, lo, i, x, wp, seen, out, table, precision, floor):
+    """Code ``symbols[lo:i]`` on one lane from state ``x`` (the rest of :func:`_encode_block32`'s
+    one-lane loop, from ``i`` down), then write the state: ``(start, ok)``."""
+    total = np.uint64(1) << np.uint64(precision)
+    top_shift = np.uint64(31 - precision)
+    low = np.uint64(floor) + _ONE
+    for j in range(i - 1, lo - 1, -1):
+        if wp < low:
+            return wp, False
+        x, wp, k = _enc_step32(x, wp, out, table, symbols[j], total, top_shift)
+        seen |= k
+    if seen & np.uint64(ABSENT32) or wp < np.uint64(floor) + np.uint64(2):
+        return wp, False
+    wp -= _ONE
+    out[wp] = np.uint16(x >> _S16)
+    wp -= _ONE
+    out[wp] = np.uint16(x & _M16)
+    return wp, True
+
+
+@njit(cache=True, nogil=True)
+def _encode_four32(symbols, seg, tables, out, starts, ok):
+    """Four one-lane blocks (rows of ``seg``: ``lo, hi, table row, precision, floor, end``) coded in
+    one loop, a symbol of each in turn, as :func:`_encode_block32` codes each alone."""
+    t0, t1, t2, t3 = tables[seg[0, 2]], tables[seg[1, 2]], tables[seg[2, 2]], tables[seg[3, 2]]
+    n0, n1, n2, n3 = seg[0, 3], seg[1, 3], seg[2, 3], seg[3, 3]
+    a0 = np.uint64(1) << np.uint64(n0)
+    a1 = np.uint64(1) << np.uint64(n1)
+    a2 = np.uint64(1) << np.uint64(n2)
+    a3 = np.uint64(1) << np.uint64(n3)
+    s0, s1, s2, s3 = np.uint64(31 - n0), np.uint64(31 - n1), np.uint64(31 - n2), np.uint64(31 - n3)
+    w0, w1, w2, w3 = np.uint64(seg[0, 5]), np.uint64(seg[1, 5]), np.uint64(seg[2, 5]), np.uint64(seg[3, 5])
+    f0, f1, f2, f3 = np.uint64(seg[0, 4]), np.uint64(seg[1, 4]), np.uint64(seg[2, 4]), np.uint64(seg[3, 4])
+    x0 = x1 = x2 = x3 = np.uint64(L32)
+    e0 = e1 = e2 = e3 = np.uint64(0)
+    common = min(seg[0, 1] - seg[0, 0], seg[1, 1] - seg[1, 0], seg[2, 1] - seg[2, 0], seg[3, 1] - seg[3, 0])
+    for r in range(1, common + 1):
+        # words out of a block's room only come with symbols its table does not know: then code
+        # each block alone, which finds them
+        if (w0 <= f0) | (w1 <= f1) | (w2 <= f2) | (w3 <= f3):
+            for b in range(4):
+                starts[b], ok[b] = _encode_block32(
+                    symbols, seg[b, 0], seg[b, 1], 1, tables[seg[b, 2]], seg[b, 3], out, seg[b, 4], seg[b, 5]
+                )
+            return
+        x0, w0, k0 = _enc_step32(x0, w0, out, t0, symbols[seg[0, 1] - r], a0, s0)
+        x1, w1, k1 = _enc_step32(x1, w1, out, t1, symbols[seg[1, 1] - r], a1, s1)
+        x2, w2, k2 = _enc_step32(x2, w2, out, t2, symbols[seg[2, 1] - r], a2, s2)
+        x3, w3, k3 = _enc_step32(x3, w3, out, t3, symbols[seg[3, 1] - r], a3, s3)
+        e0 |= k0
+        e1 |= k1
+        e2 |= k2
+        e3 |= k3
+    starts[0], ok[0] = _finish_lane32(symbols, seg[0, 0], seg[0, 1] - common, x0, w0, e0, out, t0, n0, seg[0, 4])
+    starts[1], ok[1] = _finish_lane32(symbols, seg[1, 0], seg[1, 1] - common, x1, w1, e1, out, t1, n1, seg[1, 4])
+    starts[2], ok[2] = _finish_lane32(symbols, seg[2, 0], seg[2, 1] - common, x2, w2, e2, out, t2, n2, seg[2, 4])
+    starts[3], ok[3] = _finish_lane32(symbols, seg[3, 0], seg[3, 1] - common, x3, w3, e3, out, t3, n3, seg[3, 4])
+
+
+@parallel_kernel
+def encode_one_lane32(symbols, seg, tables, out, starts, ok):
+    """Code one-lane rans32 blocks of ``symbols`` (rows of ``seg``: ``lo, hi, row of tables, precision,
+    floor, end``; words into ``out[floor:end]``, from ``starts``) four at a time: four states'
+    chains of multiplications overlap where one waits on each (the same words as
+    :func:`encode_blocks32` with one lane, block by block)."""
+    groups = seg.shape[0] // 4
+    for g in prange(groups):
+        _encode_four32(symbols, seg[4 * g : 4 * g + 4], tables, out, starts[4 * g : 4 * g + 4], ok[4 * g : 4 * g + 4])
+    for b in prange(4 * groups, seg.shape[0]):
+        starts[b], ok[b] = _encode_block32(
+            symbols, seg[b, 0], seg[b, 1], 1, tables[seg[b, 2]], seg[b, 3], out, seg[b, 4], seg[b, 5]
+        )
+
+
+@njit(cache=True, nogil=True)
 def _decode_block32(words, rp, end, out, lo, hi, lanes, precision, lookup):
     """Decode ``out[lo:hi]`` from ``words[rp:end]`` (uint16): 0, or the status codes of :func:`_decode_block`.
 
@@ -745,6 +820,109 @@ def _decode_block32(words, rp, end, out, lo, hi, lanes, precision, lookup):
         if states[j] != L32:
             return 4
     return 0
+
+
+@njit(cache=True, nogil=True)
+def _first_state32(words, rp, end):
+    """A one-lane block's state from ``words[rp:rp + 2]``: ``(state, status)`` (0, 1 or 2: :func:`_decode_block`)."""
+    if end - rp < 2:
+        return np.uint64(0), 2
+    x = np.uint64(words[rp]) | (np.uint64(words[rp + 1]) << _S16)
+    if x < np.uint64(L32) or x >= np.uint64(1 << 31):
+        return x, 1
+    return x, 0
+
+
+@njit(cache=True, nogil=True)
+def _finish_decode32(words, rp, end, out, k, hi, x, precision, freq_offset, symbol):
+    """Decode ``out[k:hi]`` on one lane from state ``x`` (the rest of :func:`_decode_block32`'s
+    one-lane loop), then check the block's end: its status."""
+    mask = np.uint64((1 << precision) - 1)
+    p = np.uint64(precision)
+    for i in range(k, hi):
+        slot = x & mask
+        e = np.uint64(freq_offset[slot])
+        out[i] = symbol[slot]
+        x = (e >> _S16) * (x >> p) + (e & _M16)
+        if x < np.uint64(L32):
+            if rp >= end:
+                return 2
+            x = (x << _S16) | np.uint64(words[rp])
+            rp += 1
+    if rp != end:
+        return 3
+    return 4 if x != L32 else 0
+
+
+@njit(inline="always")
+def _dec_step1(words, rp, x, out, i, mask, p, freq_offset, symbol):
+    """One symbol of a one-lane block; a word comes in when the state falls below ``2**15``
+    (``words[rp]`` is read either way: the caller has checked there is one)."""
+    slot = x & mask
+    e = np.uint64(freq_offset[slot])
+    out[i] = symbol[slot]
+    x = (e >> _S16) * (x >> p) + (e & _M16)
+    low = np.uint64(x < np.uint64(L32))  # branch-free: a missed guess would flush all four chains
+    x = (x << (low << np.uint64(4))) | (np.uint64(words[rp]) & (np.uint64(0) - low))
+    return x, rp + np.int64(low)
+
+
+@njit(cache=True, nogil=True)
+def _decode_four32(words, seg, freq_offset, symbol, out, status):
+    """Four one-lane blocks (rows of ``seg``: ``word lo, word hi, out lo, out hi, table row,
+    precision``) decoded in one loop, a symbol of each in turn, while every block has a word left
+    to read; each block's rest as :func:`_decode_block32` decodes it (same symbols and status)."""
+    e0, e1, e2, e3 = seg[0, 1], seg[1, 1], seg[2, 1], seg[3, 1]
+    x0, b0 = _first_state32(words, seg[0, 0], e0)
+    x1, b1 = _first_state32(words, seg[1, 0], e1)
+    x2, b2 = _first_state32(words, seg[2, 0], e2)
+    x3, b3 = _first_state32(words, seg[3, 0], e3)
+    r0, r1, r2, r3 = seg[0, 0] + 2, seg[1, 0] + 2, seg[2, 0] + 2, seg[3, 0] + 2
+    f0, f1, f2, f3 = freq_offset[seg[0, 4]], freq_offset[seg[1, 4]], freq_offset[seg[2, 4]], freq_offset[seg[3, 4]]
+    y0, y1, y2, y3 = symbol[seg[0, 4]], symbol[seg[1, 4]], symbol[seg[2, 4]], symbol[seg[3, 4]]
+    p0, p1, p2, p3 = np.uint64(seg[0, 5]), np.uint64(seg[1, 5]), np.uint64(seg[2, 5]), np.uint64(seg[3, 5])
+    m0, m1, m2, m3 = (_ONE << p0) - _ONE, (_ONE << p1) - _ONE, (_ONE << p2) - _ONE, (_ONE << p3) - _ONE
+    o0, o1, o2, o3 = seg[0, 2], seg[1, 2], seg[2, 2], seg[3, 2]
+    done = 0
+    if b0 == 0 and b1 == 0 and b2 == 0 and b3 == 0:
+        common = min(seg[0, 3] - o0, seg[1, 3] - o1, seg[2, 3] - o2, seg[3, 3] - o3)
+        # a step reads at most one word: run as many steps as every block has words left, unchecked
+        run = min(common, e0 - r0, e1 - r1, e2 - r2, e3 - r3)
+        while run > 0:
+            for i in range(done, done + run):
+                x0, r0 = _dec_step1(words, r0, x0, out, o0 + i, m0, p0, f0, y0)
+                x1, r1 = _dec_step1(words, r1, x1, out, o1 + i, m1, p1, f1, y1)
+                x2, r2 = _dec_step1(words, r2, x2, out, o2 + i, m2, p2, f2, y2)
+                x3, r3 = _dec_step1(words, r3, x3, out, o3 + i, m3, p3, f3, y3)
+            done += run
+            run = min(common - done, e0 - r0, e1 - r1, e2 - r2, e3 - r3)
+    status[0] = b0 if b0 else _finish_decode32(words, r0, e0, out, o0 + done, seg[0, 3], x0, seg[0, 5], f0, y0)
+    status[1] = b1 if b1 else _finish_decode32(words, r1, e1, out, o1 + done, seg[1, 3], x1, seg[1, 5], f1, y1)
+    status[2] = b2 if b2 else _finish_decode32(words, r2, e2, out, o2 + done, seg[2, 3], x2, seg[2, 5], f2, y2)
+    status[3] = b3 if b3 else _finish_decode32(words, r3, e3, out, o3 + done, seg[3, 3], x3, seg[3, 5], f3, y3)
+
+
+@parallel_kernel(count_arg=3)
+def decode_one_lane32(words, seg, freq_offset, symbol, out, status):
+    """Decode one-lane rans32 blocks (rows of ``seg``: ``word lo, word hi, out lo, out hi, row of the
+    direct tables, precision``) four at a time into ``out`` and their statuses (:func:`_decode_block`'s
+    codes): four states' chains overlap (the same symbols and statuses as :func:`decode_blocks32`)."""
+    groups = seg.shape[0] // 4
+    empty = np.zeros(0, np.uint32)
+    for g in prange(groups):
+        _decode_four32(words, seg[4 * g : 4 * g + 4], freq_offset, symbol, out, status[4 * g : 4 * g + 4])
+    for b in prange(4 * groups, seg.shape[0]):
+        status[b] = _decode_block32(
+            words,
+            seg[b, 0],
+            seg[b, 1],
+            out,
+            seg[b, 2],
+            seg[b, 3],
+            1,
+            seg[b, 5],
+            (empty, freq_offset[seg[b, 4]], symbol[seg[b, 4]]),
+        )
 
 
 @parallel_kernel(count_arg=2, twin=rans_twin.decode_blocks32)

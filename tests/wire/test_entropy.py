@@ -16,7 +16,9 @@ from fedquant.wire.entropy import (
     empirical_entropy_bits,
     encode_section,
     entropy_decode,
+    entropy_decode_runs,
     entropy_encode,
+    entropy_encode_runs,
     quantize_counts,
     symbol_counts,
 )
@@ -653,3 +655,66 @@ def test_entropy_codecs_give_the_same_bytes_from_cuda_tensors(spec):
     y = codec.decode(data, seed=6, **kwargs)
     cuda_kwargs = {k: v.cuda() for k, v in kwargs.items()}
     assert torch.equal(codec.decode(data, seed=6, device="cuda", **cuda_kwargs).cpu(), y)
+
+
+# ---------------------------------------------------------------- runs coded together (ECDQ's tables)
+def _runs(seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 runs of every kind: empty, one symbol, one-lane one-block and several blocks (of unlike
+    lengths, so the four-at-a-time loop leaves blocks to finish alone), and 32 lanes."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([0, 5, 3000, 70_000, 200_001, 1, 40_000, 45_000, 9_000, 300_000, 17, 150_000], np.int64)
+    skews = {"a": [0.9, 0.06, 0.03, 0.01], "b": [0.8, 0.1, 0.05, 0.05], "c": [1 / 8] * 8}
+    kinds = "ababaabbcbab"
+    runs = [rng.choice(len(skews[k]), size=s, p=skews[k]) for k, s in zip(kinds, sizes, strict=True)]
+    runs[1][:] = 3  # one distinct symbol
+    return np.concatenate(runs).astype(np.uint8), sizes
+
+
+def _run_sections(symbols, sizes):
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return [entropy_encode(symbols[a:b], 12) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def test_runs_coded_together_give_each_runs_bytes_and_decode_back():
+    symbols, sizes = _runs()
+    alone = _run_sections(symbols, sizes)
+    counts = np.stack([np.bincount(r, minlength=12) for r in np.split(symbols, np.cumsum(sizes)[:-1])])
+    layouts = [choose_layout(c[c > 0], int(c.sum()))[0] for c in counts if np.count_nonzero(c) > 1]
+    assert sum(lay.lanes == 1 for lay in layouts) >= 6 and any(lay.lanes == 32 for lay in layouts)
+    assert any(lay.lanes == 1 and lay.block_log2 for lay in layouts)  # one lane, several blocks
+    for given in (None, counts):
+        together = entropy_encode_runs(symbols, sizes, 12, given)
+        assert [t.tobytes() for t in together] == [a.tobytes() for a in alone]
+    out = np.empty(symbols.size, np.uint8)
+    entropy_decode_runs(alone, sizes, 12, out)
+    np.testing.assert_array_equal(out, symbols)
+
+
+def test_runs_decoded_together_fail_on_the_first_bad_section_as_one_by_one():
+    symbols, sizes = _runs(8)
+    sections = _run_sections(symbols, sizes)
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        broken = [s.copy() for s in sections]
+        for t in rng.choice(np.flatnonzero(sizes > 100), size=2, replace=False):
+            where = rng.integers(0, broken[t].size)
+            broken[t][where] ^= np.uint8(1 << rng.integers(0, 8))
+            if trial % 4 == 0:
+                broken[t] = broken[t][: rng.integers(0, broken[t].size)]  # truncated
+        expected = None
+        for data, n in zip(broken, sizes, strict=True):
+            try:
+                entropy_decode(data, int(n), 12)
+            except PayloadError as err:
+                expected = str(err)
+                break
+        out = np.empty(symbols.size, np.uint8)
+        if expected is None:
+            entropy_decode_runs(broken, sizes, 12, out)
+            continue
+        with pytest.raises(PayloadError) as caught:
+            entropy_decode_runs(broken, sizes, 12, out)
+        assert str(caught.value) == expected
+    ended = PayloadError("the list of sections ended early")
+    with pytest.raises(PayloadError, match="ended early"):
+        entropy_decode_runs(sections, sizes, 12, np.empty(symbols.size, np.uint8), ended)

@@ -83,7 +83,7 @@ from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, Si
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader
-from fedquant.wire.entropy import entropy_decode, entropy_encode
+from fedquant.wire.entropy import entropy_decode_runs, entropy_encode_runs
 
 MAX_BITS = 8.0
 LATTICES = ("auto", "e8", "z")
@@ -271,12 +271,8 @@ def write_stage(
 
     ``counts`` (``(tables, alphabet)``, optional): each table's exact histogram, when the encoder's
     own pass took it (the entropy coder then skips its histogram pass)."""
-    sections, start = [], 0
-    for t, size in enumerate(sizes):
-        if size:
-            given = None if counts is None else counts[t]
-            sections.append(entropy_encode(symbols[start : start + size], alphabet, counts=given))
-        start += size
+    coded = entropy_encode_runs(symbols, sizes, alphabet, counts)
+    sections = [section for section, size in zip(coded, sizes, strict=True) if size]
     parts.append(np.array([s.size for s in sections], "<u4").view(np.uint8))
     parts.extend(sections)
 
@@ -285,13 +281,14 @@ def read_stage(body: BodyReader, sizes: np.ndarray, alphabet: int) -> np.ndarray
     """The symbols of a stage (tables of ``sizes`` symbols, in order), each checked by the entropy decoder."""
     lengths = body.take_array("<u4", int(np.count_nonzero(sizes)), "table lengths").astype(np.int64)
     out = np.empty(int(sizes.sum()), _symbol_dtype(alphabet))
-    start, k = 0, 0
-    for size in sizes:
-        if size:
-            data = np.frombuffer(body.take(int(lengths[k]), "table section"), np.uint8)
-            out[start : start + size] = entropy_decode(data, int(size), alphabet)
-            k += 1
-        start += size
+    sections, counts, error = [], [], None
+    try:
+        for size in sizes[sizes > 0]:
+            sections.append(np.frombuffer(body.take(int(lengths[len(sections)]), "table section"), np.uint8))
+            counts.append(int(size))
+    except PayloadError as err:  # raised after any error of the sections before it
+        error = err
+    entropy_decode_runs(sections, counts, alphabet, out, error)
     return out
 
 
