@@ -59,7 +59,6 @@ __all__ = [
     "choose_layout",
     "empirical_entropy_bits",
     "entropy_decode",
-    "entropy_decode_runs",
     "entropy_encode",
     "entropy_encode_runs",
     "quantize_counts",
@@ -556,13 +555,6 @@ def entropy_decode(data, count: int, num_symbols: int) -> np.ndarray:
         If the table is malformed or inconsistent with ``count`` and ``num_symbols``, the header
         or the block lengths are invalid, or the rANS words are truncated, extended or corrupt.
     """
-    plan = _decode_plan(data, count, num_symbols)
-    return plan if isinstance(plan, np.ndarray) else _decode_blocks(*plan)
-
-
-def _decode_plan(data, count: int, num_symbols: int) -> np.ndarray | tuple:
-    """:func:`entropy_decode` up to the rANS decoder: the symbols when no rANS section follows, else
-    :func:`_decode_blocks`'s arguments (the table and the section's header checked)."""
     _check_num_symbols(num_symbols)
     if not 0 <= count <= MAX_COUNT:
         raise ValueError(f"count must be in 0..{MAX_COUNT}, got {count}")
@@ -596,72 +588,7 @@ def _decode_plan(data, count: int, num_symbols: int) -> np.ndarray | tuple:
             raise PayloadError(f"entropy-coded section of one distinct symbol has {rest.size} trailing bytes")
         return np.full(count, symbols[0], dtype)
     layout, words, offsets = _read_section(rest, count, k, counts)
-    return words, offsets, count, layout, symbols.astype(dtype), counts, dtype
-
-
-def entropy_decode_runs(sections, counts, num_symbols: int, out: np.ndarray, error: Exception | None = None) -> None:
-    """:func:`entropy_decode` of each section (``sections[t]``, of ``counts[t]`` symbols) into
-    consecutive runs of ``out``; the same symbols, and the same error as decoding them in turn
-    (the first bad section's; else ``error``, what ended the list of sections, if given).
-
-    With uint8 symbols the one-lane rans32 blocks are decoded together, four in one loop
-    (:func:`fedquant.wire.rans.decode_one_lane32`).
-    """
-    from fedquant.jit import use_twin
-
-    together = out.dtype == np.uint8 and not use_twin(int(sum(counts)))
-    pending = []  # (words, offsets, out start, count, layout, present, counts)
-    start = 0
-    try:
-        for data, count in zip(sections, counts, strict=True):
-            plan = _decode_plan(data, int(count), num_symbols)
-            if isinstance(plan, np.ndarray):
-                out[start : start + count] = plan
-            elif together and plan[3].coder == "rans32" and plan[3].lanes == 1:
-                words, offsets, _, layout, present, freqs, _ = plan
-                pending.append((words, offsets, start, int(count), layout, present, freqs))
-            else:
-                out[start : start + count] = _decode_blocks(*plan)
-            start += int(count)
-    except PayloadError:
-        _decode_one_lane_runs(pending, out)  # an earlier section's error comes first
-        raise
-    _decode_one_lane_runs(pending, out)
-    if error is not None:
-        raise error
-
-
-def _decode_one_lane_runs(pending: list, out: np.ndarray) -> None:
-    """Decode the pending one-lane rans32 sections of :func:`entropy_decode_runs` together; PayloadError
-    for the first that fails."""
-    from fedquant.wire import rans
-
-    if not pending:
-        return
-    rows, freq_offsets, symbols, spans = [], [], [], []
-    base = 0
-    for table, (_, offsets, start, count, layout, present, counts) in enumerate(pending):
-        p = layout.precision
-        block = count if layout.block_log2 is None else 1 << layout.block_log2
-        f, y = rans.direct_table(present, quantize_counts(counts, count, p), p)
-        freq_offsets.append(np.pad(f, (0, (1 << MAX_PRECISION32) - f.size)))
-        symbols.append(np.pad(y, (0, (1 << MAX_PRECISION32) - y.size)))
-        first = len(rows)
-        for b in range(offsets.size - 1):
-            lo = start + b * block
-            rows.append((base + offsets[b], base + offsets[b + 1], lo, min(lo + block, start + count), table, p))
-        spans.append((first, len(rows)))
-        base += int(offsets[-1])
-    words = np.concatenate([w for w, *_ in pending])
-    seg = np.array(rows, np.int64).reshape(-1, 6)
-    order = np.argsort(seg[:, 3] - seg[:, 2], kind="stable")  # blocks of like lengths side by side
-    status = np.zeros(seg.shape[0], np.int64)
-    sorted_status = np.zeros_like(status)
-    tables = np.stack(freq_offsets), np.stack(symbols)
-    rans.decode_one_lane32(words, np.ascontiguousarray(seg[order]), *tables, out, sorted_status)
-    status[order] = sorted_status
-    for first, last in spans:
-        _checked_status(status[first:last], out)
+    return _decode_blocks(words, offsets, count, layout, symbols.astype(dtype), counts, dtype)
 
 
 def _read_section(rest: np.ndarray, count: int, k: int, counts: np.ndarray) -> tuple[Layout, np.ndarray, np.ndarray]:

@@ -83,7 +83,7 @@ from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, Si
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader
-from fedquant.wire.entropy import entropy_decode_runs, entropy_encode_runs
+from fedquant.wire.entropy import entropy_decode, entropy_encode_runs
 
 MAX_BITS = 8.0
 LATTICES = ("auto", "e8", "z")
@@ -281,14 +281,13 @@ def read_stage(body: BodyReader, sizes: np.ndarray, alphabet: int) -> np.ndarray
     """The symbols of a stage (tables of ``sizes`` symbols, in order), each checked by the entropy decoder."""
     lengths = body.take_array("<u4", int(np.count_nonzero(sizes)), "table lengths").astype(np.int64)
     out = np.empty(int(sizes.sum()), _symbol_dtype(alphabet))
-    sections, counts, error = [], [], None
-    try:
-        for size in sizes[sizes > 0]:
-            sections.append(np.frombuffer(body.take(int(lengths[len(sections)]), "table section"), np.uint8))
-            counts.append(int(size))
-    except PayloadError as err:  # raised after any error of the sections before it
-        error = err
-    entropy_decode_runs(sections, counts, alphabet, out, error)
+    start, k = 0, 0
+    for size in sizes:
+        if size:
+            data = np.frombuffer(body.take(int(lengths[k]), "table section"), np.uint8)
+            out[start : start + size] = entropy_decode(data, int(size), alphabet)
+            k += 1
+        start += size
     return out
 
 
