@@ -5,10 +5,11 @@ Gaussian tensor of ``--size`` elements (default 25M) is encoded and decoded ``--
 with the kernels on one thread (``NUMBA_NUM_THREADS=1``, ``torch.set_num_threads(1)``: set
 before numba loads) while the kernel stages are wrapped with a CPU-time clock; each stage, and
 the whole call, keeps its best. Stages: the norm, E8's fused lattice pass and table order, the
-rANS coders (``one_lane``: the one-lane tables coded four at a time; ``blocks32``: the other
-rans32 tables; ``blocks64``: rans64), and the decoder's context counts, first seven and eighth
-coordinates; ``rest`` is the call's time the stages leave (rotation, Python, the Z lattice's
-passes). An in-place copy of the tensor is timed alongside (the yardstick of
+rANS coders (``one_lane``: the encoder's one-lane tables, coded four at a time; ``blocks32``:
+the other rans32 tables, and all of them in the decoder; ``blocks64``: rans64), and the
+decoder's context counts, first seven and eighth coordinates; ``rest`` is the call's time the
+stages leave (rotation, Python, the Z lattice's passes). An in-place copy of the tensor is timed
+alongside (the yardstick of
 ``benchmarks.codec_throughput``).
 
 Usage::
@@ -43,7 +44,7 @@ STAGES = {
     "norm": (scalar, "norm_and_max"),
     "lattice": (e8, "lattice_counts"),
     "order": (e8, "order_kmajor"),
-    "one_lane": (rans, None),  # encode_one_lane32 / decode_one_lane32
+    "one_lane": (rans, None),  # encode_one_lane32
     "blocks32": (rans, None),
     "blocks64": (rans, None),
     "count_first": (e8, "count_first"),
@@ -51,7 +52,7 @@ STAGES = {
     "finish": (e8, "finish"),
 }
 CODER = {
-    "one_lane": ("encode_one_lane32", "decode_one_lane32"),
+    "one_lane": ("encode_one_lane32",),
     "blocks32": ("encode_blocks32", "decode_blocks32"),
     "blocks64": ("encode_blocks", "decode_blocks"),
 }
