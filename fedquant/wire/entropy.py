@@ -60,6 +60,7 @@ __all__ = [
     "empirical_entropy_bits",
     "entropy_decode",
     "entropy_encode",
+    "entropy_encode_runs",
     "quantize_counts",
     "symbol_counts",
 ]
@@ -328,6 +329,13 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
         symbols = _to_host(flat, num_symbols)
     elif _is_tensor(symbols):
         symbols = symbols.numpy()
+    plan = _plan(symbols, num_symbols, counts)
+    return plan if isinstance(plan, np.ndarray) else encode_section(*plan)
+
+
+def _plan(symbols, num_symbols: int, counts) -> np.ndarray | tuple:
+    """:func:`entropy_encode` up to the rANS coder: its bytes when no rANS section follows (no
+    symbols, or one distinct), else :func:`encode_section`'s arguments."""
     canon, checked = _canonical(symbols, num_symbols)
     n = int(canon.size)
     if n > MAX_COUNT:
@@ -348,7 +356,79 @@ def entropy_encode(symbols, num_symbols: int, *, counts=None) -> np.ndarray:
     else:  # the table covers every value the symbols hold: checked by the histogram, or here
         top = int(present[-1]) if checked or counts_given is None else max(int(present[-1]), int(canon.max()))
         rows = top + 1
-    return encode_section(canon, present, freq, layout, header, rows)
+    return canon, present, freq, layout, header, rows
+
+
+def entropy_encode_runs(symbols: np.ndarray, sizes, num_symbols: int, counts=None) -> list[np.ndarray]:
+    """:func:`entropy_encode` of each run of ``symbols`` (runs of ``sizes`` symbols, in order; row
+    ``t`` of ``counts``, if given, the histogram of run ``t``): the same bytes, one array per run.
+
+    With uint8 symbols the one-lane rans32 blocks of all runs are coded together, four in one
+    loop (:func:`fedquant.wire.rans.encode_one_lane32`): a lone state's chain of dependent
+    multiplications leaves most of a core idle (docs/ENTROPY_CODER.md).
+    """
+    from fedquant.jit import use_twin
+
+    sizes = np.asarray(sizes, np.int64)
+    flat = np.asarray(symbols).reshape(-1)
+    together = flat.dtype == np.uint8 and num_symbols <= 256 and flat.flags.c_contiguous and not use_twin(flat)
+    out: list[np.ndarray | None] = []
+    pending = []  # (run, symbols start, present, freq, layout, header)
+    start = 0
+    for t, size in enumerate(sizes):
+        run = flat[start : start + size]
+        plan = _plan(run, num_symbols, None if counts is None else counts[t])
+        if isinstance(plan, np.ndarray):
+            out.append(plan)
+        elif together and plan[3].coder == "rans32" and plan[3].lanes == 1:
+            pending.append((len(out), start, *plan[1:5]))
+            out.append(None)
+        else:
+            out.append(encode_section(*plan))
+        start += size
+    if pending:
+        _encode_one_lane_runs(flat, sizes, pending, out)
+    return out
+
+
+def _encode_one_lane_runs(flat: np.ndarray, sizes: np.ndarray, pending: list, out: list) -> None:
+    """Code the pending one-lane rans32 runs of :func:`entropy_encode_runs` together into ``out``."""
+    from fedquant.wire import rans
+
+    rows, tables, where = [], [], []
+    room = 0
+    for index, start, present, freq, layout, header in pending:
+        n = int(sizes[index])
+        block, ends = _section_room(n, layout, 16)
+        tables.append(rans.encoder_table32(np.ascontiguousarray(present, np.int64), freq, 256, layout.precision))
+        first = len(rows)
+        for b in range(ends.size):
+            lo = start + b * block
+            rows.append(
+                (
+                    lo,
+                    min(lo + block, start + n),
+                    len(tables) - 1,
+                    layout.precision,
+                    room + (ends[b - 1] if b else 0),
+                    room + ends[b],
+                )
+            )
+        where.append((index, header, layout, first, len(rows)))
+        room += int(ends[-1])
+    seg = np.array(rows, np.int64).reshape(-1, 6)
+    order = np.argsort(seg[:, 1] - seg[:, 0], kind="stable")  # blocks of like lengths side by side
+    words = _scratch_words(room, np.uint16)
+    starts = np.empty(seg.shape[0], np.int64)
+    ok = np.zeros(seg.shape[0], np.bool_)
+    sorted_starts = np.empty_like(starts)
+    sorted_ok = np.zeros_like(ok)
+    rans.encode_one_lane32(flat, np.ascontiguousarray(seg[order]), np.stack(tables), words, sorted_starts, sorted_ok)
+    starts[order], ok[order] = sorted_starts, sorted_ok
+    if not ok.all():
+        raise ValueError("the symbols hold a value that counts= says is absent (or beyond num_symbols)")
+    for index, header, layout, first, last in where:
+        out[index] = _assembled(header, layout, words, starts[first:last], seg[first:last, 5])
 
 
 def encode_section(
@@ -378,12 +458,8 @@ def encode_section(
         raise ValueError(f"invalid layout {layout} for {present.size} symbols")
     if b is not None and not (MIN_BLOCK_LOG2 <= b <= MAX_BLOCK_LOG2 and n > 1 << b):
         raise ValueError(f"invalid layout {layout} for {n} symbols")
-    block = n if b is None else 1 << b
-    num_blocks = -(-n // block)
-    sizes = np.full(num_blocks, block, np.int64)
-    sizes[-1] = n - block * (num_blocks - 1)
-    # Each symbol adds at most P + 0.2 bits to the state (rans.py): room for any valid block.
-    ends = np.cumsum(sizes * (p + 1) // word_bits + 2 * lanes + 8)
+    block, ends = _section_room(n, layout, word_bits)
+    num_blocks = ends.size
     # uint8 symbols always get every row: the vector encoder reads a row per symbol unchecked.
     rows = 256 if symbols.itemsize == 1 else 65536 if rows is None else rows
     syms = np.ascontiguousarray(present, np.int64)
@@ -399,8 +475,26 @@ def encode_section(
         rans.encode_blocks(symbols, block, lanes, table, out, ends, starts, ok)
     if not ok.all():
         raise ValueError("the symbols hold a value that counts= says is absent (or beyond num_symbols)")
+    return _assembled(header, layout, out, starts, ends)
+
+
+def _section_room(n: int, layout: Layout, word_bits: int) -> tuple[int, np.ndarray]:
+    """``(block, ends)``: symbols per block and where each block's room of words ends."""
+    b, p, lanes = layout.block_log2, layout.precision, layout.lanes
+    block = n if b is None else 1 << b
+    num_blocks = -(-n // block)
+    sizes = np.full(num_blocks, block, np.int64)
+    sizes[-1] = n - block * (num_blocks - 1)
+    # Each symbol adds at most P + 0.2 bits to the state (rans.py): room for any valid block.
+    return block, np.cumsum(sizes * (p + 1) // word_bits + 2 * lanes + 8)
+
+
+def _assembled(header: np.ndarray, layout: Layout, out: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The section's bytes: ``header``, the rANS header and the blocks' words ``out[starts[b]:ends[b]]``."""
+    p, lanes, b = layout.precision, layout.lanes, layout.block_log2
+    word_bits = _CODERS[layout.coder][0]
     lengths = ends - starts
-    flags = (p - 1) | (_RANS32 if coder == "rans32" else 0) | (_MULTI_BLOCK if b else 0)
+    flags = (p - 1) | (_RANS32 if layout.coder == "rans32" else 0) | (_MULTI_BLOCK if b else 0)
     head = [header, np.array([flags, lanes.bit_length() - 1], np.uint8)]
     if b is not None:
         head += [np.array([b], np.uint8), lengths[:-1].astype("<u4").view(np.uint8)]

@@ -702,6 +702,81 @@ def encode_blocks32(symbols, block, lanes, table, precision, out, ends, starts, 
 
 
 @njit(cache=True, nogil=True)
+def _finish_lane32(symbols, lo, i, x, wp, seen, out, table, precision, floor):
+    """Code ``symbols[lo:i]`` on one lane from state ``x`` (the rest of :func:`_encode_block32`'s
+    one-lane loop, from ``i`` down), then write the state: ``(start, ok)``."""
+    total = np.uint64(1) << np.uint64(precision)
+    top_shift = np.uint64(31 - precision)
+    low = np.uint64(floor) + _ONE
+    for j in range(i - 1, lo - 1, -1):
+        if wp < low:
+            return wp, False
+        x, wp, k = _enc_step32(x, wp, out, table, symbols[j], total, top_shift)
+        seen |= k
+    if seen & np.uint64(ABSENT32) or wp < np.uint64(floor) + np.uint64(2):
+        return wp, False
+    wp -= _ONE
+    out[wp] = np.uint16(x >> _S16)
+    wp -= _ONE
+    out[wp] = np.uint16(x & _M16)
+    return wp, True
+
+
+@njit(cache=True, nogil=True)
+def _encode_four32(symbols, seg, tables, out, starts, ok):
+    """Four one-lane blocks (rows of ``seg``: ``lo, hi, table row, precision, floor, end``) coded in
+    one loop, a symbol of each in turn, as :func:`_encode_block32` codes each alone."""
+    t0, t1, t2, t3 = tables[seg[0, 2]], tables[seg[1, 2]], tables[seg[2, 2]], tables[seg[3, 2]]
+    n0, n1, n2, n3 = seg[0, 3], seg[1, 3], seg[2, 3], seg[3, 3]
+    a0 = np.uint64(1) << np.uint64(n0)
+    a1 = np.uint64(1) << np.uint64(n1)
+    a2 = np.uint64(1) << np.uint64(n2)
+    a3 = np.uint64(1) << np.uint64(n3)
+    s0, s1, s2, s3 = np.uint64(31 - n0), np.uint64(31 - n1), np.uint64(31 - n2), np.uint64(31 - n3)
+    w0, w1, w2, w3 = np.uint64(seg[0, 5]), np.uint64(seg[1, 5]), np.uint64(seg[2, 5]), np.uint64(seg[3, 5])
+    f0, f1, f2, f3 = np.uint64(seg[0, 4]), np.uint64(seg[1, 4]), np.uint64(seg[2, 4]), np.uint64(seg[3, 4])
+    x0 = x1 = x2 = x3 = np.uint64(L32)
+    e0 = e1 = e2 = e3 = np.uint64(0)
+    common = min(seg[0, 1] - seg[0, 0], seg[1, 1] - seg[1, 0], seg[2, 1] - seg[2, 0], seg[3, 1] - seg[3, 0])
+    for r in range(1, common + 1):
+        # words out of a block's room only come with symbols its table does not know: then code
+        # each block alone, which finds them
+        if (w0 <= f0) | (w1 <= f1) | (w2 <= f2) | (w3 <= f3):
+            for b in range(4):
+                starts[b], ok[b] = _encode_block32(
+                    symbols, seg[b, 0], seg[b, 1], 1, tables[seg[b, 2]], seg[b, 3], out, seg[b, 4], seg[b, 5]
+                )
+            return
+        x0, w0, k0 = _enc_step32(x0, w0, out, t0, symbols[seg[0, 1] - r], a0, s0)
+        x1, w1, k1 = _enc_step32(x1, w1, out, t1, symbols[seg[1, 1] - r], a1, s1)
+        x2, w2, k2 = _enc_step32(x2, w2, out, t2, symbols[seg[2, 1] - r], a2, s2)
+        x3, w3, k3 = _enc_step32(x3, w3, out, t3, symbols[seg[3, 1] - r], a3, s3)
+        e0 |= k0
+        e1 |= k1
+        e2 |= k2
+        e3 |= k3
+    starts[0], ok[0] = _finish_lane32(symbols, seg[0, 0], seg[0, 1] - common, x0, w0, e0, out, t0, n0, seg[0, 4])
+    starts[1], ok[1] = _finish_lane32(symbols, seg[1, 0], seg[1, 1] - common, x1, w1, e1, out, t1, n1, seg[1, 4])
+    starts[2], ok[2] = _finish_lane32(symbols, seg[2, 0], seg[2, 1] - common, x2, w2, e2, out, t2, n2, seg[2, 4])
+    starts[3], ok[3] = _finish_lane32(symbols, seg[3, 0], seg[3, 1] - common, x3, w3, e3, out, t3, n3, seg[3, 4])
+
+
+@parallel_kernel
+def encode_one_lane32(symbols, seg, tables, out, starts, ok):
+    """Code one-lane rans32 blocks of ``symbols`` (rows of ``seg``: ``lo, hi, row of tables, precision,
+    floor, end``; words into ``out[floor:end]``, from ``starts``) four at a time: four states'
+    chains of multiplications overlap where one waits on each (the same words as
+    :func:`encode_blocks32` with one lane, block by block)."""
+    groups = seg.shape[0] // 4
+    for g in prange(groups):
+        _encode_four32(symbols, seg[4 * g : 4 * g + 4], tables, out, starts[4 * g : 4 * g + 4], ok[4 * g : 4 * g + 4])
+    for b in prange(4 * groups, seg.shape[0]):
+        starts[b], ok[b] = _encode_block32(
+            symbols, seg[b, 0], seg[b, 1], 1, tables[seg[b, 2]], seg[b, 3], out, seg[b, 4], seg[b, 5]
+        )
+
+
+@njit(cache=True, nogil=True)
 def _decode_block32(words, rp, end, out, lo, hi, lanes, precision, lookup):
     """Decode ``out[lo:hi]`` from ``words[rp:end]`` (uint16): 0, or the status codes of :func:`_decode_block`.
 

@@ -17,6 +17,7 @@ from fedquant.wire.entropy import (
     encode_section,
     entropy_decode,
     entropy_encode,
+    entropy_encode_runs,
     quantize_counts,
     symbol_counts,
 )
@@ -653,3 +654,35 @@ def test_entropy_codecs_give_the_same_bytes_from_cuda_tensors(spec):
     y = codec.decode(data, seed=6, **kwargs)
     cuda_kwargs = {k: v.cuda() for k, v in kwargs.items()}
     assert torch.equal(codec.decode(data, seed=6, device="cuda", **cuda_kwargs).cpu(), y)
+
+
+# ---------------------------------------------------------------- runs coded together (ECDQ's tables)
+def _runs(seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 runs of every kind: empty, one symbol, one-lane one-block and several blocks (of unlike
+    lengths, so the four-at-a-time loop leaves blocks to finish alone), and 32 lanes."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([0, 5, 3000, 70_000, 200_001, 1, 40_000, 45_000, 9_000, 300_000, 17, 150_000], np.int64)
+    skews = {"a": [0.9, 0.06, 0.03, 0.01], "b": [0.8, 0.1, 0.05, 0.05], "c": [1 / 8] * 8}
+    kinds = "ababaabbcbab"
+    runs = [rng.choice(len(skews[k]), size=s, p=skews[k]) for k, s in zip(kinds, sizes, strict=True)]
+    runs[1][:] = 3  # one distinct symbol
+    return np.concatenate(runs).astype(np.uint8), sizes
+
+
+def _run_sections(symbols, sizes):
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return [entropy_encode(symbols[a:b], 12) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def test_runs_coded_together_give_each_runs_bytes():
+    symbols, sizes = _runs()
+    alone = _run_sections(symbols, sizes)
+    counts = np.stack([np.bincount(r, minlength=12) for r in np.split(symbols, np.cumsum(sizes)[:-1])])
+    layouts = [choose_layout(c[c > 0], int(c.sum()))[0] for c in counts if np.count_nonzero(c) > 1]
+    assert sum(lay.lanes == 1 for lay in layouts) >= 6 and any(lay.lanes == 32 for lay in layouts)
+    assert any(lay.lanes == 1 and lay.block_log2 for lay in layouts)  # one lane, several blocks
+    for given in (None, counts):
+        together = entropy_encode_runs(symbols, sizes, 12, given)
+        assert [t.tobytes() for t in together] == [a.tobytes() for a in alone]
+    decoded = [entropy_decode(a, int(n), 12) for a, n in zip(alone, sizes, strict=True)]
+    np.testing.assert_array_equal(np.concatenate(decoded), symbols)

@@ -38,6 +38,7 @@ FINE = 1 << FINE_BITS
 _HALF64 = 0.5
 _FINE32 = np.float32(FINE)
 _BIN_SHIFT = np.uint32(24 - FINE_BITS)  # a 24-bit hash's top FINE_BITS bits: floor(64 v)
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
 
 
 def num_chunks(n: int) -> int:
@@ -226,23 +227,34 @@ def copy_out(buf, offsets, ends, c, out):
 
 @parallel_kernel
 def norm_and_max(y):
-    """``(sum of y**2 in float64, max |y|)`` of float32 ``y``; per-chunk sums added in chunk order."""
+    """``(sum of y**2 in float64, max |y|)`` of float32 ``y``; per-chunk sums added in chunk order.
+
+    The max is taken on the magnitudes' bits (uint32, the order of non-negative floats), which
+    runs on vector lanes, where a float max waits on each comparison in turn (NaN ordering)."""
     n = y.size
     chunks = (n + CHUNK - 1) // CHUNK
     sq = np.zeros(chunks, np.float64)
-    top = np.zeros(chunks, np.float32)
+    top = np.zeros(max(chunks, 1), np.uint32)
+    bits = y.view(np.uint32)
     for c in prange(chunks):
         lo = c * CHUNK
         hi = min(lo + CHUNK, n)
         sq[c] = _sum_f64(y, lo, hi, True)
-        m = np.float32(0.0)
-        for i in range(lo, hi):
-            m = max(m, abs(y[i]))
-        top[c] = m
+        top[c] = _max_magnitude(bits[lo:hi])
     total = 0.0
     for c in range(chunks):
         total += sq[c]
-    return total, (top.max() if chunks else np.float32(0.0))
+    top[0] = top.max()
+    return total, top[:1].view(np.float32)[0]
+
+
+@njit(cache=True)
+def _max_magnitude(bits):
+    """The largest ``bits & 0x7FFFFFFF`` (``|y|`` of float32 bits, as bits)."""
+    m = np.uint32(0)
+    for i in range(bits.size):
+        m = max(m, bits[i] & _MAGNITUDE)
+    return m
 
 
 @njit(cache=True, inline="always")

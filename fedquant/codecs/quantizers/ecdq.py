@@ -89,7 +89,7 @@ from fedquant.codecs.quantizers.base import BitsLadder, Quantized, Quantizer, Si
 from fedquant.errors import PayloadError
 from fedquant.wire.bitpack import bit_width, pack_bits, packed_size, unpack_bits
 from fedquant.wire.body import BodyReader
-from fedquant.wire.entropy import entropy_decode, entropy_encode
+from fedquant.wire.entropy import entropy_decode, entropy_encode_runs
 
 MAX_BITS = 8.0
 LATTICES = ("auto", "e8", "z")
@@ -277,12 +277,8 @@ def write_stage(
 
     ``counts`` (``(tables, alphabet)``, optional): each table's exact histogram, when the encoder's
     own pass took it (the entropy coder then skips its histogram pass)."""
-    sections, start = [], 0
-    for t, size in enumerate(sizes):
-        if size:
-            given = None if counts is None else counts[t]
-            sections.append(entropy_encode(symbols[start : start + size], alphabet, counts=given))
-        start += size
+    coded = entropy_encode_runs(symbols, sizes, alphabet, counts)
+    sections = [section for section, size in zip(coded, sizes, strict=True) if size]
     parts.append(np.array([s.size for s in sections], "<u4").view(np.uint8))
     parts.extend(sections)
 
