@@ -758,14 +758,38 @@ def _popcount(builder, mask):
 SPLIT_LANES = 32
 
 
+def _compress_in_register(builder, values, which, count, dst):
+    """Store the ``count`` lanes of ``values`` (``<32 x i8>``) that ``which`` selects, in order, at ``dst``:
+    ``vpcompressb`` into a register, then a masked store of the first ``count`` bytes."""
+    v = ir.VectorType(ir.IntType(8), SPLIT_LANES)
+    m = ir.VectorType(ir.IntType(1), SPLIT_LANES)
+    compress = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v, [v, v, m]), "llvm.x86.avx512.mask.compress.v32i8"
+    )
+    store = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [v, v.as_pointer(), ir.IntType(32), m]),
+        "llvm.masked.store.v32i8.p0v32i8",
+    )
+    packed = builder.call(compress, [values, ir.Constant(v, None), which])
+    i32 = ir.IntType(32)
+    lanes = ir.Constant(v, list(range(SPLIT_LANES)))
+    splat = builder.insert_element(ir.Constant(v, None), builder.trunc(count, ir.IntType(8)), ir.Constant(i32, 0))
+    splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(i32, SPLIT_LANES), [0] * SPLIT_LANES))
+    first = builder.icmp_unsigned("<", lanes, splat)
+    builder.call(store, [packed, builder.bitcast(dst, v.as_pointer()), ir.Constant(ir.IntType(32), 1), first])
+
+
 @intrinsic
 def _split_by_flags(typingctx, flags, i, a, b, out_a, pos_a, out_b, pos_b):
     """Of elements ``i .. i + 32``: ``a[j]`` where ``flags[j]`` is nonzero go to ``out_a`` from ``pos_a`` on,
     ``b[j]`` where it is zero to ``out_b`` from ``pos_b``, in order; returns how many went to ``out_a``.
 
-    LLVM's compress store (``vpcompressb`` where the CPU has AVX-512 VBMI2): the loop that does
-    this one element at a time advances two positions that each store depends on, 7x slower.
-    All arrays uint8; the outputs get exactly the elements they take, nothing past them.
+    Where the target has AVX-512 VBMI2 (:func:`~fedquant.jit.target.has_avx512_vbmi2`) the bytes are
+    compressed in a register and stored with a masked store of their count; elsewhere LLVM's
+    compress store (portable IR). The loop that does this one element at a time advances two
+    positions that each store depends on, 7x slower. All arrays uint8; the outputs get exactly the
+    elements they take, nothing past them.
     """
     if not all(_u8_c(t) for t in (flags, a, b, out_a, out_b)):
         return None
@@ -777,12 +801,18 @@ def _split_by_flags(typingctx, flags, i, a, b, out_a, pos_a, out_b, pos_b):
         v = ir.VectorType(ir.IntType(8), SPLIT_LANES)
         m = ir.VectorType(ir.IntType(1), SPLIT_LANES)
         mask = _flag_mask(context, builder, fl, i)
-        fnty = ir.FunctionType(ir.VoidType(), [v, ir.IntType(8).as_pointer(), m])
-        store = cgutils.get_or_insert_function(builder.module, fnty, "llvm.masked.compressstore.v32i8")
-        for arr, out, pos, which in ((va, oa, args[5], mask), (vb, ob, args[7], builder.not_(mask))):
+        taken = _popcount(builder, mask)
+        left = builder.sub(ir.Constant(ir.IntType(64), SPLIT_LANES), taken)
+        sides = ((va, oa, args[5], mask, taken), (vb, ob, args[7], builder.not_(mask), left))
+        for arr, out, pos, which, count in sides:
             values = builder.load(builder.bitcast(builder.gep(arr.data, [i]), v.as_pointer()), align=1)
-            builder.call(store, [values, builder.gep(out.data, [pos]), which])
-        return _popcount(builder, mask)
+            if target.has_avx512_vbmi2():
+                _compress_in_register(builder, values, which, count, builder.gep(out.data, [pos]))
+            else:  # portable IR
+                fnty = ir.FunctionType(ir.VoidType(), [v, ir.IntType(8).as_pointer(), m])
+                store = cgutils.get_or_insert_function(builder.module, fnty, "llvm.masked.compressstore.v32i8")
+                builder.call(store, [values, builder.gep(out.data, [pos]), which])
+        return taken
 
     return sig, codegen
 

@@ -276,6 +276,46 @@ def test_split_and_merge_by_flags_are_the_element_loops(density, m):
     chosen = flags[:m] != 0
     assert pos == (3 + chosen.sum(), 7 + m - chosen.sum())
     assert np.array_equal(out_a[3 : pos[0]], a[:m][chosen]) and np.array_equal(out_b[7 : pos[1]], b[:m][~chosen])
+    # Nothing before, nor past the next byte (the branch-free tail writes each element to both sides
+    # and advances one; the 32-element groups write exactly what they take).
+    assert not out_a[:3].any() and not out_a[pos[0] + 1 :].any()
+    assert not out_b[:7].any() and not out_b[pos[1] + 1 :].any()
+    if m % 32 == 0:
+        assert not out_a[pos[0] :].any() and not out_b[pos[1] :].any()
     merged = np.zeros(512, np.uint8)
     assert common.merge_by_flags(flags, m, out_a, 3, out_b, 7, merged) == pos
     assert np.array_equal(merged[:m], np.where(chosen, a[:m], b[:m]))
+
+
+_SPLIT_PROBE = """
+import hashlib, numpy as np
+from fedquant.codecs.kernels import common
+from fedquant.jit import target
+rng = np.random.default_rng(7)
+flags = (rng.random(4099) < 0.3).astype(np.uint8)
+a, b = rng.integers(0, 255, 4099).astype(np.uint8), rng.integers(0, 255, 4099).astype(np.uint8)
+out_a, out_b = np.zeros(4200, np.uint8), np.zeros(4200, np.uint8)
+pos = common.split_by_flags(flags, 4099, a, b, out_a, 5, out_b, 9)
+print(int(target.has_avx512_vbmi2()), pos, hashlib.sha256(out_a.tobytes() + out_b.tobytes()).hexdigest())
+"""
+
+
+def test_the_split_writes_the_same_bytes_with_and_without_avx512_vbmi2():
+    """The register compress (AVX-512 VBMI2) and the portable compress store: the same bytes."""
+    from numba.core.codegen import get_host_cpu_features
+
+    host = get_host_cpu_features()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    runs = []
+    for features in (host, host.replace("+avx512vbmi2", "-avx512vbmi2")):
+        run = subprocess.run(
+            [sys.executable, "-c", _SPLIT_PROBE],
+            env={**env, "NUMBA_CPU_FEATURES": features},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr
+        runs.append(run.stdout.split(maxsplit=1))
+    assert runs[1][0] == "0"
+    assert runs[0][1] == runs[1][1]
