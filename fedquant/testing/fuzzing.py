@@ -202,12 +202,26 @@ def load_family(spec: str, all_specs: list[str], proc: _Proc | None = None) -> F
     return Family(spec, codec, valid, all_specs, proc)
 
 
+def _load_wire_coders() -> None:
+    """Load every argument-type variant of the wire coders before any case is measured.
+
+    A family's valid payloads load only the variants they reach; a mutated payload may reach
+    another (uint16 symbols, another lane count), and loading it on first use grows the resident
+    memory of that case by the compiled code, which the harness would report as a blow-up.
+    """
+    from fedquant.codecs.kernels.common import PARALLEL_MIN
+    from fedquant.codecs.kernels.warmup import exercise_wire
+
+    exercise_wire((3000, PARALLEL_MIN + 1001))
+
+
 def worker_main() -> None:
     """Worker process: read ``{"seed", "jobs": [[spec, start, stop], ...], "inject"}`` from stdin."""
     job = json.load(sys.stdin)
     names = families()
     canonical = canonical_specs(names)
     proc = _Proc()
+    _load_wire_coders()
     tracemalloc.start()
     out = sys.stdout
     for spec, start, stop in job["jobs"]:
